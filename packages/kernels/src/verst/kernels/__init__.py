@@ -1,0 +1,1 @@
+"""verst kernels: per-token log-prob and top-k log-prob kernels."""

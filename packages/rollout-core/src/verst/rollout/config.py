@@ -1,0 +1,126 @@
+"""The rollout section of the run config: one typed schema, loaded from TOML.
+
+Field docs (the `description=`s) are what `verst train --help` prints. Cross-field checks and
+the capability check against the selected strategy live in `verst.rollout.validation`, which
+reports every problem in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, fields are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    """A prompt dataset (JSONL or Parquet)."""
+
+    path: str | None = Field(None, description="JSONL or Parquet file of prompts.")
+    input_key: str = Field("prompt", description="Row key holding the prompt (text or chat messages).")
+    label_key: str | None = Field(
+        "label", description="Row key holding the reference answer (None = no label)."
+    )
+    metadata_key: str | None = Field(
+        "metadata", description="Row key holding a dict copied into sample.metadata."
+    )
+    apply_chat_template: bool = Field(False, description="Render prompts with the tokenizer's chat template.")
+    shuffle: bool = Field(True, description="Shuffle prompts every epoch.")
+    seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+
+
+class RewardConfig(Section):
+    """How samples are scored."""
+
+    type: str = Field(
+        "exact_match",
+        description="A built-in reward (exact_match, math, partial_credit), 'remote', or an import path 'pkg.module:fn'.",
+    )
+    url: str | None = Field(None, description="Remote reward model URL (type = 'remote').")
+    timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")
+    group: bool = Field(
+        False, description="Score whole groups at once (the reward fn takes a list of samples)."
+    )
+    key: str | None = Field(
+        None, description="For dict rewards: the key the trainer optimises (slime's reward_key)."
+    )
+
+
+class EvalDatasetConfig(DataConfig):
+    """A named eval dataset."""
+
+    shuffle: bool = Field(False, description="Eval sets are not shuffled by default.")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Samples per eval prompt.")
+
+
+class EvalConfig(Section):
+    """Evaluation rollouts."""
+
+    datasets: dict[str, EvalDatasetConfig] = Field(default_factory=dict, description="Eval sets by name.")
+    interval: int = Field(0, ge=0, description="Evaluate every N training steps (0 = only at start and end).")
+    temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+    max_response_len: int | None = Field(None, ge=1, description="Eval max new tokens (None = rollout's).")
+
+
+class RolloutConfig(Section):
+    """How rollouts are generated."""
+
+    batch_size: int = Field(
+        8, ge=1, description="Groups (prompts) kept per rollout (slime's rollout_batch_size)."
+    )
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    over_sampling_batch_size: int | None = Field(
+        None, ge=1, description="Groups submitted per wave while filling the batch (None = batch_size)."
+    )
+    max_concurrency: int = Field(64, ge=1, description="Engine requests in flight at once.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling (-1 = off).")
+    max_response_len: int = Field(128, ge=1, description="Max new tokens per sample.")
+    max_context_len: int | None = Field(
+        None, ge=1, description="Max prompt + response tokens (None = model's)."
+    )
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    seed: int | None = Field(
+        None, description="Base sampling seed (per-sample seeds derive from it); None = random."
+    )
+    generate_function_path: str | None = Field(
+        None, description="Import path of a custom generate function (new-style or v1 signature)."
+    )
+    rollout_function_path: str | None = Field(
+        None,
+        description="Import path of a custom strategy class or v1 rollout function; overrides the default.",
+    )
+    dynamic_filters: list[str] = Field(
+        default_factory=list,
+        description="Group filters applied while over-sampling: nonzero_std, no_aborted, or import paths.",
+    )
+    max_group_retries: int = Field(2, ge=0, description="Resubmissions of a group whose generation raised.")
+    partial_rollout: bool = Field(
+        False, description="Keep aborted partial samples and resume them next rollout."
+    )
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False, description="Loss-mask the part of a resumed response generated under older weights."
+    )
+    fully_async: bool = Field(False, description="Generate continuously while training (FullyAsyncRollout).")
+    max_weight_staleness: int = Field(
+        1, ge=0, description="Fully-async: max weight versions a group may lag."
+    )
+    async_buffer_groups: int = Field(16, ge=1, description="Fully-async: finished groups buffered at most.")
+    stale_policy: Literal["retry", "drop"] = Field(
+        "retry", description="Fully-async: what happens to groups that are too stale."
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+
+    @property
+    def effective_over_sampling_batch_size(self) -> int:
+        """Groups submitted per wave."""
+        return self.over_sampling_batch_size or self.batch_size

@@ -1,0 +1,159 @@
+"""The `InferenceEngine` protocol and the plain data it exchanges.
+
+Two implementations: the embedded engine (`verst.rollout.engines.embedded`, an in-process torch
+model) and the SGLang HTTP client (`verst.rollout.engines.sglang_client`), which talks to real
+SGLang servers or routers and to `verst serve`. Rollout strategies only see this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling settings for one request (SGLang's `sampling_params`)."""
+
+    max_new_tokens: int = 128
+    """Maximum number of tokens to generate; 0 only scores the prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = all."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (kept in the output, as RL clients send `no_stop_trim=True`)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop token ids (the tokenizer's EOS always stops unless `ignore_eos`)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    sampling_seed: int | None = None
+    """Seed for reproducible sampling of this request."""
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed (params are immutable; each call gets its own)."""
+        return replace(self, **changes)
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` dict of SGLang's /generate."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+            "skip_special_tokens": False,
+        }
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.sampling_seed is not None:
+            out["sampling_seed"] = self.sampling_seed
+        return out
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation (or scoring) request to an engine."""
+
+    input_ids: list[int]
+    """Prompt token ids."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling settings."""
+    rid: str = ""
+    """Request id; abort matches ids by prefix. Empty = the engine assigns one."""
+    return_logprob: bool = True
+    """Return the log-prob of every generated token."""
+    top_logprobs_num: int = 0
+    """Also return the top-k log-probs at every position (output, and input if scored)."""
+    logprob_start_len: int = -1
+    """-1 = output log-probs only; 0 = also every prompt position (teacher scoring)."""
+    token_ids_logprob: list[int] | None = None
+    """Also return the log-probs of these token ids at every position."""
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """What an engine returns for one request."""
+
+    output_ids: list[int]
+    """Generated token ids (the stop token included)."""
+    output_logprobs: list[float]
+    """`log_softmax(logits / temperature)` of each generated token (empty if not asked)."""
+    finish_reason: FinishReason
+    """stop (stop token/string), length (max tokens/context), abort (partial output)."""
+    weight_version: int
+    """The engine's weight version when the request finished."""
+    prompt_tokens: int = 0
+    """Number of prompt tokens."""
+    text: str = ""
+    """Decoded output (when the engine has a tokenizer)."""
+    input_logprobs: list[float | None] | None = None
+    """Per prompt position (first is None), when `logprob_start_len == 0`."""
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """Per output position, the top-k (log-prob, token id) pairs."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    """Per prompt position, the top-k (log-prob, token id) pairs (first is None)."""
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    """Per output position, the log-probs of `token_ids_logprob`."""
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    """Per prompt position, the log-probs of `token_ids_logprob` (first is None)."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Number of generated tokens."""
+        return len(self.output_ids)
+
+
+class EngineError(RuntimeError):
+    """An engine failed in a way the caller should surface (after any retries)."""
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """An inference engine a rollout sends requests to.
+
+    Narrow on purpose: a strategy needs to generate, abort, know the weight version and check
+    health; the trainer additionally pushes weights. Everything is async so that one event loop
+    drives many concurrent requests.
+    """
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate (or score, with `max_new_tokens=0`) one request."""
+        ...
+
+    async def abort(self, rid_prefix: str | None = None) -> None:
+        """Abort in-flight requests whose id starts with `rid_prefix`, or all when None.
+
+        Aborted requests return their partial output with finish reason `abort`.
+        """
+        ...
+
+    async def update_weights_from_tensors(
+        self, named_tensors: dict[str, Any], weight_version: int | None = None
+    ) -> int:
+        """Load new weights from in-memory tensors; returns the new weight version."""
+        ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
+        """Load new weights from a checkpoint directory; returns the new weight version."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine can serve requests."""
+        ...
+
+    async def get_weight_version(self) -> int:
+        """The current weight version (starts at 0, +1 per update unless given)."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources (HTTP sessions, threads)."""
+        ...

@@ -1,0 +1,114 @@
+"""Trajectory lifecycle events and the sinks that receive them.
+
+`generate_and_rm` emits, per attempt at one sample: `attempt_start` (before waiting on the
+concurrency semaphore, so queue time is visible), `gen_start`, `gen_end`, and `attempt_end`
+(in a `finally`: exactly once, on success, abort, exception and cancellation). A sink is
+passed in through the rollout context; there is no global singleton.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+class EventKind(enum.StrEnum):
+    """The four lifecycle events of one attempt at one sample."""
+
+    ATTEMPT_START = "attempt_start"
+    GEN_START = "gen_start"
+    GEN_END = "gen_end"
+    ATTEMPT_END = "attempt_end"
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """One lifecycle event."""
+
+    kind: EventKind
+    """Which event."""
+    rollout_id: int
+    """The rollout the sample belongs to."""
+    group_index: int | None
+    """The sample's group index."""
+    sample_index: int | None
+    """The sample's index within the rollout."""
+    weight_version: int | None
+    """The engine weight version the rollout was requested at."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """Event-specific data: status, error type, attempt number, token counts..."""
+    timestamp: float = field(default_factory=time.time)
+    """Wall-clock time (seconds since the epoch)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON line written by `JsonlSink`."""
+        return {
+            "kind": self.kind.value,
+            "timestamp": self.timestamp,
+            "rollout_id": self.rollout_id,
+            "group_index": self.group_index,
+            "sample_index": self.sample_index,
+            "weight_version": self.weight_version,
+            "detail": self.detail,
+        }
+
+
+@runtime_checkable
+class LifecycleSink(Protocol):
+    """Receives lifecycle events. Must be cheap and must not raise."""
+
+    def emit(self, event: LifecycleEvent) -> None:
+        """Record one event."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release resources."""
+        ...
+
+
+class NoopSink:
+    """Drops every event (the default when no sink is configured)."""
+
+    def emit(self, event: LifecycleEvent) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ListSink:
+    """Keeps events in memory, in order (for tests and for in-process inspection)."""
+
+    def __init__(self) -> None:
+        self.events: list[LifecycleEvent] = []
+
+    def emit(self, event: LifecycleEvent) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON object per event to a file (thread-safe, line-buffered)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def emit(self, event: LifecycleEvent) -> None:
+        line = json.dumps(event.to_dict(), default=str)
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -1,0 +1,141 @@
+"""`Sample`: one trajectory (prompt + response) as it moves through rollout and training.
+
+A sample is created by the data source (PENDING, prompt only), filled in by a generate
+function (tokens, response, log-probs, status), scored by a reward function, and consumed by
+the trainer. Its length invariants are checked in exactly one place, `Sample.validate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class Status(enum.StrEnum):
+    """Where a sample is in its life."""
+
+    PENDING = "pending"
+    """Not generated yet (or handed back to the data source to be generated again)."""
+    COMPLETED = "completed"
+    """Generation stopped on a stop token / stop string."""
+    TRUNCATED = "truncated"
+    """Generation hit `max_new_tokens` or the context limit."""
+    ABORTED = "aborted"
+    """Generation was aborted (target reached, weight update, shutdown); may hold partial tokens."""
+    FAILED = "failed"
+    """Generation or reward failed after its retries; the error is in `metadata["error"]`."""
+
+    @property
+    def is_finished(self) -> bool:
+        """True for COMPLETED and TRUNCATED: the sample needs no more generation."""
+        return self in (Status.COMPLETED, Status.TRUNCATED)
+
+
+class SampleInvariantError(ValueError):
+    """A sample's fields disagree with each other (e.g. a loss mask of the wrong length)."""
+
+
+@dataclass
+class Sample:
+    """One prompt and (after generation) one response, with everything training needs."""
+
+    prompt: str | list[dict[str, Any]] = ""
+    """The prompt: plain text, or chat messages (`[{"role": ..., "content": ...}]`)."""
+    label: Any = None
+    """The reference answer the reward function compares against."""
+    tokens: list[int] = field(default_factory=list)
+    """Prompt token ids followed by response token ids."""
+    response_length: int = 0
+    """Number of response tokens at the end of `tokens`."""
+    response: str = ""
+    """Decoded response text."""
+    reward: float | dict[str, float] | None = None
+    """Scalar reward, or a dict of named rewards (the trainer reads `reward_key` from it)."""
+    loss_mask: list[int] | None = None
+    """Per response token, 1 = trained on, 0 = ignored. None means all ones."""
+    rollout_logprobs: list[float] | None = None
+    """Per response token, the engine's log-prob of the sampled token."""
+    status: Status = Status.PENDING
+    """Lifecycle status; see `Status`."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Engine weight versions this sample was generated with (several for partial rollouts)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form per-sample data (dataset fields, `start_rollout_id`, errors, teacher ids...)."""
+    generate_function_path: str | None = None
+    """Import path of a generate function that overrides the strategy's for this sample."""
+    group_index: int | None = None
+    """Index of this sample's group (prompt) within its rollout."""
+    sample_index: int | None = None
+    """Index of this sample within all samples of its rollout (unique, stable)."""
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of prompt tokens at the start of `tokens`."""
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        """The response part of `tokens`."""
+        return self.tokens[len(self.tokens) - self.response_length :] if self.response_length else []
+
+    def effective_loss_mask(self) -> list[int]:
+        """The loss mask with None expanded to all ones."""
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * self.response_length
+
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward as a float: `reward` itself, or `reward[reward_key]` for dict rewards."""
+        if self.reward is None:
+            raise SampleInvariantError(f"sample {self.sample_index} has no reward yet")
+        if isinstance(self.reward, dict):
+            if reward_key is None or reward_key not in self.reward:
+                raise SampleInvariantError(
+                    f"sample {self.sample_index} has a dict reward with keys {sorted(self.reward)}; "
+                    f"set rollout.reward_key to one of them (got {reward_key!r})"
+                )
+            return float(self.reward[reward_key])
+        return float(self.reward)
+
+    def validate(self) -> None:
+        """Check the length invariants; raise `SampleInvariantError` naming the first broken one."""
+        problems = []
+        if not 0 <= self.response_length <= len(self.tokens):
+            problems.append(
+                f"response_length={self.response_length} outside [0, len(tokens)={len(self.tokens)}]"
+            )
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != self.response_length:
+                problems.append(
+                    f"len(loss_mask)={len(self.loss_mask)} != response_length={self.response_length}"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                problems.append("loss_mask holds values other than 0 and 1")
+        if self.rollout_logprobs is not None and len(self.rollout_logprobs) != self.response_length:
+            problems.append(
+                f"len(rollout_logprobs)={len(self.rollout_logprobs)} != response_length={self.response_length}"
+            )
+        if problems:
+            raise SampleInvariantError(f"sample {self.sample_index}: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict; `Sample.from_dict(s.to_dict()) == s`."""
+        out = asdict(self)
+        out["status"] = self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Sample fields {sorted(unknown)}; valid fields: {sorted(known)}")
+        data = copy.deepcopy(dict(data))
+        if "status" in data:
+            data["status"] = Status(data["status"])
+        return cls(**data)
+
+    def clone(self) -> Sample:
+        """A deep copy (groups are built by cloning the data source's prompt sample)."""
+        return copy.deepcopy(self)

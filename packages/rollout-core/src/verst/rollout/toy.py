@@ -1,0 +1,88 @@
+"""Tiny models and a character-level tokenizer that the project builds itself.
+
+Nothing is downloaded: tests, examples and benchmarks make their model and tokenizer here and
+save them in the ordinary Hugging Face layout, so every code path afterwards is the one users
+take with their own checkpoints (`from_pretrained(path)`). Needs the `local` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARS = "0123456789=+-*/<>()[]{}.,:;!?'\" abcdefghijklmnopqrstuvwxyz\n#"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def build_char_tokenizer(chars: str = CHARS) -> Any:
+    """A real `PreTrainedTokenizerFast`: one token per character, plus pad/bos/eos/unk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *dict.fromkeys(chars)))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_llama(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Any:
+    """A randomly initialised Llama-architecture causal LM (float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_kwargs: Any) -> Path:
+    """Build the char tokenizer and a tiny Llama and save both to `path` (HF layout)."""
+    path = Path(path)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(
+        len(tokenizer),
+        seed=seed,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **model_kwargs,
+    )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

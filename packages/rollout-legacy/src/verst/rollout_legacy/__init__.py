@@ -1,0 +1,1 @@
+"""verst legacy (v1) function-based rollout."""

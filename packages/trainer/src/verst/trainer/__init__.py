@@ -1,0 +1,1 @@
+"""verst trainer: GRPO-family training."""
