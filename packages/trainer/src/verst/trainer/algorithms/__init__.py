@@ -1,0 +1,46 @@
+"""RL algorithms: advantage estimators, policy losses, loss aggregation, KL estimators.
+
+Pure torch, no model code. `AlgorithmConfig` is the ``[algorithm]`` config section;
+`build_algorithm` picks each part from its table (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`,
+`AGGREGATIONS`, `KL_ESTIMATORS`) and returns an `Algorithm` with `compute_advantages` and `loss`.
+See docs/algorithms.md for the formulas.
+"""
+
+from verst.trainer.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    DrGrpo,
+    Grpo,
+    ReinforcePP,
+    ReinforcePPBaseline,
+    Rloo,
+)
+from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, LossNorm
+from verst.trainer.algorithms.algorithm import Algorithm, LossOutput, build_algorithm
+from verst.trainer.algorithms.config import AlgorithmConfig
+from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
+from verst.trainer.algorithms.policy_losses import POLICY_LOSSES, Gspo, PolicyLoss, PolicyLossTerms, PpoClip
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdvantageEstimator",
+    "Aggregation",
+    "Algorithm",
+    "AlgorithmConfig",
+    "DrGrpo",
+    "Grpo",
+    "Gspo",
+    "KlEstimator",
+    "LossNorm",
+    "LossOutput",
+    "PolicyLoss",
+    "PolicyLossTerms",
+    "PpoClip",
+    "ReinforcePP",
+    "ReinforcePPBaseline",
+    "Rloo",
+    "build_algorithm",
+]

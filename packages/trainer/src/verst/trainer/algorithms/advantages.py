@@ -1,0 +1,220 @@
+"""Advantage estimators: rewards of groups of samples → token-level advantages.
+
+Inputs (see `AdvantageEstimator.__call__`): ``rewards`` ``[G, n]`` (G groups of n samples, sample
+``i = g·n + j`` is row ``i`` of the token tensors), ``mask`` ``[G·n, T]`` (1 on response tokens),
+and an optional per-token KL penalty ``p`` ``[G·n, T]`` (already ``kl_coef · KL_est``, zero off the
+mask) when the KL is shaped into the reward. Outcome estimators score sample ``i`` with
+``s_i = r_i − Σ_t p_it`` and broadcast their scalar advantage over the response tokens.
+All of them compute in float64; all-equal scores in a group give exactly zero advantages.
+
+- ``grpo``: ``A_i = (s_i − mean_g s) / (std_g s + ε)`` (unbiased std, ε = 1e-6) when
+  ``normalize_std``, else ``s_i − mean_g s``. A single-sample group gets 0.
+- ``dr_grpo``: ``A_i = s_i − mean_g s`` (Dr.GRPO, "Understanding R1-Zero-Like Training"); pairs with
+  the ``seq_mean_token_sum_norm`` aggregation, its default.
+- ``rloo``: ``A_i = s_i − 1/(n−1) Σ_{j≠i} s_j`` (leave-one-out baseline); n = 1 gives 0.
+- ``reinforce_pp``: token rewards ``ρ_it = r_i·[t = last response token] − p_it``, return-to-go
+  ``R_it = Σ_{u≥t} γ^{u−t} ρ_iu``, then whitening over every response token of the batch:
+  ``A = (R − mean) / sqrt(var + 1e-8)`` (unbiased var). REINFORCE++ (Hu, 2025).
+- ``reinforce_pp_baseline``: ``s_i − mean_g s`` broadcast over the response, then the same
+  batch-wide whitening (REINFORCE++-baseline; verl's ``reinforce_plus_plus_baseline``).
+
+A new estimator is a kw_only dataclass with ``from_config`` and ``__call__`` plus one entry in
+`ADVANTAGE_ESTIMATORS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, Self
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from verst.trainer.algorithms.config import AlgorithmConfig
+
+WHITEN_EPS = 1e-8
+"""Added to the variance in batch whitening (REINFORCE++), as verl's ``masked_whiten``."""
+
+
+class AdvantageEstimator(Protocol):
+    """Rewards → token-level advantages. Implementations are kw_only dataclasses (their config)."""
+
+    default_loss_agg: ClassVar[str | None]
+    """Aggregation used when `AlgorithmConfig.loss_agg` is None (None = no preference)."""
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        """Build from the algorithm config (picking the fields this estimator uses)."""
+        ...
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        """rewards [G, n], mask [G·n, T], kl_penalty [G·n, T] or None → advantages [G·n, T] (float64)."""
+        ...
+
+
+def group_center(scores: Tensor) -> Tensor:
+    """``s − mean_g s`` per row of ``scores`` [G, n], exactly 0 where a group's scores are equal.
+
+    Shifting by the group's first score before averaging makes equal scores cancel exactly.
+    """
+    shifted = scores - scores[:, :1]  # [G, n]
+    return shifted - shifted.mean(dim=1, keepdim=True)
+
+
+def group_std(scores: Tensor) -> Tensor:
+    """Unbiased std per group of ``scores`` [G, n] → [G, 1]; 0 for single-sample groups."""
+    if scores.shape[1] < 2:
+        return torch.zeros_like(scores[:, :1])
+    return scores.std(dim=1, keepdim=True, unbiased=True)
+
+
+def outcome_scores(rewards: Tensor, kl_penalty: Tensor | None) -> Tensor:
+    """``s_i = r_i − Σ_t p_it`` as [G, n]."""
+    if kl_penalty is None:
+        return rewards
+    return rewards - kl_penalty.sum(-1).reshape(rewards.shape)
+
+
+def broadcast(per_sample: Tensor, mask: Tensor) -> Tensor:
+    """Per-sample advantages [G, n] → token-level [G·n, T] (0 off the mask)."""
+    return per_sample.reshape(-1, 1) * mask
+
+
+def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
+    """``(x − mean) / sqrt(var + 1e-8)`` over the tokens where ``mask`` is 1 (unbiased var), 0 elsewhere.
+
+    values, mask: [B, T]. Fewer than two masked tokens → zero variance.
+    """
+    on = mask > 0
+    n = int(on.sum())
+    if n == 0:
+        return torch.zeros_like(values)
+    picked = values[on]  # [n]
+    shifted = picked - picked[0]  # equal values cancel exactly
+    centered = shifted - shifted.mean()
+    var = centered.square().sum() / (n - 1) if n > 1 else centered.new_zeros(())
+    out = torch.zeros_like(values)
+    out[on] = centered * torch.rsqrt(var + WHITEN_EPS)
+    return out
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index of the last 1 in each row of ``mask`` [B, T] → [B] (-1 for an empty row)."""
+    t = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, t, torch.full_like(t, -1)).amax(dim=1)
+
+
+def discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
+    """``R_t = Σ_{u≥t} γ^{u−t} ρ_u`` along dim 1 of ``token_rewards`` [B, T]."""
+    if gamma == 1.0:
+        return token_rewards.flip(1).cumsum(1).flip(1)
+    out = torch.empty_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = token_rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Grpo:
+    """GRPO: group-relative advantage, optionally divided by the group std."""
+
+    normalize_std: bool = True
+    """Divide by the group's (unbiased) std + eps (config: `normalize_std`)."""
+    eps: float = 1e-6
+    """Added to the std before dividing."""
+    default_loss_agg: ClassVar[str | None] = None
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        return cls(normalize_std=config.normalize_std)
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        scores = outcome_scores(rewards, kl_penalty)  # [G, n]
+        adv = group_center(scores)
+        if self.normalize_std:
+            adv = adv / (group_std(scores) + self.eps)
+        return broadcast(adv, mask)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DrGrpo:
+    """Dr.GRPO: ``s_i − mean_g s``, no std normalisation; default aggregation seq_mean_token_sum_norm."""
+
+    default_loss_agg: ClassVar[str | None] = "seq_mean_token_sum_norm"
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        return cls()
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        return broadcast(group_center(outcome_scores(rewards, kl_penalty)), mask)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Rloo:
+    """RLOO: ``s_i − mean_{j≠i} s_j`` = ``n/(n−1) · (s_i − mean_g s)``; 0 for single-sample groups."""
+
+    default_loss_agg: ClassVar[str | None] = None
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        return cls()
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        scores = outcome_scores(rewards, kl_penalty)  # [G, n]
+        n = scores.shape[1]
+        if n < 2:
+            return torch.zeros_like(mask)
+        return broadcast(group_center(scores) * (n / (n - 1)), mask)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ReinforcePP:
+    """REINFORCE++: per-token discounted return of (last-token reward − KL penalty), batch-whitened."""
+
+    gamma: float = 1.0
+    """Discount of the return-to-go (config: `gamma`)."""
+    default_loss_agg: ClassVar[str | None] = None
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        return cls(gamma=config.gamma)
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        flat = rewards.reshape(-1)  # [B]
+        last = last_token_index(mask)  # [B]
+        token_rewards = torch.zeros_like(mask)  # [B, T]
+        rows = torch.nonzero(last >= 0).squeeze(1)
+        token_rewards[rows, last[rows]] = flat[rows]
+        if kl_penalty is not None:
+            token_rewards = token_rewards - kl_penalty * mask
+        returns = discounted_returns(token_rewards, self.gamma)  # [B, T]
+        return masked_whiten(returns, mask)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ReinforcePPBaseline:
+    """REINFORCE++-baseline: ``s_i − mean_g s`` broadcast over the response, then batch-whitened."""
+
+    default_loss_agg: ClassVar[str | None] = None
+
+    @classmethod
+    def from_config(cls, config: AlgorithmConfig) -> Self:
+        return cls()
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        centered = group_center(outcome_scores(rewards, kl_penalty))  # [G, n]
+        return masked_whiten(broadcast(centered, mask), mask)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
+    "grpo": Grpo,
+    "dr_grpo": DrGrpo,
+    "rloo": Rloo,
+    "reinforce_pp": ReinforcePP,
+    "reinforce_pp_baseline": ReinforcePPBaseline,
+}
+"""Advantage estimators by config name (`AlgorithmConfig.advantage`)."""

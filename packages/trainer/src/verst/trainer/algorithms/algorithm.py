@@ -1,0 +1,210 @@
+"""`Algorithm`: the selected estimator, policy loss, aggregation and KL estimator, composed.
+
+Total loss of a micro-batch (every term aggregated with the step-global `LossNorm`, so summing
+micro-batch losses equals the full-batch loss):
+
+    L = agg(w_t · l_t)  +  kl_coef · agg(KL_est(logp − logp_ref))  [use_kl_loss]
+                        −  entropy_coef · agg(H_t)                  [entropy_coef ≠ 0]
+
+with ``l_t`` the policy loss per token (`policy_losses`) and ``w_t`` the truncated-IS weight
+``min(exp(logp_old − logp_rollout), tis_cap)`` (detached; 1 when ``tis`` is off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from verst.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, LossNorm
+from verst.trainer.algorithms.config import AlgorithmConfig
+from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
+from verst.trainer.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutput:
+    """The loss of one micro-batch and its diagnostics."""
+
+    loss: Tensor
+    """Scalar loss (with grad), already normalised by the step-global `LossNorm`."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Micro-batch diagnostics, token means over its loss mask: pg_loss, clip_frac, ratio_mean, ..."""
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Mean of ``x`` over ``mask`` (0.0 for an empty mask), as a Python float."""
+    total = mask.sum()
+    if float(total) == 0.0:
+        return 0.0
+    return float((x.detach().to(mask.dtype) * mask).sum() / total)
+
+
+def _same_shape(name: str, t: Tensor | None, shape: torch.Size) -> None:
+    if t is not None and t.shape != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; pass [B, T] tensors"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Algorithm:
+    """The configured RL algorithm: advantages from rewards, and the loss of a micro-batch."""
+
+    config: AlgorithmConfig
+    """The config it was built from."""
+    estimator: AdvantageEstimator
+    """The advantage estimator."""
+    policy_loss: PolicyLoss
+    """The per-token policy loss."""
+    aggregate: Aggregation
+    """The loss aggregation (resolved, see `AlgorithmConfig.resolved_loss_agg`)."""
+    kl_estimator: KlEstimator
+    """The KL estimator (for the KL loss, the KL reward and the `kl` metric)."""
+    loss_agg: str
+    """Name of the resolved aggregation."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model is needed (kl_coef > 0 with the KL loss or the KL reward)."""
+        c = self.config
+        return c.kl_coef > 0 and (c.use_kl_loss or c.use_kl_in_reward)
+
+    @property
+    def needs_kl_in_reward(self) -> bool:
+        """`compute_advantages` needs ``kl`` (= logp_old − logp_ref per token)."""
+        return self.config.use_kl_in_reward and self.config.kl_coef > 0
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """`loss` needs ``rollout_logprobs`` (TIS or rollout log-probs as old)."""
+        return self.config.tis or self.config.use_rollout_logprobs_as_old
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The trainer must recompute old log-probs (False when rollout log-probs stand in)."""
+        return not self.config.use_rollout_logprobs_as_old
+
+    def compute_advantages(self, rewards: Tensor, response_mask: Tensor, kl: Tensor | None = None) -> Tensor:
+        """Token-level advantages [G·n, T] float32 (0 where ``response_mask`` is 0).
+
+        rewards: [G, n] (G groups of n samples; sample i = g·n + j is row i below).
+        response_mask: [G·n, T] 0/1. kl: [G·n, T] per-token ``logp_old − logp_ref``, required with
+        `use_kl_in_reward`; the reward is shaped by ``kl_coef · KL_est(kl)`` per response token.
+        """
+        if rewards.dim() != 2:
+            raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+        g, n = rewards.shape
+        if response_mask.dim() != 2 or response_mask.shape[0] != g * n:
+            raise ValueError(
+                f"response_mask must be [num_groups*group_size={g * n}, T], got {tuple(response_mask.shape)}"
+            )
+        mask = response_mask.to(torch.float64)
+        penalty = None
+        if self.needs_kl_in_reward:
+            if kl is None:
+                raise ValueError(
+                    "use_kl_in_reward is on: pass kl = logp_old - logp_ref ([B, T]) to compute_advantages"
+                )
+            if kl.shape != response_mask.shape:
+                raise ValueError(f"kl has shape {tuple(kl.shape)}, expected {tuple(response_mask.shape)}")
+            penalty = self.config.kl_coef * self.kl_estimator(kl.detach().to(torch.float64)) * mask
+        adv = self.estimator(rewards.detach().to(torch.float64), mask, penalty)
+        return (adv * mask).to(torch.float32)
+
+    def loss(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        rollout_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        entropy: Tensor | None = None,
+        norm: LossNorm,
+    ) -> LossOutput:
+        """Loss of one micro-batch. All tensors [B, T]; ``logprobs`` (and ``entropy``) carry grad.
+
+        ``old_logprobs`` may be None with `use_rollout_logprobs_as_old` (then ``rollout_logprobs``
+        stands in). ``norm`` holds the normalisers of the whole optimizer step.
+        """
+        c = self.config
+        shape = logprobs.shape
+        for name, t in (
+            ("old_logprobs", old_logprobs),
+            ("advantages", advantages),
+            ("mask", mask),
+            ("rollout_logprobs", rollout_logprobs),
+            ("ref_logprobs", ref_logprobs),
+            ("entropy", entropy),
+        ):
+            _same_shape(name, t, shape)
+        if self.needs_rollout_logprobs and rollout_logprobs is None:
+            raise ValueError(
+                "tis / use_rollout_logprobs_as_old is on: pass rollout_logprobs (the engine's log-probs)"
+            )
+        mask = mask.to(logprobs.dtype)
+        metrics: dict[str, float] = {}
+        if rollout_logprobs is not None and old_logprobs is not None:
+            metrics["logprob_mismatch"] = _masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
+        if c.use_rollout_logprobs_as_old:
+            old_logprobs = rollout_logprobs
+        if old_logprobs is None:
+            raise ValueError("old_logprobs is None: pass them, or set use_rollout_logprobs_as_old = true")
+        old_logprobs = old_logprobs.detach()
+
+        terms = self.policy_loss(logprobs, old_logprobs, advantages.detach(), mask)
+        per_token = terms.loss  # [B, T]
+        if c.tis:
+            weight = (
+                torch.exp(old_logprobs - rollout_logprobs.detach()).clamp(max=c.tis_cap).detach()
+            )  # [B, T]
+            per_token = per_token * weight
+            metrics["tis_weight_mean"] = _masked_mean(weight, mask)
+            metrics["tis_clip_frac"] = _masked_mean((weight >= c.tis_cap).to(mask.dtype), mask)
+        pg_loss = self.aggregate(per_token, mask, norm)
+        total = pg_loss
+        metrics["pg_loss"] = float(pg_loss.detach())
+        metrics["clip_frac"] = _masked_mean(terms.clipped.to(mask.dtype), mask)
+        if c.dual_clip_c is not None:
+            metrics["dual_clip_frac"] = _masked_mean(terms.dual_clipped.to(mask.dtype), mask)
+        metrics["ratio_mean"] = _masked_mean(terms.ratio, mask)
+        on = mask > 0
+        metrics["ratio_max"] = float(terms.ratio[on].max()) if bool(on.any()) else 1.0
+        metrics["approx_kl"] = _masked_mean(old_logprobs - logprobs.detach(), mask)  # k1 of old vs new
+
+        if ref_logprobs is not None:
+            kl = self.kl_estimator(logprobs - ref_logprobs.detach())  # [B, T]
+            metrics["kl"] = _masked_mean(kl, mask)
+            if c.use_kl_loss and c.kl_coef > 0:
+                kl_loss = self.aggregate(kl, mask, norm)
+                metrics["kl_loss"] = float(kl_loss.detach())
+                total = total + c.kl_coef * kl_loss
+        elif c.use_kl_loss and c.kl_coef > 0:
+            raise ValueError("use_kl_loss is on: pass ref_logprobs (the frozen reference's log-probs)")
+        if entropy is not None:
+            metrics["entropy"] = _masked_mean(entropy, mask)
+            if c.entropy_coef != 0:
+                ent = self.aggregate(entropy, mask, norm)
+                total = total - c.entropy_coef * ent
+        elif c.entropy_coef != 0:
+            raise ValueError("entropy_coef != 0: pass entropy ([B, T]) to the loss")
+        metrics["loss"] = float(total.detach())
+        return LossOutput(loss=total, metrics=metrics)
+
+
+def build_algorithm(config: AlgorithmConfig) -> Algorithm:
+    """Look every part up in its table and build it from ``config`` (raises `ConfigError` if invalid)."""
+    config.check()
+    loss_agg = config.resolved_loss_agg()
+    return Algorithm(
+        config=config,
+        estimator=ADVANTAGE_ESTIMATORS[config.advantage].from_config(config),
+        policy_loss=POLICY_LOSSES[config.policy_loss].from_config(config),
+        aggregate=AGGREGATIONS[loss_agg],
+        kl_estimator=KL_ESTIMATORS[config.kl_estimator],
+        loss_agg=loss_agg,
+    )
