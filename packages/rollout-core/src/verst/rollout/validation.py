@@ -1,0 +1,401 @@
+"""Validation of the rollout section, before anything heavy loads.
+
+`validate_rollout_config(config, env)` collects every problem and raises them together in one
+`ConfigError`, each with its key, why, and fix:
+
+- cross-field checks (`CROSS_FIELD_CHECKS`: sizes, sampling, eval, reward, filters, partial
+  rollout, fully-async, data files);
+- the strategy selection (`verst.rollout.selection`): a malformed legacy flag, the legacy flag
+  while `verst-rollout-legacy` is not installed, fully-async together with the legacy flag;
+- capabilities: every feature the config requests (`FEATURE_CAPABILITIES`, plus requests of
+  other sections passed as `extra_requests`, e.g. top-k OPD from the trainer) must be in the
+  selected strategy's `capabilities`. The strategy module is imported only to read that
+  attribute (strategy modules are light; engines and models load later).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from typing import Any
+
+from verst.rollout.config import DataConfig, RolloutConfig
+from verst.rollout.errors import ConfigError, Problem
+from verst.rollout.importing import ImportPathError, import_object, split_import_path
+from verst.rollout.protocols import Capability
+from verst.rollout.rewards.registry import BUILTIN_REWARDS, REMOTE, is_import_path, valid_reward_types
+from verst.rollout.selection import (
+    LEGACY_FLAG,
+    LEGACY_FLAG_VALUES,
+    LEGACY_INSTALL_HINT,
+    LEGACY_PACKAGE,
+    LEGACY_STRATEGY_PATH,
+    resolve_strategy_path,
+    use_legacy_rollout_v1,
+)
+
+FindSpec = Callable[[str], ModuleSpec | None]
+"""`importlib.util.find_spec`'s shape; injectable so tests can simulate a missing package."""
+
+FULLY_ASYNC_LEGACY_MESSAGE = (
+    "--fully-async needs the class-based rollout API; unset VERST_USE_LEGACY_ROLLOUT_V1"
+)
+"""The exact error for fully-async rollout requested together with the legacy flag."""
+
+V1_ROLLOUT_ADAPTER_PATH = "verst.rollout.adapters:LegacyRolloutFnAdapter"
+"""The adapter a plain v1 rollout function is wrapped in; its capabilities are the function's."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureRequest:
+    """A config feature that needs a strategy capability."""
+
+    capability: Capability
+    """The capability the selected strategy must declare."""
+    key: str
+    """The config key that requests it."""
+    requested: Callable[[RolloutConfig], bool]
+    """Whether `config` requests the feature."""
+    fix: str
+    """What to do when the strategy lacks it."""
+
+
+FEATURE_CAPABILITIES: tuple[FeatureRequest, ...] = (
+    FeatureRequest(
+        Capability.FULLY_ASYNC,
+        "rollout.fully_async",
+        lambda c: c.fully_async,
+        "set rollout.fully_async = false, or use a strategy that supports fully-async rollout",
+    ),
+    FeatureRequest(
+        Capability.PARTIAL_ROLLOUT,
+        "rollout.partial_rollout",
+        lambda c: c.partial_rollout,
+        "set rollout.partial_rollout = false, or use a strategy that supports it",
+    ),
+    FeatureRequest(
+        Capability.MASK_OFFPOLICY_IN_PARTIAL_ROLLOUT,
+        "rollout.mask_offpolicy_in_partial_rollout",
+        lambda c: c.mask_offpolicy_in_partial_rollout,
+        "set rollout.mask_offpolicy_in_partial_rollout = false, or use a strategy that supports it",
+    ),
+    FeatureRequest(
+        Capability.DYNAMIC_FILTER,
+        "rollout.dynamic_filters",
+        lambda c: bool(c.dynamic_filters),
+        "remove rollout.dynamic_filters, or use a strategy that supports dynamic filtering",
+    ),
+    FeatureRequest(
+        Capability.OVER_SAMPLING,
+        "rollout.over_sampling_batch_size",
+        lambda c: c.effective_over_sampling_batch_size != c.batch_size,
+        "unset rollout.over_sampling_batch_size, or use a strategy that supports over-sampling",
+    ),
+    FeatureRequest(
+        Capability.GROUP_REWARD,
+        "rollout.reward.group",
+        lambda c: c.reward.group,
+        "set rollout.reward.group = false, or use a strategy that supports group rewards",
+    ),
+    FeatureRequest(
+        Capability.CUSTOM_GENERATE_FUNCTION,
+        "rollout.generate_function_path",
+        lambda c: c.generate_function_path is not None,
+        "unset rollout.generate_function_path, or use a strategy that supports custom generate functions",
+    ),
+    FeatureRequest(
+        Capability.EVAL,
+        "rollout.eval.datasets",
+        lambda c: bool(c.eval.datasets),
+        "remove rollout.eval.datasets, or use a strategy that supports evaluation",
+    ),
+)
+"""Feature → capability table; a new feature is one entry here."""
+
+
+def requested_capabilities(config: RolloutConfig) -> dict[Capability, str]:
+    """The capabilities `config` needs from its strategy, each with the key that requests it."""
+    return {f.capability: f.key for f in FEATURE_CAPABILITIES if f.requested(config)}
+
+
+# --- cross-field checks: each takes the config and yields Problems -----------------------------
+
+
+def _check_sizes(c: RolloutConfig) -> Iterator[Problem]:
+    if c.over_sampling_batch_size is not None and c.over_sampling_batch_size < c.batch_size:
+        yield Problem(
+            "rollout.over_sampling_batch_size",
+            f"{c.over_sampling_batch_size} is smaller than rollout.batch_size = {c.batch_size}; "
+            f"each wave must submit at least a batch of groups",
+            f"set it to at least {c.batch_size}, or unset it (defaults to batch_size)",
+        )
+
+
+def _check_sampling(c: RolloutConfig) -> Iterator[Problem]:
+    if c.top_k == 0 or c.top_k < -1:
+        yield Problem(
+            "rollout.top_k",
+            f"top_k = {c.top_k} is not a valid setting (0 would allow no token)",
+            "use -1 to turn top-k off, or a positive k",
+        )
+    if c.max_context_len is not None and c.max_context_len <= c.max_response_len:
+        yield Problem(
+            "rollout.max_context_len",
+            f"{c.max_context_len} leaves no room for the prompt next to "
+            f"rollout.max_response_len = {c.max_response_len}",
+            f"raise max_context_len above {c.max_response_len} (plus the longest prompt), "
+            f"or lower max_response_len",
+        )
+
+
+def _check_eval(c: RolloutConfig) -> Iterator[Problem]:
+    e = c.eval
+    ctx, resp = c.max_context_len, e.max_response_len
+    if ctx is not None and resp is not None and resp >= ctx:
+        yield Problem(
+            "rollout.eval.max_response_len",
+            f"{resp} leaves no room for the prompt in rollout.max_context_len = {ctx}",
+            "lower eval.max_response_len or raise rollout.max_context_len",
+        )
+    for name, ds in e.datasets.items():
+        if e.temperature == 0 and ds.n_samples_per_prompt > 1:
+            yield Problem(
+                f"rollout.eval.datasets.{name}.n_samples_per_prompt",
+                f"{ds.n_samples_per_prompt} samples per prompt with eval.temperature = 0 (greedy) "
+                f"are identical copies",
+                "set n_samples_per_prompt = 1, or raise rollout.eval.temperature above 0 (e.g. 0.6)",
+            )
+        yield from _check_data(ds, f"rollout.eval.datasets.{name}", required=True)
+
+
+def _check_reward(c: RolloutConfig) -> Iterator[Problem]:
+    r = c.reward
+    valid = valid_reward_types()
+    if r.type not in valid and not is_import_path(r.type):
+        yield Problem(
+            "rollout.reward.type",
+            f"unknown reward {r.type!r}",
+            f"use one of {valid}, or an import path 'package.module:function'",
+        )
+    elif is_import_path(r.type):
+        try:
+            split_import_path(r.type)
+        except ImportPathError as exc:
+            yield Problem("rollout.reward.type", str(exc), "write it as 'package.module:function'")
+    if r.type == REMOTE and not r.url:
+        yield Problem(
+            "rollout.reward.url",
+            "reward.type = 'remote' needs the URL of the reward server",
+            "set rollout.reward.url, e.g. 'http://127.0.0.1:8000/reward'",
+        )
+    if r.url and r.type != REMOTE:
+        yield Problem(
+            "rollout.reward.url",
+            f"a URL is set but reward.type = {r.type!r}, so it would be ignored",
+            "set rollout.reward.type = 'remote', or remove rollout.reward.url",
+        )
+    if r.key is not None and r.type in BUILTIN_REWARDS:
+        yield Problem(
+            "rollout.reward.key",
+            f"the built-in reward {r.type!r} returns a float, so key {r.key!r} selects nothing",
+            "remove rollout.reward.key (it is for rewards that return a dict of named scores)",
+        )
+
+
+def _builtin_filter_names() -> list[str]:
+    from verst.rollout.strategies.filters import BUILTIN_FILTERS
+
+    return sorted(BUILTIN_FILTERS)
+
+
+def _check_filters(c: RolloutConfig) -> Iterator[Problem]:
+    builtin = _builtin_filter_names()
+    for i, name in enumerate(c.dynamic_filters):
+        if name not in builtin and not is_import_path(name):
+            yield Problem(
+                f"rollout.dynamic_filters[{i}]",
+                f"unknown dynamic filter {name!r}",
+                f"use one of {builtin}, or an import path 'package.module:filter'",
+            )
+    if "nonzero_std" in c.dynamic_filters and c.n_samples_per_prompt == 1:
+        yield Problem(
+            "rollout.dynamic_filters",
+            "nonzero_std drops every group when rollout.n_samples_per_prompt = 1 (one sample has std 0)",
+            "raise n_samples_per_prompt above 1, or remove nonzero_std",
+        )
+
+
+def _check_partial_and_async(c: RolloutConfig) -> Iterator[Problem]:
+    if c.mask_offpolicy_in_partial_rollout and not c.partial_rollout:
+        yield Problem(
+            "rollout.mask_offpolicy_in_partial_rollout",
+            "it masks the off-policy part of resumed samples, but rollout.partial_rollout is off",
+            "set rollout.partial_rollout = true, or turn mask_offpolicy_in_partial_rollout off",
+        )
+    if c.fully_async:
+        if c.max_weight_staleness == 0:
+            yield Problem(
+                "rollout.max_weight_staleness",
+                "0 accepts only groups generated with the current weights, but fully-async "
+                "generation runs during training, so every group would be stale",
+                "set max_weight_staleness >= 1 (1 is typical), or turn rollout.fully_async off",
+            )
+        if c.async_buffer_groups < c.batch_size:
+            yield Problem(
+                "rollout.async_buffer_groups",
+                f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
+                f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
+            )
+
+
+def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
+    for key, path in (
+        ("rollout.generate_function_path", c.generate_function_path),
+        ("rollout.rollout_function_path", c.rollout_function_path),
+    ):
+        if path is not None:
+            try:
+                split_import_path(path)
+            except ImportPathError as exc:
+                yield Problem(key, str(exc), "write it as 'package.module:attribute'")
+    yield from _check_data(c.data, "rollout.data", required=False)
+
+
+def _check_data(d: DataConfig, key: str, *, required: bool) -> Iterator[Problem]:
+    from verst.rollout.data import JSONL_SUFFIXES, PARQUET_SUFFIXES
+
+    if d.path is None:
+        if required:
+            yield Problem(f"{key}.path", "no prompt file is set", "set it to a JSONL or Parquet file")
+        return
+    path = Path(d.path)
+    if not path.is_file():
+        yield Problem(f"{key}.path", f"{d.path!r} does not exist", "check the path (relative to the cwd)")
+    elif path.suffix.lower() not in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
+        yield Problem(
+            f"{key}.path",
+            f"unknown file type {path.suffix!r}",
+            f"use one of {[*JSONL_SUFFIXES, *PARQUET_SUFFIXES]}",
+        )
+
+
+CROSS_FIELD_CHECKS: tuple[Callable[[RolloutConfig], Iterator[Problem]], ...] = (
+    _check_sizes,
+    _check_sampling,
+    _check_eval,
+    _check_reward,
+    _check_filters,
+    _check_partial_and_async,
+    _check_paths,
+)
+"""Every cross-field check, run in order; each yields its problems."""
+
+
+# --- strategy selection and capabilities -------------------------------------------------------
+
+
+def _legacy_installed(find_spec: FindSpec) -> bool:
+    try:
+        return find_spec(LEGACY_PACKAGE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _strategy_key(config: RolloutConfig, legacy: bool) -> str:
+    if config.rollout_function_path:
+        return "rollout.rollout_function_path"
+    if config.fully_async:
+        return "rollout.fully_async"
+    return LEGACY_FLAG if legacy else "rollout (default strategy)"
+
+
+def _strategy_capabilities(obj: Any) -> frozenset[Capability] | None:
+    """The capabilities a loaded strategy declares (a v1 function: its adapter's)."""
+    caps = getattr(obj, "capabilities", None)
+    if caps is None and callable(obj) and not isinstance(obj, type):
+        try:
+            caps = getattr(import_object(V1_ROLLOUT_ADAPTER_PATH), "capabilities", None)
+        except ImportPathError:
+            return None
+    return frozenset(Capability(c) for c in caps) if caps is not None else None
+
+
+def _strategy_problems(
+    config: RolloutConfig, env: Mapping[str, str], requests: Mapping[Capability, str], find_spec: FindSpec
+) -> Iterator[Problem]:
+    try:
+        legacy = use_legacy_rollout_v1(env)
+    except ValueError:
+        yield Problem(
+            LEGACY_FLAG,
+            f"{env.get(LEGACY_FLAG)!r} is not a valid value",
+            f"set it to one of {sorted(LEGACY_FLAG_VALUES)} (case-insensitive), or unset it",
+        )
+        legacy = None
+    if legacy and config.fully_async:
+        yield Problem(
+            "rollout.fully_async",
+            FULLY_ASYNC_LEGACY_MESSAGE,
+            f"unset {LEGACY_FLAG} (in the shell and in the config's extra env vars), "
+            f"or set rollout.fully_async = false",
+        )
+        return
+    if legacy is None and not (config.rollout_function_path or config.fully_async):
+        return  # the strategy cannot be decided; the flag problem says why
+    path = resolve_strategy_path(config, env)
+    key = _strategy_key(config, bool(legacy))
+    if path == LEGACY_STRATEGY_PATH and not _legacy_installed(find_spec):
+        yield Problem(
+            LEGACY_FLAG,
+            f"{LEGACY_FLAG}=1 selects the v1 rollout, but verst-rollout-legacy is not installed",
+            f"install it with {LEGACY_INSTALL_HINT}, or unset {LEGACY_FLAG} "
+            f"to use the default class-based rollout",
+        )
+        return
+    try:
+        obj = import_object(path, what="rollout strategy")
+    except ImportPathError as exc:
+        yield Problem(key, str(exc), f"fix the strategy path {path!r} or install the package providing it")
+        return
+    caps = _strategy_capabilities(obj)
+    if caps is None:
+        yield Problem(
+            key,
+            f"strategy {path!r} declares no `capabilities`",
+            "give the class `capabilities: ClassVar[frozenset[Capability]] = frozenset({...})`",
+        )
+        return
+    fixes = {f.capability: f.fix for f in FEATURE_CAPABILITIES}
+    supported = sorted(c.value for c in caps)
+    for cap, req_key in requests.items():
+        if cap not in caps:
+            yield Problem(
+                req_key,
+                f"the selected strategy {path!r} does not support {cap.value} (it supports: {supported})",
+                fixes.get(cap, f"turn off {req_key}, or select a strategy that supports {cap.value}"),
+            )
+
+
+def validate_rollout_config(
+    config: RolloutConfig,
+    env: Mapping[str, str],
+    *,
+    extra: Sequence[Problem] = (),
+    extra_requests: Mapping[Capability, str] | None = None,
+    find_spec: FindSpec = importlib.util.find_spec,
+) -> None:
+    """Raise one `ConfigError` with every problem of the rollout section (and `extra`), or return.
+
+    `env` is the effective environment (`resolve_extra_env_vars`). `extra_requests` adds
+    capabilities other sections need (capability → requesting key), checked against the same
+    strategy. `find_spec` decides whether the legacy package is installed (tests override it).
+    """
+    problems = [p for check in CROSS_FIELD_CHECKS for p in check(config)]
+    requests = {**requested_capabilities(config), **(extra_requests or {})}
+    problems += _strategy_problems(config, env, requests, find_spec)
+    problems += extra
+    if problems:
+        raise ConfigError(problems)
