@@ -1,0 +1,205 @@
+"""Public functions: validate and flatten inputs, pick the backend, call the autograd Functions."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from verst.kernels._autograd import LinearLogprobsFunction, LogprobsFunction, RowOps
+from verst.kernels._dispatch import Backend, resolve_backend
+from verst.kernels._torch_impl import TorchRowOps
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class TopKLogprobs(NamedTuple):
+    """Result of `topk_logprobs` / `linear_topk_logprobs` (all float32 / int64)."""
+
+    values: torch.Tensor
+    """[..., k] the k largest log-probs per row, descending (not differentiable)."""
+    indices: torch.Tensor
+    """[..., k] their vocabulary ids (int64)."""
+    token_logprobs: torch.Tensor | None
+    """[..., m] log-probs of the requested `token_ids` (differentiable), or None when not asked."""
+
+
+def _row_ops(device: torch.device, backend: Backend | None) -> RowOps:
+    if resolve_backend(device, backend) == "triton":
+        from verst.kernels._launchers import TritonRowOps  # imports triton: only when selected
+
+        return TritonRowOps
+    return TorchRowOps
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return t
+
+
+def _check_float(name: str, x: torch.Tensor, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} dtype {x.dtype} is not supported; valid: float32, bfloat16, float16")
+    if x.dim() < min_dim or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(x.shape)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [N, D] with unit stride along D."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check_ids(
+    name: str, ids: torch.Tensor, lead: torch.Size, V: int, device: torch.device, extra: bool
+) -> torch.Tensor:
+    """Validate ids of shape `lead` (or `lead + [m]` when `extra`) and return them as [N, M] int64."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    want = f"{tuple(lead)} + (m,)" if extra else f"{tuple(lead)}"
+    shape_ok = ids.shape[:-1] == lead if extra else ids.shape == lead
+    if ids.dim() != len(lead) + int(extra) or not shape_ok:
+        raise ValueError(
+            f"{name} must have shape {want} (the leading dims of the input), got {tuple(ids.shape)}"
+        )
+    if ids.device != device:
+        raise ValueError(f"{name} is on {ids.device} but the input is on {device}; move them together")
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= V:
+            raise ValueError(f"{name} must lie in [0, V={V}), got values in [{int(lo)}, {int(hi)}]")
+    return ids.reshape(-1, ids.shape[-1] if extra else 1).to(torch.int64).contiguous()
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [..., V]
+    target_ids: torch.Tensor,  # [...]
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    backend: Backend | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits / T)[target_ids] as float32 `[...]`, and the entropy `[...]` when asked.
+
+    Differentiable wrt `logits` (also through the entropy). `backend=None` picks Triton on CUDA
+    when available and torch otherwise; "triton"/"torch" force one.
+    """
+    _check_float("logits", logits)
+    T = _check_temperature(temperature)
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    targets = _check_ids("target_ids", target_ids, lead, V, logits.device, extra=False)
+    ops = _row_ops(logits.device, backend)
+    lp, ent, _ = LogprobsFunction.apply(_rows(logits), targets, T, bool(return_entropy), ops)
+    lp = lp.view(lead)
+    return (lp, ent.view(lead)) if return_entropy else lp
+
+
+def topk_logprobs(
+    logits: torch.Tensor,  # [..., V]
+    k: int,
+    temperature: float = 1.0,
+    *,
+    token_ids: torch.Tensor | None = None,  # [..., m]
+    backend: Backend | None = None,
+) -> TopKLogprobs:
+    """The k largest log-probs per row (values, indices) and, given `token_ids`, their log-probs.
+
+    Only `token_logprobs` is differentiable (wrt `logits`); to get gradients for the top-k, pass
+    the returned indices (or a support union containing them) as `token_ids`.
+    """
+    _check_float("logits", logits)
+    T = _check_temperature(temperature)
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    if not 1 <= int(k) <= V:
+        raise ValueError(f"k must be in [1, V={V}], got {k}")
+    ops = _row_ops(logits.device, backend)
+    x = _rows(logits)
+    if token_ids is None:
+        ids = torch.empty((x.shape[0], 0), dtype=torch.int64, device=logits.device)
+    else:
+        ids = _check_ids("token_ids", token_ids, lead, V, logits.device, extra=True)
+    lp, _, lse = LogprobsFunction.apply(x, ids, T, False, ops)
+    with torch.no_grad():
+        values, indices = ops.topk(x.detach(), int(k), T, lse)
+    out_lp = lp.view(*lead, ids.shape[1]) if token_ids is not None else None
+    return TopKLogprobs(values.view(*lead, int(k)), indices.view(*lead, int(k)), out_lp)
+
+
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> None:
+    _check_float("hidden", hidden)
+    _check_float("lm_head_weight", weight, min_dim=2)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [V, H={hidden.shape[-1]}] (the nn.Linear layout), got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and lm_head_weight ({weight.dtype}) must share a dtype")
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but lm_head_weight is on {weight.device}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1 tokens, got {chunk_size}")
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,  # [..., H]
+    lm_head_weight: torch.Tensor,  # [V, H]
+    target_ids: torch.Tensor,  # [...]
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    chunk_size: int = 256,
+    backend: Backend | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs(hidden @ W.T, ...)` computed `chunk_size` tokens at a time.
+
+    Full `[N, V]` logits are never materialised, in the forward or the backward (which recomputes
+    each chunk's logits), and gradients for `hidden` and `lm_head_weight` are correct for any
+    upstream gradient (per-token advantages, masks, clipping).
+    """
+    _check_linear(hidden, lm_head_weight, chunk_size)
+    T = _check_temperature(temperature)
+    lead, V = hidden.shape[:-1], lm_head_weight.shape[0]
+    targets = _check_ids("target_ids", target_ids, lead, V, hidden.device, extra=False)
+    ops = _row_ops(hidden.device, backend)
+    lp, ent, *_ = LinearLogprobsFunction.apply(
+        _rows(hidden), lm_head_weight, targets, T, bool(return_entropy), int(chunk_size), ops, 0
+    )
+    lp = lp.view(lead)
+    return (lp, ent.view(lead)) if return_entropy else lp
+
+
+def linear_topk_logprobs(
+    hidden: torch.Tensor,  # [..., H]
+    lm_head_weight: torch.Tensor,  # [V, H]
+    k: int,
+    temperature: float = 1.0,
+    *,
+    token_ids: torch.Tensor | None = None,  # [..., m]
+    chunk_size: int = 256,
+    backend: Backend | None = None,
+) -> TopKLogprobs:
+    """`topk_logprobs(hidden @ W.T, ...)` computed in token chunks (no full-vocabulary tensors).
+
+    `token_logprobs` is differentiable wrt `hidden` and `lm_head_weight`; values/indices are not.
+    """
+    _check_linear(hidden, lm_head_weight, chunk_size)
+    T = _check_temperature(temperature)
+    lead, V = hidden.shape[:-1], lm_head_weight.shape[0]
+    if not 1 <= int(k) <= V:
+        raise ValueError(f"k must be in [1, V={V}], got {k}")
+    h = _rows(hidden)
+    if token_ids is None:
+        ids = torch.empty((h.shape[0], 0), dtype=torch.int64, device=hidden.device)
+    else:
+        ids = _check_ids("token_ids", token_ids, lead, V, hidden.device, extra=True)
+    ops = _row_ops(hidden.device, backend)
+    lp, _, _, values, indices = LinearLogprobsFunction.apply(
+        h, lm_head_weight, ids, T, False, int(chunk_size), ops, int(k)
+    )
+    out_lp = lp.view(*lead, ids.shape[1]) if token_ids is not None else None
+    return TopKLogprobs(values.view(*lead, int(k)), indices.view(*lead, int(k)), out_lp)
