@@ -1,0 +1,131 @@
+"""A rollout's groups of samples → one train batch, and its split into micro-batches.
+
+Only groups whose every sample finished and was scored are trained on: a group with a FAILED
+sample, an unscored sample, or a different size than the others is dropped and counted
+(`train/dropped_groups`), never silently mixed in (GRPO-family advantages need whole groups).
+Tensors are response-aligned and right-padded to the longest response: `[num_samples, R]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from verst.rollout.sample import Sample, Status
+
+
+@dataclass
+class TrainBatch:
+    """Everything a train step needs about a rollout's samples."""
+
+    tokens: list[list[int]]
+    """Prompt + response ids per sample."""
+    response_lengths: list[int]
+    """Response length per sample."""
+    loss_mask: torch.Tensor  # [B, R]
+    """1.0 for trained response tokens, 0.0 for masked tokens and padding."""
+    rollout_logprobs: torch.Tensor  # [B, R]
+    """The engine's log-prob of each sampled token (0 where unknown)."""
+    has_rollout_logprobs: bool
+    """True when every sample carried rollout log-probs."""
+    rewards: torch.Tensor  # [G, n]
+    """Scalar reward per sample, grouped."""
+    group_size: int
+    """n, samples per group."""
+    weight_versions: list[list[int]]
+    """Engine weight versions each sample was generated with."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Batch statistics (dropped groups, lengths, rewards)."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_response_len(self) -> int:
+        return self.loss_mask.shape[1]
+
+
+def _usable(group: list[Sample], reward_key: str | None) -> bool:
+    for s in group:
+        if s.status == Status.FAILED or s.reward is None or not s.tokens:
+            return False
+        try:
+            s.scalar_reward(reward_key)
+        except Exception:
+            return False
+    return True
+
+
+def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None = None) -> TrainBatch:
+    """Collate usable groups (see module doc) into a `TrainBatch`."""
+    kept = [g for g in groups if g and _usable(g, reward_key)]
+    sizes = {len(g) for g in kept}
+    if len(sizes) > 1:
+        common = max(sizes, key=lambda n: sum(len(g) == n for g in kept))
+        kept = [g for g in kept if len(g) == common]
+    dropped = len(groups) - len(kept)
+    if not kept:
+        raise ValueError(
+            f"no trainable groups in this rollout ({len(groups)} groups, all failed, unscored or empty); "
+            "check the engine and reward function logs"
+        )
+    samples = [s for g in kept for s in g]
+    for s in samples:
+        s.validate()
+    width = max(1, max(s.response_length for s in samples))
+    mask = torch.zeros((len(samples), width))
+    old = torch.zeros((len(samples), width))
+    has_lp = all(s.rollout_logprobs is not None for s in samples)
+    for i, s in enumerate(samples):
+        r = s.response_length
+        mask[i, :r] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+        if s.rollout_logprobs is not None:
+            old[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    rewards = torch.tensor([[s.scalar_reward(reward_key) for s in g] for g in kept], dtype=torch.float32)
+    lengths = [s.response_length for s in samples]
+    metrics = {
+        "train/groups": float(len(kept)),
+        "train/dropped_groups": float(dropped),
+        "train/response_len_mean": float(sum(lengths) / len(lengths)),
+        "train/response_len_max": float(max(lengths)),
+        "train/reward_mean": float(rewards.mean()),
+        "train/truncated_frac": float(sum(s.status == Status.TRUNCATED for s in samples) / len(samples)),
+    }
+    return TrainBatch(
+        tokens=[list(s.tokens) for s in samples],
+        response_lengths=lengths,
+        loss_mask=mask,
+        rollout_logprobs=old,
+        has_rollout_logprobs=has_lp,
+        rewards=rewards,
+        group_size=len(kept[0]),
+        weight_versions=[list(s.weight_versions) for s in samples],
+        metrics=metrics,
+    )
+
+
+def split_even(indices: Sequence[int], parts: int) -> list[list[int]]:
+    """Split into `parts` contiguous chunks whose sizes differ by at most one (some may be empty)."""
+    n = len(indices)
+    out, start = [], 0
+    for p in range(parts):
+        size = n // parts + (1 if p < n % parts else 0)
+        out.append(list(indices[start : start + size]))
+        start += size
+    return out
+
+
+def micro_batches(
+    rows: Sequence[int], micro_batch_size: int, *, rank: int, world_size: int
+) -> list[list[int]]:
+    """This rank's micro-batches of `rows`.
+
+    Rows are dealt to ranks in contiguous even chunks; every rank gets the SAME number of
+    micro-batches (FSDP collectives must line up), so some may be empty on some ranks.
+    """
+    per_rank = split_even(rows, world_size)
+    count = max(1, max(-(-len(chunk) // micro_batch_size) for chunk in per_rank))
+    return split_even(per_rank[rank], count)

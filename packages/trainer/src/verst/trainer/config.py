@@ -1,0 +1,315 @@
+"""The run config: `TrainConfig` and the composition `RunConfig`, loaded from TOML.
+
+A run config is five sections — `run`, `engine`, `rollout`, `train`, `algorithm` — each owned by
+the component it configures. `load_run_config` reads TOML plus `a.b.c=value` overrides and turns
+pydantic's errors into `Problem`s; `validate_run_config` adds the cross-section checks (rollout
+capabilities, algorithm combinations, FSDP placement) and raises every problem in ONE
+`ConfigError`, before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from verst.rollout.config import RolloutConfig, Section
+
+try:  # TEMP-E2: until helper B lands engines/config.py
+    from verst.rollout.engines.config import EngineConfig
+except ModuleNotFoundError:
+
+    class EngineConfig(Section):  # type: ignore[no-redef]
+        model_path: str | None = Field(None, description="temp")
+
+
+from verst.rollout.errors import ConfigError, Problem
+from verst.trainer.algorithms import AlgorithmConfig
+
+
+class TrainConfig(Section):
+    """The policy model, its optimizer and how a step is computed."""
+
+    model_path: str | None = Field(
+        None,
+        description="Hugging Face model directory loaded with from_pretrained (None = the engine's model).",
+    )
+    ref_model_path: str | None = Field(
+        None, description="Frozen reference model for KL (None = the initial policy, model_path)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype of the trained model (float32 on CPU)."
+    )
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    scheduler: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate schedule after warmup (decays over run.num_steps)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many optimizer steps.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Final lr of cosine/linear decay, as a fraction of lr."
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (None = off).")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Samples per forward/backward; gradients accumulate over the rollout's samples."
+    )
+    num_updates_per_rollout: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per rollout (the rollout's samples split into equal mini-batches).",
+    )
+    logprob_backend: Literal["auto", "torch", "triton", "naive"] = Field(
+        "auto",
+        description=(
+            "Log-prob computation: chunked verst.kernels.linear_token_logprobs ('auto' = Triton on CUDA, "
+            "torch on CPU), or 'naive' full-vocabulary log_softmax (memory-hungry, for checks)."
+        ),
+    )
+    logprob_chunk_size: int = Field(
+        256, ge=1, description="Tokens per chunk of the chunked log-prob path (bounds logits memory)."
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel: 'auto' = flash_attention_2 when installed on CUDA, else sdpa."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack a micro-batch's sequences into one row (padding-free, block-diagonal attention).",
+    )
+    fsdp: bool = Field(
+        False,
+        description="Shard parameters, gradients and optimizer state with FSDP2 across the launched processes.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (None = torch's default)."
+    )
+
+
+class RunSection(Section):
+    """The run as a whole."""
+
+    name: str = Field("run", description="Run name (shown in logs).")
+    output_dir: str = Field("runs/run", description="Run directory: config, metrics, checkpoints, events.")
+    num_steps: int = Field(10, ge=1, description="Training steps (one rollout + one train step each).")
+    seed: int = Field(
+        0, description="Base seed of the run (rollout sampling seeds derive from rollout.seed)."
+    )
+    save_interval: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    keep_checkpoints: int | None = Field(
+        2, ge=1, description="Keep only the newest N checkpoints (None = keep all)."
+    )
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint in the run directory.")
+    placement: Literal["local", "ray"] = Field(
+        "local", description="'local' = one process (or torchrun ranks); 'ray' = Ray actors."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables (win over the ambient environment)."
+    )
+
+
+class RunConfig(Section):
+    """A whole run: the composition of every component's section."""
+
+    run: RunSection = Field(default_factory=RunSection, description="The run: steps, output, checkpoints.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine(s).")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How rollouts are generated.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The policy model and optimizer.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, KL, entropy."
+    )
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"a.b.c=value"` → `(["a", "b", "c"], value)`; the value is parsed as TOML, else kept a string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            [Problem(text, "an override must look like 'section.key=value'", "e.g. train.lr=1e-5")]
+        )
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Set each dotted key in a nested dict (creating tables as needed); returns `data`."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML run config (None = all defaults) with overrides; raise one `ConfigError` on any error."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError([Problem(str(path), "config file not found", "check the path")]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([Problem(str(path), f"not valid TOML: {exc}", "fix the TOML syntax")]) from None
+    apply_overrides(data, overrides)
+    return run_config_from_dict(data)
+
+
+def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """Build a `RunConfig`; pydantic errors become one `ConfigError` of `Problem`s."""
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(problems_from_validation_error(exc, RunConfig)) from None
+
+
+def _fields_at(model: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any] | None:
+    """The fields of the (nested) model at `loc`, or None if it is not a model."""
+    current: Any = model
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            ann = current.model_fields[part].annotation
+            current = _model_in(ann)
+        elif isinstance(part, str) and current is dict:
+            current = None
+        else:
+            return None
+        if current is None:
+            return None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return dict(current.model_fields)
+    return None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (`X`, `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def problems_from_validation_error(exc: ValidationError, model: type[BaseModel]) -> list[Problem]:
+    """Translate pydantic errors: key, why, fix; unknown keys suggest the closest valid key."""
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not isinstance(p, int)]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(model, loc[:-1]) or {}
+            close = difflib.get_close_matches(str(loc[-1]), list(valid), n=1, cutoff=0.5)
+            fix = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else ""
+            fix += f" valid keys here: {', '.join(sorted(valid))}" if valid else " remove it"
+            problems.append(Problem(key, "unknown key", fix.strip()))
+            continue
+        fix = "see `verst train --help` for this field's type and meaning"
+        valid = _fields_at(model, loc[:-1]) or {}
+        field = valid.get(str(loc[-1])) if loc else None
+        if field is not None and field.description:
+            fix = f"expected: {field.description} (default {field.default!r})"
+        problems.append(Problem(key, f"{err['msg']} (got {err.get('input')!r})", fix))
+    return problems
+
+
+# ---------------------------------------------------------------- cross-section validation
+
+
+def train_problems(
+    cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
+) -> list[Problem]:
+    """Trainer checks: FSDP placement, model path, attention kernel, batch splits."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    problems = []
+    world_size = int(env.get("WORLD_SIZE", "1") or 1)
+    if cfg.train.fsdp and not cuda_available and world_size < 2:
+        problems.append(
+            Problem(
+                "train.fsdp",
+                "FSDP on CPU with a single process would run unsharded (accelerate ignores its FSDP "
+                "plugin on CPU, and one process has nothing to shard across)",
+                "launch 2+ processes, e.g. `torchrun --nproc_per_node 2 -m verst.trainer.cli train CONFIG`, "
+                "or set train.fsdp=false",
+            )
+        )
+    if cfg.train.model_path is None and _engine_model_path(cfg) is None:
+        problems.append(
+            Problem("train.model_path", "no model to train", "set train.model_path (or engine.model_path)")
+        )
+    if cfg.train.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None or not cuda_available:
+            problems.append(
+                Problem(
+                    "train.attn_implementation",
+                    "flash_attention_2 needs CUDA and the flash-attn package",
+                    "install it with `uv sync --extra flash-attn` on a GPU box, or use 'auto'/'sdpa'",
+                )
+            )
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    if samples % cfg.train.num_updates_per_rollout:
+        problems.append(
+            Problem(
+                "train.num_updates_per_rollout",
+                f"the rollout's {samples} samples do not split into {cfg.train.num_updates_per_rollout} "
+                "equal mini-batches",
+                "choose a divisor of rollout.batch_size * rollout.n_samples_per_prompt",
+            )
+        )
+    if cfg.rollout.fully_async and cfg.run.placement == "local":
+        pass  # the fully-async strategy owns its checks (verst.rollout.validation)
+    return problems
+
+
+def _engine_model_path(cfg: RunConfig) -> str | None:
+    return getattr(cfg.engine, "model_path", None) or getattr(cfg.engine, "model", None)
+
+
+def resolved_model_path(cfg: RunConfig) -> str:
+    """The model the trainer loads: train.model_path, else the engine's."""
+    path = cfg.train.model_path or _engine_model_path(cfg)
+    if path is None:
+        raise ConfigError([Problem("train.model_path", "no model to train", "set train.model_path")])
+    return str(path)
+
+
+def validate_run_config(
+    cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
+) -> None:
+    """Every cross-section check at once; raise one `ConfigError` listing each problem with its fix."""
+    problems: list[Problem] = []
+    problems += list(cfg.algorithm.problems())
+    try:
+        from verst.rollout.validation import validate_rollout_config
+
+        validate_rollout_config(cfg.rollout, env)
+    except ConfigError as exc:
+        problems += exc.problems
+    problems += train_problems(cfg, env, cuda_available=cuda_available)
+    if problems:
+        raise ConfigError(problems)

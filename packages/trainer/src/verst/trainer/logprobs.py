@@ -1,0 +1,170 @@
+"""Per-token log-probs (and entropy) of response tokens, from hidden states and the LM head.
+
+The model runs only its decoder (`get_decoder()`); the hidden states at the positions that
+predict response tokens are gathered into `[num_response_tokens, hidden]` and go through
+`verst.kernels.linear_token_logprobs` with the LM-head weight, in chunks, so the full
+`[tokens, vocab]` logits never exist (forward and backward). Temperature is the rollout's: the
+engine reports `log_softmax(logits / T)` of each sampled token, so the trainer does the same.
+
+Sequences are packed padding-free by default: a micro-batch becomes one row `[1, total]` with
+`position_ids` restarting at 0 for each sequence and no attention mask; transformers then
+builds a block-diagonal causal mask (SDPA/eager) or uses varlen kernels (flash-attention), so
+no token attends across sequences (tested against the right-padded layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PackedInputs:
+    """One micro-batch laid out for the decoder, plus where the response predictions sit."""
+
+    input_ids: torch.Tensor  # [rows, width]
+    """Token ids (one packed row, or right-padded rows)."""
+    position_ids: torch.Tensor  # [rows, width]
+    """Positions, restarting at 0 for every sequence."""
+    attention_mask: torch.Tensor | None  # [rows, width]
+    """1 = real token (padded layout only; None when packed)."""
+    gather_index: torch.Tensor  # [num_response_tokens]
+    """Flat indices into `rows * width` of the hidden states that predict response tokens."""
+    target_ids: torch.Tensor  # [num_response_tokens]
+    """The response tokens those positions predict."""
+    response_lengths: list[int]
+    """Response length of each sequence, in order (to unflatten the result)."""
+
+
+def pack_sequences(
+    tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, packing: bool, pad_id: int = 0
+) -> PackedInputs:
+    """Lay out sequences (prompt + response ids) for one forward pass.
+
+    Position `p` predicts token `p + 1`, so a sequence of length L with R response tokens needs
+    the hidden states at positions `L-R-1 .. L-2`.
+    """
+    if any(r > 0 and r >= len(t) for t, r in zip(tokens, response_lengths, strict=True)):
+        raise ValueError("every sequence with a response needs at least one prompt token before it")
+    gather, targets = [], []
+    if packing:
+        ids, pos, offset = [], [], 0
+        for seq, r in zip(tokens, response_lengths, strict=True):
+            n = len(seq)
+            ids.extend(seq)
+            pos.extend(range(n))
+            gather.extend(range(offset + n - r - 1, offset + n - 1))
+            targets.extend(seq[n - r :])
+            offset += n
+        return PackedInputs(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            position_ids=torch.tensor([pos], dtype=torch.long),
+            attention_mask=None,
+            gather_index=torch.tensor(gather, dtype=torch.long),
+            target_ids=torch.tensor(targets, dtype=torch.long),
+            response_lengths=list(response_lengths),
+        )
+    width = max(len(t) for t in tokens)
+    ids_t = torch.full((len(tokens), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(tokens), width), dtype=torch.long)
+    for row, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
+        n = len(seq)
+        ids_t[row, :n] = torch.tensor(seq, dtype=torch.long)
+        mask[row, :n] = 1
+        gather.extend(range(row * width + n - r - 1, row * width + n - 1))
+        targets.extend(seq[n - r :])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return PackedInputs(
+        input_ids=ids_t,
+        position_ids=pos,
+        attention_mask=mask,
+        gather_index=torch.tensor(gather, dtype=torch.long),
+        target_ids=torch.tensor(targets, dtype=torch.long),
+        response_lengths=list(response_lengths),
+    )
+
+
+def unflatten(flat: torch.Tensor, response_lengths: Sequence[int], width: int) -> torch.Tensor:
+    """`[sum(R)]` → right-padded `[num_seqs, width]` (zeros past each response)."""
+    out = flat.new_zeros((len(response_lengths), width))
+    offset = 0
+    for row, r in enumerate(response_lengths):
+        out[row, :r] = flat[offset : offset + r]
+        offset += r
+    return out
+
+
+def hidden_logprobs(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    target_ids: torch.Tensor,  # [N]
+    *,
+    temperature: float,
+    return_entropy: bool,
+    backend: str = "auto",
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(hidden @ weight.T / T)`."""
+    if backend == "naive":
+        logp = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)  # [N, V]
+        lp = logp.gather(-1, target_ids[:, None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1) if return_entropy else None
+        return lp, ent
+    from verst.kernels import linear_token_logprobs
+
+    kwargs = {} if backend == "auto" else {"backend": backend}
+    out = linear_token_logprobs(
+        hidden,
+        weight,
+        target_ids,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        chunk_size=chunk_size,
+        **kwargs,
+    )
+    if return_entropy:
+        return out[0], out[1]
+    return (out[0] if isinstance(out, tuple) else out), None
+
+
+class PolicyLogprobs(nn.Module):
+    """Wraps a Hugging Face causal LM so one `forward` returns response-token log-probs.
+
+    Being a module matters for FSDP2: the wrapper is the root unit, so its forward all-gathers
+    the embeddings, final norm and LM head (decoder layers are their own units) and the LM-head
+    weight used by the chunked kernel is the full one, with gradients reduce-scattered after.
+    """
+
+    def __init__(self, policy: nn.Module, *, backend: str = "auto", chunk_size: int = 256) -> None:
+        super().__init__()
+        self.policy = policy
+        self.backend = backend
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, inputs: PackedInputs, *, temperature: float = 1.0, return_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat log-probs `[num_response_tokens]` (and entropy) for a packed/padded micro-batch."""
+        device = next(self.policy.parameters()).device
+        decoder = self.policy.get_decoder()
+        out = decoder(
+            input_ids=inputs.input_ids.to(device),
+            position_ids=inputs.position_ids.to(device),
+            attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(device),
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state  # [rows, width, H]
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index.to(device))
+        weight = self.policy.get_output_embeddings().weight  # [V, H]
+        return hidden_logprobs(
+            hidden,
+            weight,
+            inputs.target_ids.to(device),
+            temperature=temperature if temperature > 0 else 1.0,
+            return_entropy=return_entropy,
+            backend=self.backend,
+            chunk_size=self.chunk_size,
+        )

@@ -1,0 +1,160 @@
+"""Build the policy (trained) and the reference (frozen) models, the optimizer and the scheduler.
+
+accelerate builds and prepares model, optimizer and scheduler (device placement, mixed
+precision, DDP, and FSDP2 on GPUs through its plugin). The one case accelerate gets wrong —
+FSDP requested on CPU, where its plugin is silently ignored — is handled here: verst shards with
+FSDP2 `fully_shard` directly over gloo (see `verst.trainer.fsdp`). With one CPU process FSDP is
+refused at validation; `build_policy` re-checks so it can never run unsharded while the config
+says FSDP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from verst.trainer.config import TrainConfig
+from verst.trainer.fsdp import DistInfo, ensure_process_group, is_sharded, shard_fsdp2
+from verst.trainer.logprobs import PolicyLogprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_attn_implementation(requested: str, *, cuda: bool) -> str:
+    """'auto' → flash_attention_2 when flash-attn is installed and CUDA is there, else sdpa."""
+    if requested != "auto":
+        return requested
+    if cuda and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_hf_model(path: str, *, dtype: str, attn_implementation: str) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the chosen dtype and attention kernel."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+    )
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """The lr multiplier per optimizer step: linear warmup, then constant / cosine / linear decay."""
+
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.scheduler == "constant":
+            return 1.0
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return fn
+
+
+@dataclass
+class PolicyBundle:
+    """The trained model and what updates it."""
+
+    module: nn.Module
+    """What forward/backward go through: the log-prob wrapper, as prepared (FSDP root, DDP...)."""
+    inner: PolicyLogprobs
+    """The log-prob wrapper itself; `inner.policy` is the Hugging Face model."""
+    optimizer: torch.optim.Optimizer
+    """AdamW (wrapped by accelerate when it prepared it)."""
+    scheduler: Any
+    """A LambdaLR (wrapped by accelerate when it prepared it)."""
+    accelerator: Any
+    """The `accelerate.Accelerator`, or None on the direct-FSDP2 CPU path."""
+    dist: DistInfo
+    """This process's place in the world."""
+    sharding: str
+    """'none', 'fsdp2-direct' (CPU, gloo) or 'fsdp2-accelerate' (GPU)."""
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The underlying Hugging Face model."""
+        return self.inner.policy
+
+    def raw_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer under any accelerate wrapper (for state dicts)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def raw_scheduler(self) -> Any:
+        """The torch scheduler under any accelerate wrapper."""
+        return getattr(self.scheduler, "scheduler", self.scheduler)
+
+
+def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_info: DistInfo) -> PolicyBundle:
+    """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
+    cuda = torch.cuda.is_available()
+    attn = resolve_attn_implementation(cfg.attn_implementation, cuda=cuda)
+    hf = load_hf_model(model_path, dtype=cfg.dtype, attn_implementation=attn)
+    if cfg.gradient_checkpointing:
+        hf.gradient_checkpointing_enable()
+    hf.config.use_cache = False
+    module = PolicyLogprobs(hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size)
+
+    def make_opt(params):
+        opt = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+
+    if cfg.fsdp and not cuda:
+        if not dist_info.distributed:
+            raise RuntimeError(
+                "train.fsdp=true on CPU with one process would run unsharded (accelerate ignores its "
+                "FSDP plugin on CPU); launch 2+ processes with torchrun or set train.fsdp=false"
+            )
+        ensure_process_group(dist_info, cuda=False)
+        shard_fsdp2(module, hf)
+        if not any(is_sharded(p) for p in module.parameters()):
+            raise RuntimeError("FSDP2 sharding left every parameter whole; refusing to train unsharded")
+        opt, sched = make_opt(module.parameters())
+        return PolicyBundle(module, module, opt, sched, None, dist_info, "fsdp2-direct")
+
+    from accelerate import Accelerator
+
+    plugin = None
+    if cfg.fsdp:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=list(getattr(hf, "_no_split_modules", None) or []),
+            reshard_after_forward=True,
+        )
+    accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin)
+    opt, sched = make_opt(module.parameters())
+    prepared, opt, sched = accelerator.prepare(module, opt, sched)
+    inner = accelerator.unwrap_model(prepared)
+    sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
+    return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding)
+
+
+def build_reference(cfg: TrainConfig, model_path: str, dist_info: DistInfo) -> PolicyLogprobs:
+    """The frozen reference model (no grads; sharded like the policy when FSDP is on)."""
+    cuda = torch.cuda.is_available()
+    hf = load_hf_model(
+        model_path,
+        dtype=cfg.dtype,
+        attn_implementation=resolve_attn_implementation(cfg.attn_implementation, cuda=cuda),
+    )
+    hf.requires_grad_(False)
+    hf.eval()
+    module = PolicyLogprobs(hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size)
+    if cfg.fsdp and dist_info.distributed:
+        ensure_process_group(dist_info, cuda=cuda)
+        shard_fsdp2(module, hf, device=torch.device("cuda", dist_info.local_rank) if cuda else None)
+    elif cuda:
+        module.to(torch.device("cuda", dist_info.local_rank))
+    return module

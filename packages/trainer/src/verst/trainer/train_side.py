@@ -1,0 +1,324 @@
+"""`TrainSide`: the policy, its reference, optimizer and scheduler, and one train step.
+
+The controller talks to it only through `train_step`, `compute_old_logprobs`,
+`state_dict_for_sync`, `save` / `load` and `close` — a surface narrow enough for a Ray actor
+(or each torchrun rank) to implement. Every rank holds the whole (small) `TrainBatch`; rows are
+dealt to ranks in even chunks and each rank runs the same number of micro-batches, so FSDP
+collectives line up. The loss of each micro-batch is normalised by the step-global `LossNorm`
+and multiplied by the world size (FSDP/DDP average gradients), so gradient accumulation over
+micro-batches and ranks equals the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verst.trainer.algorithms import AlgorithmConfig, LossNorm, build_algorithm
+from verst.trainer.batch import TrainBatch, micro_batches, split_even
+from verst.trainer.config import TrainConfig
+from verst.trainer.fsdp import DistInfo, all_reduce_mean, clip_grad_norm
+from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
+from verst.trainer.model import build_policy, build_reference
+
+_SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
+"""Algorithm metrics already normalised by the global LossNorm: summed over micro-batches."""
+
+
+class TrainSide:
+    """Owns the trained model; turns train batches into optimizer steps."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        model_path: str,
+        total_steps: int,
+        max_response_len: int,
+        temperature: float,
+        env: Mapping[str, str],
+    ) -> None:
+        self.cfg = cfg
+        self.dist = DistInfo.from_env(env)
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_response_len = max_response_len
+        self.model_path = model_path
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        self.algo = build_algorithm(algorithm)
+        self.bundle = build_policy(
+            cfg, model_path, total_steps=total_steps * cfg.num_updates_per_rollout, dist_info=self.dist
+        )
+        self.ref: PolicyLogprobs | None = None
+        if self.algo.needs_reference:
+            self.ref = build_reference(cfg, cfg.ref_model_path or model_path, self.dist)
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------ log-probs
+
+    def _forward(
+        self, module: torch.nn.Module, batch: TrainBatch, rows: list[int], *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) `[len(rows), R]` of `rows`; a 1-token dummy for empty rows.
+
+        An empty micro-batch still runs a forward (FSDP collectives must line up across ranks);
+        the caller multiplies its loss by 0.
+        """
+        width = batch.max_response_len
+        if not rows:
+            seq = batch.tokens[0][:2]
+            inputs = pack_sequences([seq], [1], packing=True)
+            lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
+            return lp[None, :1], (ent[None, :1] if ent is not None else None)
+        inputs = pack_sequences(
+            [batch.tokens[i] for i in rows],
+            [batch.response_lengths[i] for i in rows],
+            packing=self.cfg.packing,
+        )
+        lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
+        lp = unflatten(lp, inputs.response_lengths, width)
+        return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
+
+    @torch.no_grad()
+    def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs `[B, R]` of every sample (no grad), gathered from all ranks."""
+        out = torch.zeros(batch.loss_mask.shape)
+        for mb in micro_batches(
+            range(batch.num_samples),
+            self.cfg.micro_batch_size,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        ):
+            lp, _ = self._forward(module, batch, mb, entropy=False)
+            if mb:
+                out[mb] = lp.float().cpu()
+        if self.dist.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(out)  # each row is filled on exactly one rank
+        return out
+
+    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The current policy's log-probs `[B, R]` of the batch (before any update)."""
+        was_training = self.bundle.module.training
+        self.bundle.module.eval()
+        try:
+            return self._all_logprobs(self.bundle.module, batch)
+        finally:
+            self.bundle.module.train(was_training)
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The frozen reference's log-probs `[B, R]`, or None when no reference is loaded."""
+        return None if self.ref is None else self._all_logprobs(self.ref, batch)
+
+    # ------------------------------------------------------------ the step
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Advantages, then `num_updates_per_rollout` optimizer steps over the batch; returns metrics."""
+        algo, cfg = self.algo, self.cfg
+        mask = batch.loss_mask  # [B, R]
+        rollout_lp = batch.rollout_logprobs if batch.has_rollout_logprobs else None
+        if algo.needs_rollout_logprobs and rollout_lp is None:
+            raise ValueError(
+                "the algorithm needs rollout log-probs (tis / use_rollout_logprobs_as_old) but the "
+                "engine returned none; request log-probs from the engine"
+            )
+        ref_lp = self.compute_ref_logprobs(batch)
+        precompute_old = algo.needs_old_logprobs and (
+            cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward
+        )
+        old_all = self.compute_old_logprobs(batch) if precompute_old else None
+        kl = None
+        if algo.needs_kl_in_reward:
+            kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
+        advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
+
+        self.bundle.module.train()
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        step_metrics: list[dict[str, float]] = []
+        for rows in split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout):
+            norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
+            for mb in micro_batches(
+                rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size
+            ):
+                self._micro_step(batch, mb, norm, advantages, old_all, ref_lp, rollout_lp, sums, weights)
+            step_metrics.append(self._optimizer_step())
+        metrics = {k: sums[k] / max(weights[k], 1e-12) for k in sums}
+        metrics = all_reduce_mean(metrics, self.dist) if self.dist.distributed else metrics
+        out = {f"train/{k}": v for k, v in metrics.items()}
+        for k in step_metrics[-1]:
+            out[f"train/{k}"] = step_metrics[-1][k]
+        out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
+        out.update(batch.metrics)
+        return out
+
+    def _micro_step(
+        self,
+        batch: TrainBatch,
+        mb: list[int],
+        norm: LossNorm,
+        advantages: torch.Tensor,
+        old_all: torch.Tensor | None,
+        ref_lp: torch.Tensor | None,
+        rollout_lp: torch.Tensor | None,
+        sums: dict[str, float],
+        weights: dict[str, float],
+    ) -> None:
+        lp, ent = self._forward(self.bundle.module, batch, mb, entropy=True)
+        if not mb:
+            loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
+            self._backward(loss)
+            return
+        device = lp.device
+        m = batch.loss_mask[mb].to(device)
+        rl = rollout_lp[mb].to(device) if rollout_lp is not None else None
+        old = old_all[mb].to(device) if old_all is not None else lp.detach()
+        out = self.algo.loss(
+            lp,
+            old if self.algo.needs_old_logprobs else None,
+            advantages[mb].to(device),
+            m,
+            rollout_logprobs=rl,
+            ref_logprobs=ref_lp[mb].to(device) if ref_lp is not None else None,
+            entropy=ent,
+            norm=norm,
+        )
+        self._backward(out.loss * self.dist.world_size)
+        ntok = float(m.sum())
+        metrics = dict(out.metrics)
+        if rl is not None:
+            diff = (lp.detach() - rl).abs() * m
+            metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
+            metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
+        for k, v in metrics.items():
+            if k in _SUMMED:
+                sums[k] = sums.get(k, 0.0) + v
+                weights[k] = 1.0
+            elif k.endswith("_max"):
+                sums[k] = max(sums.get(k, 0.0), v)
+                weights[k] = 1.0
+            else:
+                sums[k] = sums.get(k, 0.0) + v * ntok
+                weights[k] = weights.get(k, 0.0) + ntok
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        acc = self.bundle.accelerator
+        if acc is not None:
+            acc.backward(loss)
+        else:
+            loss.backward()
+
+    def _optimizer_step(self) -> dict[str, float]:
+        params = [p for p in self.bundle.module.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, self.cfg.max_grad_norm)
+        lr = self.bundle.raw_optimizer().param_groups[0]["lr"]
+        self.bundle.optimizer.step()
+        self.bundle.scheduler.step()
+        self.bundle.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ------------------------------------------------------------ weights and state
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights with the Hugging Face names; a collective under FSDP.
+
+        Under FSDP only rank 0 receives tensors (the others get an empty dict).
+        """
+        if self.bundle.sharding == "none":
+            return {k: v.detach() for k, v in self.bundle.hf_model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(
+            self.bundle.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {k.removeprefix("policy."): v for k, v in sd.items()}
+
+    def save_hf(self, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write the current weights as a Hugging Face checkpoint (config, weights, tokenizer)."""
+        sd = dict(state_dict) if state_dict is not None else self.state_dict_for_sync()
+        if not self.dist.is_main:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.bundle.hf_model.save_pretrained(path, state_dict=sd)
+        for name in Path(self.model_path).iterdir():
+            wanted = "token" in name.name or name.name == "generation_config.json"
+            if name.is_file() and wanted and not (path / name.name).exists():
+                shutil.copy2(name, path / name.name)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.bundle.sharding == "none":
+            return self.bundle.raw_optimizer().state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            self.bundle.module,
+            self.bundle.raw_optimizer(),
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Model (HF layout), optimizer, scheduler and counters into `path` (a collective under FSDP)."""
+        path = Path(path)
+        sd = self.state_dict_for_sync()
+        opt = self._optimizer_state()
+        if not self.dist.is_main:
+            return
+        self.save_hf(path / "model", sd)
+        torch.save(
+            {
+                "optimizer": opt,
+                "scheduler": self.bundle.raw_scheduler().state_dict(),
+                "optimizer_steps": self.optimizer_steps,
+            },
+            path / "train_state.pt",
+        )
+
+    def load(self, path: str | Path) -> None:
+        """Restore what `save` wrote (every rank reads the files)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        sd: dict[str, torch.Tensor] = {}
+        for f in sorted((path / "model").glob("*.safetensors")):
+            sd.update(load_file(f))
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        if self.bundle.sharding == "none":
+            missing, unexpected = self.bundle.hf_model.load_state_dict(sd, strict=False)
+            tied = (
+                {"lm_head.weight"}
+                if getattr(self.bundle.hf_model.config, "tie_word_embeddings", False)
+                else set()
+            )
+            if unexpected or set(missing) - tied:
+                raise RuntimeError(
+                    f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
+                )
+            self.bundle.raw_optimizer().load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.bundle.module, {f"policy.{k}": v for k, v in sd.items()}, options=opts)
+            set_optimizer_state_dict(
+                self.bundle.module, self.bundle.raw_optimizer(), state["optimizer"], options=opts
+            )
+        self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+    def close(self) -> None:
+        """Release the models (the process group is the launcher's to destroy)."""
+        self.bundle = None  # type: ignore[assignment]
+        self.ref = None
