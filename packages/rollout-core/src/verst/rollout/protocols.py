@@ -102,6 +102,9 @@ class RolloutContext:
     """Named eval sets: prompt samples (PENDING, one per prompt)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """The effective environment (`resolve_extra_env_vars`); never read `os.environ` instead."""
+    v1_args: Mapping[str, Any] = field(default_factory=dict)
+    """Extra settings for v1 functions' `args` (e.g. `hf_checkpoint`, `sglang_router_ip`,
+    `sglang_router_port`); see `verst.rollout.v1_args.build_v1_args`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,13 @@ class GenerateState:
     """Bounds concurrent engine requests (`rollout.max_concurrency`)."""
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the rollout has what it needs; generate functions stop early."""
+    request_prefix: str = ""
+    """Prefix of this rollout's engine request ids (`"" = f"r{rollout_id}"`); the strategy aborts
+    exactly this rollout's requests with `engine.abort(request_prefix + "-")`."""
+    generate_fn: Any = None
+    """The strategy's `GenerateFn` (None = `verst.rollout.generate.SingleTurnGenerate`)."""
+    generate_fn_cache: dict[str, Any] = field(default_factory=dict)
+    """Per-sample generate functions already loaded, by import path (owned by the strategy)."""
 
     @property
     def engine(self) -> InferenceEngine:

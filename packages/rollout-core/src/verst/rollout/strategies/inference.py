@@ -1,0 +1,399 @@
+"""`InferenceRollout`: the default, class-based rollout strategy.
+
+One training rollout:
+
+1. Pull `over_sampling_batch_size` groups at a time from the data source and submit each group
+   as a task (`generate_and_rm_group`); the semaphore inside `generate_and_rm` bounds engine
+   requests. Waves keep coming while the kept groups plus the groups in flight fall short of
+   `batch_size`.
+2. As groups finish, apply the dynamic filters (drops are counted per reason,
+   `rollout/dropped/<reason>`). A group whose generation raised (`GroupGenerationError`) is
+   logged and resubmitted up to `max_group_retries` times, then its samples are marked FAILED
+   with the error in their metadata and counted (`rollout/failed_groups`) — never trained on,
+   never silently dropped.
+3. Once `batch_size` groups are kept: set `state.aborted`, abort this rollout's engine requests
+   by their id prefix, wait for the groups in flight, and hand every unused group back to the
+   data source — with `partial_rollout` as they are (ABORTED samples keep their partial tokens
+   and `start_rollout_id`), otherwise reset to fresh prompts. None is lost.
+
+An eval request runs every dataset in `context.eval_datasets` (no lifecycle events) and returns
+`RolloutResult(eval={name: groups}, metrics={"eval/<name>/reward_mean": ...})`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from verst.rollout.engine import SamplingParams
+from verst.rollout.generate import (
+    GroupGenerationError,
+    SingleTurnGenerate,
+    generate_and_rm_group,
+    reset_sample,
+)
+from verst.rollout.loading import load_generate_function
+from verst.rollout.logging_utils import log_first_sample, log_rollout_finish, sample_text_preview
+from verst.rollout.protocols import (
+    Capability,
+    GenerateFn,
+    GenerateState,
+    RolloutContext,
+    RolloutRequest,
+    RolloutResult,
+)
+from verst.rollout.sample import Sample, Status
+from verst.rollout.sampling import sampling_params_for
+from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+"""Version of `InferenceRollout.state_dict()`'s layout."""
+
+
+@dataclass
+class _Tally:
+    """Counters of one training rollout (turned into metrics at the end)."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Dropped groups per filter reason."""
+    failed_groups: int = 0
+    """Groups marked FAILED after their retries."""
+    group_retries: int = 0
+    """Resubmissions of groups whose generation raised."""
+    reward_errors: int = 0
+    """Samples whose reward function raised."""
+    returned_groups: int = 0
+    """Unused groups handed back to the data source."""
+    aborted_samples: int = 0
+    """ABORTED samples among the handed-back groups."""
+    generated_tokens: int = 0
+    """Response tokens of every finished group (kept or dropped)."""
+    finished_groups: int = 0
+    """Groups that finished generating (kept, dropped or unfinished)."""
+
+
+def _scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
+    return [
+        s.scalar_reward(reward_key) for s in samples if s.reward is not None and s.status is not Status.FAILED
+    ]
+
+
+def sample_metrics(samples: list[Sample], reward_key: str | None, prefix: str) -> dict[str, float]:
+    """Reward mean/std, response length mean/max and truncated fraction of `samples`."""
+    out: dict[str, float] = {}
+    if not samples:
+        return out
+    rewards = _scalar_rewards(samples, reward_key)
+    if rewards:
+        out[f"{prefix}/reward_mean"] = statistics.fmean(rewards)
+        out[f"{prefix}/reward_std"] = statistics.pstdev(rewards)
+    lengths = [s.response_length for s in samples]
+    out[f"{prefix}/response_length_mean"] = statistics.fmean(lengths)
+    out[f"{prefix}/response_length_max"] = float(max(lengths))
+    out[f"{prefix}/truncated_frac"] = sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
+    return out
+
+
+class InferenceRollout:
+    """The default strategy (see the module docstring).
+
+    It takes a `RolloutContext` rather than the trainer or an argparse namespace: the context
+    is everything a rollout needs (config, data source, engine, tokenizer, rewards, sink), so
+    the same object runs in the driver or inside a Ray actor.
+    """
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(Capability) - {Capability.FULLY_ASYNC}
+    abort_grace_s: ClassVar[float] = 60.0
+    """Seconds to wait for in-flight groups after the engine abort before cancelling them."""
+
+    def __init__(self, context: RolloutContext) -> None:
+        self.context = context
+        """What the strategy was built from."""
+        config = context.config
+        self.generate_fn: GenerateFn = (
+            load_generate_function(config.generate_function_path, config, v1_args=context.v1_args)
+            if config.generate_function_path
+            else SingleTurnGenerate()
+        )
+        """The generate function of every sample without its own `generate_function_path`."""
+        self.filters: list[DynamicFilter] = [
+            load_dynamic_filter(name, config.reward.key) for name in config.dynamic_filters
+        ]
+        """Dynamic filters, applied in order (the first rejection wins)."""
+        self.last_failed_groups: list[list[Sample]] = []
+        """Groups of the last rollout that failed after their retries (FAILED, error in metadata)."""
+        self._generate_fn_cache: dict[str, GenerateFn] = {}
+        self._prefix = f"verst-{secrets.token_hex(4)}"
+        self._counters: dict[str, int] = {"rollouts": 0, "evals": 0, "kept_groups": 0, "failed_groups": 0}
+
+    # ------------------------------------------------------------------ protocol
+
+    async def __call__(self, request: RolloutRequest) -> RolloutResult:
+        if request.evaluation:
+            return await self._evaluate(request)
+        return await self._rollout(request)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "counters": dict(self._counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"InferenceRollout state has version {state.get('version')!r}, expected {STATE_VERSION}; "
+                f"it was saved by an incompatible verst version"
+            )
+        self._counters.update(state["counters"])
+
+    async def close(self) -> None:
+        """Nothing runs between calls; close loaded generate functions that have a `close`."""
+        for fn in [self.generate_fn, *self._generate_fn_cache.values()]:
+            close = getattr(fn, "close", None)
+            if close is not None:
+                out = close()
+                if asyncio.iscoroutine(out):
+                    await out
+        self._generate_fn_cache.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_state(self, request: RolloutRequest, tag: str) -> GenerateState:
+        return GenerateState(
+            context=self.context,
+            rollout_id=request.rollout_id,
+            weight_version=request.weight_version,
+            semaphore=asyncio.Semaphore(self.context.config.max_concurrency),
+            request_prefix=f"{self._prefix}-{tag}{request.rollout_id}",
+            generate_fn=self.generate_fn,
+            generate_fn_cache=self._generate_fn_cache,
+        )
+
+    def _log_group_failure(self, err: GroupGenerationError, retry: bool) -> None:
+        first = err.group[0] if err.group else None
+        logger.warning(
+            "group %s failed (%s: %s) — %s; prompt=%r",
+            first.group_index if first else None,
+            type(err.cause).__name__,
+            sample_text_preview(str(err.cause), 300),
+            "resubmitting" if retry else "giving up, marking it FAILED",
+            sample_text_preview(first.prompt if first else ""),
+        )
+
+    def _hand_back(self, groups: list[list[Sample]], tally: _Tally) -> None:
+        """Return unused groups to the data source (partial samples kept only with partial_rollout)."""
+        if not groups:
+            return
+        partial = self.context.config.partial_rollout
+        for group in groups:
+            for s in group:
+                if s.status is Status.ABORTED:
+                    tally.aborted_samples += 1
+                if not partial or s.status is Status.FAILED:
+                    reset_sample(s)
+                else:
+                    s.metadata.pop("error", None)
+        tally.returned_groups += len(groups)
+        self.context.data_source.add_samples(groups)
+
+    # ------------------------------------------------------------------ training rollout
+
+    async def _rollout(self, request: RolloutRequest) -> RolloutResult:
+        config = self.context.config
+        started = time.perf_counter()
+        state = self._new_state(request, "r")
+        params = sampling_params_for(config)
+        target = config.batch_size
+        wave = config.effective_over_sampling_batch_size
+        tally = _Tally()
+        kept: list[list[Sample]] = []
+        unused: list[list[Sample]] = []
+        failed: list[list[Sample]] = []
+        in_flight: dict[asyncio.Task[list[Sample]], list[Sample]] = {}
+        retries: dict[int, int] = {}
+        next_group = next_sample = 0
+        exhausted = False
+
+        def submit(group: list[Sample]) -> None:
+            in_flight[asyncio.create_task(generate_and_rm_group(state, group, params))] = group
+
+        try:
+            while len(kept) < target:
+                while not exhausted and len(kept) + len(in_flight) < target:
+                    groups = self.context.data_source.get_samples(wave)
+                    if not groups:
+                        exhausted = True
+                        logger.warning("rollout %d: the data source ran out of prompts", request.rollout_id)
+                    for group in groups:
+                        for s in group:
+                            s.group_index, s.sample_index = next_group, next_sample
+                            next_sample += 1
+                        next_group += 1
+                        submit(group)
+                if not in_flight:
+                    break
+                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = in_flight.pop(task)
+                    if len(kept) >= target:
+                        unused.append(_group_of(task, group))
+                        continue
+                    error = task.exception()
+                    if isinstance(error, GroupGenerationError):
+                        used = retries.get(group[0].group_index, 0)
+                        retry = used < config.max_group_retries
+                        self._log_group_failure(error, retry)
+                        if retry:
+                            retries[group[0].group_index] = used + 1
+                            tally.group_retries += 1
+                            submit([reset_sample(s, keep_attempt=True) for s in group])
+                        else:
+                            failed.append(_mark_failed(group, error))
+                        continue
+                    if error is not None:
+                        unused.append(group)
+                        raise error
+                    self._classify(task.result(), kept, unused, tally)
+        finally:
+            state.aborted.set()
+            unused.extend(await self._drain(state, in_flight))
+            self._hand_back(unused, tally)
+
+        self.last_failed_groups = failed
+        result = RolloutResult(groups=kept, metrics=self._metrics(kept, failed, tally, started))
+        self._counters["rollouts"] += 1
+        self._counters["kept_groups"] += len(kept)
+        self._counters["failed_groups"] += len(failed)
+        if kept:
+            log_first_sample(logger, kept[0][0], label=f"rollout {request.rollout_id}")
+        log_rollout_finish(logger, request.rollout_id, result.metrics)
+        return result
+
+    def _classify(
+        self, samples: list[Sample], kept: list[list[Sample]], unused: list[list[Sample]], tally: _Tally
+    ) -> None:
+        """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+        tally.finished_groups += 1
+        tally.generated_tokens += sum(s.response_length for s in samples)
+        reward_errors = sum(s.status is Status.FAILED for s in samples)
+        if reward_errors:
+            tally.reward_errors += reward_errors
+            tally.dropped["reward_error"] = tally.dropped.get("reward_error", 0) + 1
+            return
+        outcome = apply_filters(self.filters, samples)
+        if not outcome.keep:
+            reason = outcome.reason or "filtered"
+            tally.dropped[reason] = tally.dropped.get(reason, 0) + 1
+            return
+        if all(s.status.is_finished for s in samples):
+            kept.append(samples)
+        else:
+            unused.append(samples)
+
+    async def _drain(
+        self, state: GenerateState, in_flight: dict[asyncio.Task[list[Sample]], list[Sample]]
+    ) -> list[list[Sample]]:
+        """Abort this rollout's requests, wait for the groups in flight, return them."""
+        if not in_flight:
+            return []
+        try:
+            await self.context.engine.abort(state.request_prefix + "-")
+        finally:
+            _, pending = await asyncio.wait(in_flight, timeout=self.abort_grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                logger.warning(
+                    "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
+                )
+                await asyncio.wait(pending)
+        return [_group_of(task, group) for task, group in in_flight.items()]
+
+    def _metrics(
+        self, kept: list[list[Sample]], failed: list[list[Sample]], tally: _Tally, started: float
+    ) -> dict[str, float]:
+        samples = [s for g in kept for s in g]
+        elapsed = time.perf_counter() - started
+        metrics = sample_metrics(samples, self.context.config.reward.key, "rollout")
+        metrics.update(
+            {
+                "rollout/kept_groups": float(len(kept)),
+                "rollout/dropped_groups": float(sum(tally.dropped.values())),
+                "rollout/failed_groups": float(len(failed)),
+                "rollout/group_retries": float(tally.group_retries),
+                "rollout/reward_errors": float(tally.reward_errors),
+                "rollout/returned_groups": float(tally.returned_groups),
+                "rollout/aborted": float(tally.aborted_samples),
+                "rollout/generated_tokens": float(tally.generated_tokens),
+                "rollout/time_s": elapsed,
+                "rollout/tokens_per_s": tally.generated_tokens / elapsed if elapsed > 0 else 0.0,
+            }
+        )
+        for reason, count in tally.dropped.items():
+            metrics[f"rollout/dropped/{reason}"] = float(count)
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def _evaluate(self, request: RolloutRequest) -> RolloutResult:
+        config = self.context.config
+        state = self._new_state(request, "e")
+        params = sampling_params_for(config, evaluation=True)
+        result = RolloutResult()
+        for name, prompts in self.context.eval_datasets.items():
+            ds_config = config.eval.datasets.get(name)
+            n = ds_config.n_samples_per_prompt if ds_config is not None else 1
+            groups = []
+            for gi, prompt in enumerate(prompts):
+                group = [reset_sample(prompt.clone()) for _ in range(n)]
+                for j, s in enumerate(group):
+                    s.group_index, s.sample_index = gi, gi * n + j
+                groups.append(group)
+            done = await asyncio.gather(*(self._eval_group(state, g, params) for g in groups))
+            result.eval[name] = list(done)
+            samples = [s for g in done for s in g]
+            result.metrics.update(sample_metrics(samples, config.reward.key, f"eval/{name}"))
+            result.metrics[f"eval/{name}/failed_samples"] = float(
+                sum(s.status is Status.FAILED for s in samples)
+            )
+            if samples:
+                log_first_sample(logger, samples[0], label=f"eval {name} {request.rollout_id}")
+        self._counters["evals"] += 1
+        log_rollout_finish(logger, request.rollout_id, result.metrics)
+        return result
+
+    async def _eval_group(
+        self, state: GenerateState, group: list[Sample], params: SamplingParams
+    ) -> list[Sample]:
+        retries = self.context.config.max_group_retries
+        attempt = 0
+        while True:
+            try:
+                return await generate_and_rm_group(state, group, params, evaluation=True)
+            except GroupGenerationError as err:
+                self._log_group_failure(err, attempt < retries)
+                if attempt >= retries:
+                    return _mark_failed(group, err)
+            attempt += 1
+            for s in group:
+                reset_sample(s, keep_attempt=True)
+
+
+def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sample]:
+    """The samples a finished task produced, or the submitted group if it raised or was cancelled."""
+    if task.cancelled() or task.exception() is not None:
+        return group
+    return task.result()
+
+
+def _mark_failed(group: list[Sample], err: GroupGenerationError) -> list[Sample]:
+    message = f"generate: {type(err.cause).__name__}: {sample_text_preview(str(err.cause), 300)}"
+    for s in group:
+        s.status = Status.FAILED
+        s.metadata["error"] = message
+    return group
