@@ -1,0 +1,358 @@
+"""The v1 rollout entry point, `generate_rollout(args, rollout_id, data_source, evaluation=False)`.
+
+This is the function-based rollout slime and miles users know (slime's
+`sglang_rollout.generate_rollout`): a plain synchronous function that owns one rollout from
+start to end. It differs from the class-based default (`InferenceRollout`) in control flow and
+ABI only — the v1 signature, the v1 `args` namespace, and a function that owns its loop over
+over-sampling waves — while every per-sample piece is rollout-core's: `generate_and_rm` /
+`generate_and_rm_group` (generation, partial-rollout resume, the off-policy loss mask, rewards,
+lifecycle events through the context's sink), the dynamic filters, and the shared log previews.
+
+Where slime reaches its engine through a module-global `GenerateState` singleton, this function
+gets a `LegacyRuntime` explicitly (`runtime=`), or from `args.runtime` (the args that
+`LegacyRolloutStrategy` builds carry it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from verst.rollout.config import RolloutConfig
+from verst.rollout.engine import SamplingParams
+from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
+from verst.rollout.logging_utils import log_first_sample, log_rollout_finish, sample_text_preview
+from verst.rollout.protocols import DataSource, GenerateState
+from verst.rollout.sample import Sample, Status
+from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
+from verst.rollout.strategies.inference import sample_metrics
+from verst.rollout.v1_args import V1Args, build_v1_args
+from verst.rollout_legacy.runtime import LegacyRuntime, runtime_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    """What a v1 rollout function returns for training (slime/miles `RolloutFnTrainOutput`)."""
+
+    samples: list[list[Sample]]
+    """The kept groups, `rollout_batch_size` of them, `n_samples_per_prompt` samples each."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Flat rollout metrics (`rollout/...`)."""
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """What a v1 rollout function returns for evaluation (slime/miles `RolloutFnEvalOutput`)."""
+
+    data: dict[str, list[list[Sample]]]
+    """Groups per eval dataset name."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Flat eval metrics (`eval/<name>/...`)."""
+
+
+def build_legacy_args(runtime: LegacyRuntime) -> V1Args:
+    """The read-only v1 args of the runtime's config (plus the context's extra v1 settings such
+    as `hf_checkpoint`), carrying the runtime itself as `args.runtime`."""
+    return build_v1_args(runtime.config, **{**runtime.context.v1_args, "runtime": runtime})
+
+
+def generate_rollout(
+    args: Any,
+    rollout_id: int,
+    data_source: DataSource,
+    evaluation: bool = False,
+    *,
+    runtime: LegacyRuntime | None = None,
+) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Generate one rollout (or one evaluation) the v1 way; a plain synchronous function.
+
+    Training: groups of `args.n_samples_per_prompt` samples are submitted in waves of
+    `args.over_sampling_batch_size` prompts until `args.rollout_batch_size` groups pass the
+    dynamic filters; then in-flight work is aborted and the unfinished groups go back to
+    `data_source` (with `partial_rollout`, keeping their partial tokens and
+    `metadata["start_rollout_id"]`, to be resumed next rollout; otherwise as fresh prompts).
+    Evaluation: every eval dataset of the runtime, one group per prompt.
+
+    `runtime` defaults to `args.runtime`. Runs on the runtime's event loop when it has one
+    running in another thread, else in its own `asyncio.run`; never call it from inside a
+    running event loop (use `asyncio.to_thread`).
+    """
+    rt = runtime_of(args, runtime)
+    if evaluation:
+        return rt.run(_eval_rollout(args, rollout_id, rt))
+    return rt.run(_train_rollout(args, rollout_id, rt, data_source))
+
+
+# --------------------------------------------------------------------------- training
+
+
+async def _train_rollout(
+    args: Any, rollout_id: int, rt: LegacyRuntime, data_source: DataSource
+) -> RolloutFnTrainOutput:
+    """slime's `generate_rollout_async`: waves of groups until the batch is full, then abort.
+
+    Group outcomes match the default strategy's: kept, dropped by a filter (counted per
+    reason; a reward error is reason `reward_error`), FAILED after its retries (not trained
+    on), or unfinished (handed back). Everything not kept goes back to `data_source`.
+    """
+    started = time.perf_counter()
+    target = args.rollout_batch_size
+    wave = args.over_sampling_batch_size or target
+    params = sampling_params_from_args(args)
+    state = _new_state(rt, rollout_id, args, evaluation=False)
+    filters = _load_filters(rt.config, args)
+    tally: Counter[str] = Counter()
+    kept: list[list[Sample]] = []
+    unused: list[list[Sample]] = []
+    in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]] = {}
+    next_group = next_sample = 0
+    rt.current_state = state
+    try:
+        while len(kept) < target and not state.aborted.is_set():
+            while len(kept) + len(in_flight) < target:  # slime's `remaining_batch_size < target`
+                groups = data_source.get_samples(wave)
+                if not groups:
+                    logger.warning("v1 rollout %d: the data source ran out of prompts", rollout_id)
+                    break
+                for group in groups:
+                    _index_group(group, next_group, next_sample)
+                    next_group, next_sample = next_group + 1, next_sample + len(group)
+                    task = asyncio.create_task(_group_with_retries(state, group, params, False, tally))
+                    in_flight[task] = group
+            if not in_flight:
+                break
+            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: in_flight[t][0].group_index or 0):
+                in_flight.pop(task)
+                group, failed = task.result()
+                if failed:
+                    tally["failed_groups"] += 1
+                elif len(kept) >= target:
+                    unused.append(group)
+                else:
+                    _classify(group, filters, args.reward_key, kept, unused, tally)
+    finally:
+        unused.extend(await _abort_in_flight(state, rt, in_flight))
+        rt.current_state = None
+        _hand_back(data_source, unused, rollout_id, args.partial_rollout, tally)
+    kept.sort(key=lambda g: g[0].group_index or 0)
+    metrics = _train_metrics(kept, args.reward_key, tally, time.perf_counter() - started)
+    if kept and kept[0]:
+        log_first_sample(logger, kept[0][0], label=f"v1 rollout {rollout_id}")
+    log_rollout_finish(logger, rollout_id, metrics)
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+def _classify(
+    group: list[Sample],
+    filters: list[DynamicFilter],
+    reward_key: str | None,
+    kept: list[list[Sample]],
+    unused: list[list[Sample]],
+    tally: Counter[str],
+) -> None:
+    """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+    tally["finished_groups"] += 1
+    tally["generated_tokens"] += sum(s.response_length for s in group)
+    reward_errors = sum(s.status is Status.FAILED for s in group)
+    if reward_errors:
+        tally["reward_errors"] += reward_errors
+        tally["dropped/reward_error"] += 1
+        return
+    outcome = apply_filters(filters, group)
+    if not outcome.keep:
+        tally[f"dropped/{outcome.reason or 'filtered'}"] += 1
+    elif all(s.status.is_finished for s in group):
+        kept.append(group)
+    else:
+        unused.append(group)
+
+
+async def _group_with_retries(
+    state: GenerateState,
+    group: list[Sample],
+    params: SamplingParams,
+    evaluation: bool,
+    tally: Counter[str],
+) -> tuple[list[Sample], bool]:
+    """`generate_and_rm_group`, resubmitting a group whose generation raised up to
+    `max_group_retries` times, then marking it FAILED (error in metadata; returned with
+    `True`) — never silently dropped."""
+    retries = state.config.max_group_retries
+    for attempt in range(retries + 1):
+        try:
+            return await generate_and_rm_group(state, group, params, evaluation), False
+        except GroupGenerationError as exc:
+            first = group[0] if group else None
+            logger.warning(
+                "v1 rollout %d: group %s failed (%s: %s) — %s; prompt=%r",
+                state.rollout_id,
+                first.group_index if first else None,
+                type(exc.cause).__name__,
+                sample_text_preview(str(exc.cause), 300),
+                "resubmitting" if attempt < retries else "giving up, marking it FAILED",
+                sample_text_preview(first.prompt if first else ""),
+            )
+            if attempt == retries:
+                error = f"generate: {type(exc.cause).__name__}: {sample_text_preview(str(exc.cause), 300)}"
+                for sample in group:
+                    sample.status = Status.FAILED
+                    sample.metadata["error"] = error
+                return group, True
+            tally["group_retries"] += 1
+            for sample in group:
+                reset_sample(sample, keep_attempt=True)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _abort_in_flight(
+    state: GenerateState,
+    rt: LegacyRuntime,
+    in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]],
+) -> list[list[Sample]]:
+    """Abort this rollout's engine requests and collect the groups that were in flight."""
+    state.aborted.set()
+    if not in_flight:
+        return []
+    try:
+        await rt.engine.abort(state.request_prefix + "-")
+    finally:
+        await asyncio.wait(in_flight)
+    groups = []
+    for task, group in in_flight.items():
+        if task.cancelled() or task.exception() is not None:
+            groups.append(group)
+        else:
+            groups.append(task.result()[0])
+    in_flight.clear()
+    return groups
+
+
+def _hand_back(
+    data_source: DataSource,
+    groups: list[list[Sample]],
+    rollout_id: int,
+    partial: bool,
+    tally: Counter[str],
+) -> None:
+    """Return unused groups to the data source: with partial rollout as they are (partial
+    tokens and `start_rollout_id` kept, to be resumed next rollout), otherwise as fresh prompts."""
+    if not groups:
+        return
+    for group in groups:
+        for sample in group:
+            if sample.status is Status.ABORTED:
+                tally["aborted"] += 1
+            if not partial or sample.status is Status.FAILED:
+                reset_sample(sample)
+                continue
+            sample.metadata.pop("error", None)
+            if not sample.status.is_finished and sample.response_length:
+                sample.metadata.setdefault("start_rollout_id", rollout_id)
+    tally["returned_groups"] += len(groups)
+    data_source.add_samples(groups)
+
+
+def _load_filters(config: RolloutConfig, args: Any) -> list[DynamicFilter]:
+    """The config's dynamic filters (slime's `dynamic_sampling_filter_path` is among them)."""
+    names = list(config.dynamic_filters)
+    v1_path = getattr(args, "dynamic_sampling_filter_path", None)
+    if v1_path and v1_path not in names:
+        names.insert(0, v1_path)
+    return [load_dynamic_filter(name, args.reward_key) for name in names]
+
+
+def _train_metrics(
+    kept: list[list[Sample]], reward_key: str | None, tally: Counter[str], elapsed: float
+) -> dict[str, float]:
+    """The default strategy's rollout metrics (same names), from the kept groups and the tally."""
+    metrics = sample_metrics([s for g in kept for s in g], reward_key, "rollout")
+    metrics["rollout/kept_groups"] = float(len(kept))
+    metrics["rollout/dropped_groups"] = float(sum(v for k, v in tally.items() if k.startswith("dropped/")))
+    for key in ("failed_groups", "group_retries", "reward_errors", "returned_groups", "aborted"):
+        metrics[f"rollout/{key}"] = float(tally[key])
+    metrics["rollout/generated_tokens"] = float(tally["generated_tokens"])
+    metrics["rollout/time_s"] = elapsed
+    metrics["rollout/tokens_per_s"] = tally["generated_tokens"] / elapsed if elapsed > 0 else 0.0
+    metrics.update({f"rollout/{k}": float(v) for k, v in tally.items() if k.startswith("dropped/")})
+    return metrics
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+async def _eval_rollout(args: Any, rollout_id: int, rt: LegacyRuntime) -> RolloutFnEvalOutput:
+    """slime's `eval_rollout`: every eval dataset, one group per prompt, at eval sampling."""
+    params = sampling_params_from_args(args, evaluation=True)
+    state = _new_state(rt, rollout_id, args, evaluation=True)
+    tally: Counter[str] = Counter()
+    data: dict[str, list[list[Sample]]] = {}
+    metrics: dict[str, float] = {}
+    rt.current_state = state
+    try:
+        for name, prompts in rt.eval_datasets.items():
+            ds = rt.config.eval.datasets.get(name)
+            n = ds.n_samples_per_prompt if ds is not None else 1
+            groups = []
+            for gi, prompt in enumerate(prompts):
+                group = [reset_sample(prompt.clone()) for _ in range(n)]
+                _index_group(group, gi, gi * n)
+                groups.append(group)
+            done = await asyncio.gather(*(_group_with_retries(state, g, params, True, tally) for g in groups))
+            data[name] = [group for group, _ in done]
+            samples = [s for g in data[name] for s in g]
+            metrics.update(sample_metrics(samples, args.reward_key, f"eval/{name}"))
+            metrics[f"eval/{name}/failed_samples"] = float(sum(s.status is Status.FAILED for s in samples))
+            if samples:
+                log_first_sample(logger, samples[0], label=f"v1 eval {name} {rollout_id}")
+    finally:
+        rt.current_state = None
+    log_rollout_finish(logger, rollout_id, metrics)
+    return RolloutFnEvalOutput(data=data, metrics=metrics)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sampling_params_from_args(args: Any, evaluation: bool = False) -> SamplingParams:
+    """The sampling params of a v1 rollout, read from the v1 args (slime's names)."""
+    max_new = args.rollout_max_response_len
+    temperature = args.rollout_temperature
+    if evaluation:
+        max_new = getattr(args, "eval_max_response_len", None) or max_new
+        temperature = getattr(args, "eval_temperature", temperature)
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=args.rollout_top_p,
+        top_k=args.rollout_top_k,
+        stop=tuple(args.rollout_stop or ()),
+        stop_token_ids=tuple(args.rollout_stop_token_ids or ()),
+        sampling_seed=args.rollout_seed,
+    )
+
+
+def _new_state(rt: LegacyRuntime, rollout_id: int, args: Any, *, evaluation: bool) -> GenerateState:
+    """The per-rollout `GenerateState` (the strategy's generate function, a fresh semaphore)."""
+    concurrency = getattr(args, "sglang_server_concurrency", None) or rt.config.max_concurrency
+    return GenerateState(
+        context=rt.context,
+        rollout_id=rollout_id,
+        weight_version=rt.weight_version,
+        semaphore=asyncio.Semaphore(concurrency),
+        request_prefix=f"v1{'e' if evaluation else 'r'}{rollout_id}",
+        generate_fn=rt.generate_fn(args),
+        generate_fn_cache=rt.generate_fn_cache,
+    )
+
+
+def _index_group(group: list[Sample], group_index: int, first_sample_index: int) -> None:
+    for j, sample in enumerate(group):
+        sample.group_index = group_index
+        sample.sample_index = first_sample_index + j
