@@ -56,6 +56,8 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
+    if any(b in text for b in _BOXED):
+        return None  # a \boxed{ that never closes (e.g. truncated): no final answer
     matches = list(_ANSWER_IS.finditer(text))
     if matches:
         answer = matches[-1].group(1).splitlines()[0].strip()
