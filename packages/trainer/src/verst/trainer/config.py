@@ -88,6 +88,13 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
+    weight_sync: Literal["auto", "tensors", "disk"] = Field(
+        "auto",
+        description=(
+            "How weights reach the engines after a step: 'tensors' (in-process, no disk), 'disk' "
+            "(HF checkpoint + update_weights_from_disk), 'auto' = tensors for the embedded engine, else disk."
+        ),
+    )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None = torch's default)."

@@ -1,0 +1,126 @@
+"""`RolloutSide`: the engine, the data source and the strategy, behind a narrow synchronous API.
+
+The controller calls `rollout`, `evaluate`, `update_weights_from_tensors` /
+`update_weights_from_disk`, `state_dict` / `load_state_dict` and `close` — nothing else — so a
+Ray actor can implement the same surface. It owns its own asyncio event loop: strategies and
+engines are async, the training loop is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from verst.rollout.data import PromptDataSource, build_eval_datasets
+from verst.rollout.engine import InferenceEngine
+from verst.rollout.lifecycle import LifecycleSink, NoopSink
+from verst.rollout.loading import load_rollout_strategy
+from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResult
+from verst.rollout.rewards import build_reward_fns
+from verst.rollout.selection import resolve_strategy_path
+from verst.trainer.config import RunConfig
+
+T = TypeVar("T")
+
+
+def build_engine_from_config(config: RunConfig, model_path: str) -> InferenceEngine:
+    """The engine the `[engine]` section describes (helper-owned `build_engine`)."""
+    from verst.rollout.engines.config import build_engine
+
+    return build_engine(config.engine, model_path=model_path)
+
+
+class RolloutSide:
+    """Generates rollouts and evaluations; receives new weights."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        model_path: str,
+        env: Mapping[str, str],
+        sink: LifecycleSink | None = None,
+        engine: InferenceEngine | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """Build the data source, rewards, eval sets and the selected strategy.
+
+        `engine` may be given (tests, or an engine shared with another component); otherwise it
+        is built from `config.engine`.
+        """
+        from transformers import AutoTokenizer
+
+        self._loop = asyncio.new_event_loop()
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
+        self.engine = engine if engine is not None else build_engine_from_config(config, model_path)
+        rc = config.rollout
+        self.data_source = PromptDataSource(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
+        reward_fn, group_reward_fn = build_reward_fns(rc)
+        self.strategy_path = resolve_strategy_path(rc, env)
+        context = RolloutContext(
+            config=rc,
+            data_source=self.data_source,
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            reward_fn=reward_fn,
+            group_reward_fn=group_reward_fn,
+            sink=sink or NoopSink(),
+            eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer),
+            env=dict(env),
+        )
+        self.has_eval = bool(context.eval_datasets)
+        self.strategy = load_rollout_strategy(self.strategy_path, context)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    @property
+    def in_process_engine(self) -> bool:
+        """True when the engine lives in this process (weights can be pushed as tensors)."""
+        from verst.rollout.engines.embedded import EmbeddedEngine
+
+        return isinstance(self.engine, EmbeddedEngine)
+
+    def rollout(self, rollout_id: int, weight_version: int) -> RolloutResult:
+        """One training rollout."""
+        return self._run(self.strategy(RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)))
+
+    def evaluate(self, rollout_id: int, weight_version: int) -> RolloutResult:
+        """One pass over the eval datasets (empty result when none are configured)."""
+        if not self.has_eval:
+            return RolloutResult()
+        request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version, evaluation=True)
+        return self._run(self.strategy(request))
+
+    def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: int) -> int:
+        """Push in-memory weights to the engine; returns the engine's new weight version."""
+        return self._run(
+            self.engine.update_weights_from_tensors(named_tensors, weight_version=weight_version)
+        )
+
+    def update_weights_from_disk(self, path: str, weight_version: int) -> int:
+        """Make the engine load a checkpoint directory; returns its new weight version."""
+        return self._run(self.engine.update_weights_from_disk(path, weight_version=weight_version))
+
+    def weight_version(self) -> int:
+        """The engine's current weight version."""
+        return self._run(self.engine.get_weight_version())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data source and strategy state (buffered samples included)."""
+        return {"data_source": self.data_source.state_dict(), "strategy": self.strategy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.data_source.load_state_dict(state["data_source"])
+        self.strategy.load_state_dict(state["strategy"])
+
+    def close(self, *, close_engine: bool = True) -> None:
+        """Close the strategy (unfinished samples go back to the data source) and the engine."""
+        try:
+            self._run(self.strategy.close())
+            if close_engine:
+                self._run(self.engine.close())
+        finally:
+            self._loop.close()
