@@ -1,0 +1,334 @@
+"""The `verst` command: train, sft, eval, serve.
+
+    verst train CONFIG.toml [section.key=value ...]   GRPO-family training (see --help for every field)
+    verst sft CONFIG.toml [key=value ...]             supervised warm start (loss on response tokens)
+    verst eval CONFIG.toml [CHECKPOINT]               evaluate a checkpoint on the config's eval sets
+    verst serve ...                                   serve a model over SGLang's HTTP API (embedded engine)
+
+This is the edge of the program: it reads the environment once
+(`resolve_extra_env_vars(config.run.env)`) and passes that mapping down, and it turns
+configuration, data and missing-package errors into a plain message and exit code 2 — never a
+traceback. Relative paths in a config resolve against the config file's folder when the file
+exists there (so `verst train examples/x/config.toml` works from any directory); `run.output_dir`
+is relative to the current directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
+
+EXIT_USER_ERROR = 2
+"""Exit code of a bad config, bad data or a missing optional package."""
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C."""
+
+PATH_FIELDS = ("train.model_path", "train.ref_model_path", "engine.model_path", "engine.tokenizer_path")
+"""Dotted config keys holding file paths that resolve against the config file's folder."""
+
+
+# ---------------------------------------------------------------- help generated from the schema
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`."""
+    nested: list[tuple[str, type[BaseModel], str]] = []
+    for name, field in model.model_fields.items():
+        sub = _nested_model(field.annotation)
+        if sub is not None:
+            nested.append((name, sub, field.description or ""))
+            continue
+        if field.default_factory is not None:
+            try:
+                default = field.default_factory()  # type: ignore[call-arg]
+            except TypeError:
+                default = "..."
+        else:
+            default = field.default
+        dict_of = typing.get_args(field.annotation)
+        if typing.get_origin(field.annotation) is dict and len(dict_of) == 2 and _nested_model(dict_of[1]):
+            nested.append((f"{name}.<name>", dict_of[1], field.description or ""))
+            continue
+        yield f"  {name} = {json.dumps(default, default=str)}   ({_type_name(field.annotation)})"
+        if field.description:
+            yield f"      {field.description}"
+    for name, sub, doc in nested:
+        key = f"{prefix}.{name}" if prefix else name
+        yield ""
+        yield f"[{key}]" + (f"  — {doc}" if doc else "")
+        yield from describe_model(sub, key)
+
+
+def config_reference() -> str:
+    """Every config section and field with its default and meaning (for `verst train --help`)."""
+    from verst.trainer.config import RunConfig
+
+    lines = ["Config reference (TOML sections; override any field with section.key=value):"]
+    lines += list(describe_model(RunConfig))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- config loading
+
+
+def _get(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = getattr(data, part, None)
+        if data is None:
+            return None
+    return data
+
+
+def _set(cfg: BaseModel, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node: Any = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, last, value)
+
+
+def resolve_paths(cfg: Any, config_path: Path) -> Any:
+    """Make relative model/data paths absolute against the config's folder when they exist there."""
+    base = config_path.resolve().parent
+
+    def fix(value: str | None) -> str | None:
+        if not value or Path(value).is_absolute() or Path(value).exists():
+            return value
+        candidate = base / value
+        return str(candidate) if candidate.exists() else value
+
+    for dotted in PATH_FIELDS:
+        value = _get(cfg, dotted)
+        if isinstance(value, str) and hasattr(_get(cfg, dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1]):
+            _set(cfg, dotted, fix(value))
+    data = cfg.rollout.data
+    data.path = fix(data.path)
+    for ds in cfg.rollout.eval.datasets.values():
+        ds.path = fix(ds.path)
+    return cfg
+
+
+def add_config_dir_to_path(config_path: Path) -> None:
+    """Let import paths in a config name modules next to it (e.g. a custom reward file)."""
+    folder = str(config_path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+
+
+def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
+    """Load, resolve paths, build the effective env once, and validate (one `ConfigError`)."""
+    from verst.rollout.selection import resolve_extra_env_vars
+    from verst.trainer.config import load_run_config, validate_run_config
+
+    cfg = load_run_config(config, list(overrides))
+    cfg = resolve_paths(cfg, Path(config))
+    add_config_dir_to_path(Path(config))
+    env = resolve_extra_env_vars(cfg.run.env)
+    validate_run_config(cfg, env)
+    return cfg, env
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`verst train`: validate, prepare the run directory, train, draw the curves."""
+    cfg, env = load_config_and_env(args.config, args.overrides)
+    from verst.trainer.controller import run_training
+    from verst.trainer.metrics import RunLogger
+    from verst.trainer.run_dir import RunDir
+
+    run_dir = RunDir(Path(cfg.run.output_dir)).create()
+    header = f"# resolved config of run {cfg.run.name!r}\n# from {args.config} {' '.join(args.overrides)}"
+    run_dir.write_config(cfg, header=header)
+    logger = RunLogger(
+        run_dir,
+        total_steps=cfg.run.num_steps,
+        env=env,
+        run_name=cfg.run.name,
+        config=cfg.model_dump(mode="json"),
+    )
+    logger.message(f"verst train: run {cfg.run.name!r} → {run_dir.root}")
+    try:
+        summary = run_training(cfg, run_dir.root, env=env, logger=logger)
+    finally:
+        logger.close()
+    summary = dict(summary or {})
+    summary.setdefault("run_dir", str(run_dir.root))
+    summary["phase_seconds"] = {k: round(v, 3) for k, v in logger.phase_seconds.items()}
+    run_dir.write_summary(summary)
+    print(_format_summary(summary, run_dir), flush=True)
+    return 0
+
+
+def _format_summary(summary: dict[str, Any], run_dir: Any) -> str:
+    lines = [f"run finished: {run_dir.root}"]
+    for key in ("steps", "seconds", "initial_eval_reward", "final_eval_reward"):
+        if key in summary:
+            value = summary[key]
+            lines.append(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    lines.append(f"  curves: {run_dir.curves}   metrics: {run_dir.metrics}")
+    lines.append(f"  tensorboard --logdir {run_dir.tensorboard}")
+    return "\n".join(lines)
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    """`verst sft`: supervised warm start."""
+    from pydantic import ValidationError
+
+    from verst.trainer.config import parse_override, problems_from_validation_error
+    from verst.trainer.sft import SftConfig, load_sft_config, run_sft
+
+    overrides = {}
+    for text in args.overrides:
+        path, value = parse_override(text)
+        overrides[path[-1] if path[0] == "sft" else ".".join(path)] = value
+    try:
+        cfg = load_sft_config(args.config, overrides)
+    except FileNotFoundError:
+        raise ConfigError([Problem(args.config, "config file not found", "check the path")]) from None
+    except ValidationError as exc:
+        raise ConfigError(problems_from_validation_error(exc, SftConfig)) from None
+    summary = run_sft(cfg, log=lambda step, m: print(f"sft step {step}/{cfg.steps}: " + _fmt(m), flush=True))
+    print(
+        f"sft finished: {summary['output_dir']} (final loss {summary['final_loss']:.4f}, {summary['seconds']:.0f}s)"
+    )
+    return 0
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`verst eval`: evaluate the config's model (or CHECKPOINT) on `rollout.eval.datasets`."""
+    from verst.trainer.evaluate import run_eval
+
+    overrides = list(args.overrides)
+    if args.checkpoint:
+        checkpoint = Path(args.checkpoint).resolve()
+        overrides += [f'train.model_path="{checkpoint}"', f'engine.model_path="{checkpoint}"']
+    cfg, env = load_config_and_env(args.config, overrides)
+    result = run_eval(cfg, env=env)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    """`verst serve`: delegate to the engine server's own argument parser."""
+    from verst.rollout.engines.server import main as serve_main
+
+    return int(serve_main(list(argv)) or 0)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
+    """The argument parser; `train --help` ends with the full config reference (built only if asked)."""
+    parser = argparse.ArgumentParser(
+        prog="verst", description="verst: reinforcement-learning post-training for LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve}")
+    fmt = argparse.RawDescriptionHelpFormatter
+    train = sub.add_parser(
+        "train",
+        help="train a policy with GRPO-family RL",
+        formatter_class=fmt,
+        description="Train from a TOML config; key=value arguments override fields (e.g. train.lr=1e-5).",
+        epilog=config_reference() if with_reference else None,
+    )
+    train.add_argument("config", help="the run config (TOML)")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides (values parsed as TOML)")
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning (warm start)",
+        formatter_class=fmt,
+        epilog=_sft_reference() if with_reference else None,
+    )
+    sft.add_argument("config", help="the SFT config (TOML, fields at the top level or under [sft])")
+    sft.add_argument("overrides", nargs="*", help="key=value overrides")
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on the config's eval sets")
+    ev.add_argument("config", help="the run config (TOML)")
+    ev.add_argument("checkpoint", nargs="?", help="model directory to evaluate (default: the config's model)")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
+    sub.add_parser(
+        "serve", help="serve a model over SGLang's HTTP API (args: verst serve --help)", add_help=False
+    )
+    return parser
+
+
+def _sft_reference() -> str:
+    from verst.trainer.sft import SftConfig
+
+    return "\n".join(["SFT config fields:", *describe_model(SftConfig)])
+
+
+def print_user_error(exc: BaseException, *, stream: Any = None) -> None:
+    """Print a user-facing error without a traceback."""
+    stream = stream or sys.stderr
+    kind = {ConfigError: "configuration error", DataError: "data error"}.get(type(exc), "error")
+    if isinstance(exc, MissingOptionalDependency):
+        kind = "missing optional dependency"
+    print(f"verst: {kind}:\n{exc}", file=stream, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `verst` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _guarded(lambda: cmd_serve(argv[1:]))
+    parser = build_parser(with_reference=bool({"-h", "--help"} & set(argv)))
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USER_ERROR
+    commands = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval}
+    return _guarded(lambda: commands[args.command](args))
+
+
+def _guarded(fn: Any) -> int:
+    from verst.rollout.importing import ImportPathError
+
+    try:
+        return int(fn() or 0)
+    except (ConfigError, DataError, MissingOptionalDependency, ImportPathError) as exc:
+        print_user_error(exc)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("verst: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
