@@ -180,7 +180,7 @@ def test_capabilities_checked_against_selected_strategy(strategies):
         partial_rollout=True,
         dynamic_filters=["no_aborted"],
         reward=RewardConfig(group=True),
-        generate_function_path="my.gen:fn",
+        generate_function_path=f"{strategies}:v1_rollout",
     )
     problems = _by_key(_problems(config, extra_requests={Capability.OPD_TOP_K: "trainer.opd.log_prob_top_k"}))
     assert set(problems) == {
@@ -202,13 +202,13 @@ def test_extra_problems_join_the_same_error():
     assert problem == extra[0]
 
 
-def test_default_strategy_refuses_nothing_it_supports():
+def test_default_strategy_refuses_nothing_it_supports(strategies):
     config = RolloutConfig(
         partial_rollout=True,
         mask_offpolicy_in_partial_rollout=True,
         dynamic_filters=["nonzero_std"],
         over_sampling_batch_size=16,
-        reward=RewardConfig(group=True, type="x.y:z"),
+        reward=RewardConfig(group=True, type=f"{strategies}:Everything"),
     )
     validate_rollout_config(config, {})
 
@@ -235,6 +235,22 @@ def test_v1_rollout_function_uses_adapter_capabilities(strategies):
     validate_rollout_config(RolloutConfig(rollout_function_path=path), {})
     problems = _by_key(_problems(RolloutConfig(rollout_function_path=path, fully_async=True)))
     assert "does not support fully_async" in problems["rollout.fully_async"].why
+
+
+def test_user_modules_must_exist(strategies):
+    config = RolloutConfig(
+        generate_function_path="no_such_module.gen:fn",
+        reward=RewardConfig(type="no_such_rewards:fn"),
+        dynamic_filters=["no_aborted", f"{strategies}:Everything", "verst.no_such:f"],
+    )
+    problems = _by_key(_problems(config))
+    assert set(problems) == {
+        "rollout.generate_function_path",
+        "rollout.reward.type",
+        "rollout.dynamic_filters[2]",
+    }
+    assert "module 'no_such_module.gen' is not installed" in problems["rollout.generate_function_path"].why
+    assert "'no_such_rewards' is not installed" in problems["rollout.reward.type"].why
 
 
 def test_requested_capabilities_table():

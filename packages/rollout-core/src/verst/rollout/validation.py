@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
@@ -251,16 +252,42 @@ def _check_partial_and_async(c: RolloutConfig) -> Iterator[Problem]:
             )
 
 
+def _module_missing(module: str) -> str | None:
+    """Why `module` cannot be found (without executing it), or None when it can."""
+    if module in sys.modules:  # already imported (possibly built in memory, without a spec)
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError as exc:
+        return f"module {module!r} is not installed (its package {exc.name!r} is missing)"
+    except Exception as exc:  # a parent package fails on import
+        return f"module {module!r} cannot be located: {type(exc).__name__}: {exc}"
+    return None if found else f"module {module!r} is not installed"
+
+
 def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
-    for key, path in (
+    """User import paths: well formed, and their module exists (found, not imported)."""
+    paths = [
         ("rollout.generate_function_path", c.generate_function_path),
-        ("rollout.rollout_function_path", c.rollout_function_path),
-    ):
-        if path is not None:
-            try:
-                split_import_path(path)
-            except ImportPathError as exc:
+        ("rollout.reward.type", c.reward.type if is_import_path(c.reward.type) else None),
+        *((f"rollout.dynamic_filters[{i}]", f) for i, f in enumerate(c.dynamic_filters) if is_import_path(f)),
+    ]
+    for key, path in paths:
+        if path is None:
+            continue
+        try:
+            module, _ = split_import_path(path)
+        except ImportPathError as exc:
+            if key != "rollout.reward.type":  # reported by _check_reward
                 yield Problem(key, str(exc), "write it as 'package.module:attribute'")
+            continue
+        missing = _module_missing(module)
+        if missing:
+            yield Problem(
+                key,
+                f"cannot load {path!r}: {missing}",
+                "check the spelling, run from the directory that holds the module, or install its package",
+            )
     yield from _check_data(c.data, "rollout.data", required=False)
 
 
