@@ -104,7 +104,9 @@ class ToyEngine:
             if rid_prefix is None or rid.startswith(rid_prefix):
                 event.set()
 
-    async def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: int | None = None) -> int:
+    async def update_weights_from_tensors(
+        self, named_tensors: dict[str, Any], weight_version: int | None = None
+    ) -> int:
         self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
         return self.weight_version
 
@@ -124,7 +126,9 @@ class ToyEngine:
 class ListDataSource:
     """A `DataSource` over prompts (served once, in order, then exhausted); a buffer for hand-backs."""
 
-    def __init__(self, prompts: list[str], n_samples_per_prompt: int, labels: list[Any] | None = None) -> None:
+    def __init__(
+        self, prompts: list[str], n_samples_per_prompt: int, labels: list[Any] | None = None
+    ) -> None:
         self.prompts = prompts
         self.labels = labels or [None] * len(prompts)
         self.n = n_samples_per_prompt

@@ -69,7 +69,9 @@ def test_builtin_table_and_user_filters_by_path():
     by_bool = load_dynamic_filter("test_filters:user_filter_bool")
     assert by_bool([Sample(), Sample()]).keep
     assert by_bool([Sample()]) == FilterOutcome(False, "user_filter_bool")
-    assert load_dynamic_filter("test_filters:UserFilterClass", "acc")([]) == FilterOutcome(False, "custom_acc")
+    assert load_dynamic_filter("test_filters:UserFilterClass", "acc")([]) == FilterOutcome(
+        False, "custom_acc"
+    )
 
 
 def test_unknown_filter_names_the_choices():

@@ -124,7 +124,9 @@ async def test_sibling_cancellation_closes_every_attempt():
 async def test_outer_cancellation_also_closes_attempts():
     ctx = make_context(ToyEngine(length=lambda r: 1000, token_delay_s=0.01))
     task = asyncio.create_task(
-        generate_and_rm_group(make_state(ctx), [prompt_sample(i) for i in range(3)], SamplingParams(max_new_tokens=2000))
+        generate_and_rm_group(
+            make_state(ctx), [prompt_sample(i) for i in range(3)], SamplingParams(max_new_tokens=2000)
+        )
     )
     await asyncio.sleep(0.03)
     task.cancel()
@@ -151,7 +153,9 @@ async def test_evaluation_emits_nothing_even_on_failure():
     await generate_and_rm(make_state(ctx), prompt_sample(), SamplingParams(), evaluation=True)
     ctx.engine.fail = lambda r: RuntimeError("x")
     with pytest.raises(GroupGenerationError):
-        await generate_and_rm_group(make_state(ctx), [prompt_sample(0), prompt_sample(1)], SamplingParams(), True)
+        await generate_and_rm_group(
+            make_state(ctx), [prompt_sample(0), prompt_sample(1)], SamplingParams(), True
+        )
     assert ctx.sink.events == []
 
 
