@@ -1,0 +1,272 @@
+"""The running decode batch of the embedded engine: rows, their KV cache, prefill, merge, step.
+
+Continuous batching on transformers' `DynamicCache`: a group of new requests is prefilled
+together (left-padded), its first token sampled, and the group is merged into the running
+batch between decode steps (the shorter cache is left-padded with masked zeros). Finished
+rows are dropped with `batch_select_indices`, and cache columns that every remaining row
+masks out are trimmed. Positions are explicit (`position_ids`), so padding never shifts RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from verst.rollout.engine import FinishReason, GenerateRequest
+from verst.rollout.engines._sampling import (
+    BatchSampling,
+    RowSampling,
+    ids_logprobs,
+    logprobs_of,
+    sample,
+    top_logprobs,
+)
+
+
+@dataclass(slots=True)
+class Row:
+    """One request being decoded (or waiting to be)."""
+
+    request: GenerateRequest
+    """The request as submitted (rid assigned)."""
+    sampling: RowSampling
+    """Resolved sampling settings."""
+    stop_ids: frozenset[int]
+    """Token ids that end the request (EOS unless ignore_eos, plus stop_token_ids)."""
+    context_len: int
+    """Model context length: prompt + output never exceeds it."""
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens."""
+    output_logprobs: list[float] = field(default_factory=list)
+    """Their log-probs."""
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Top-k pairs per output position (when asked)."""
+    output_ids_lp: list[list[tuple[float, int]]] = field(default_factory=list)
+    """`token_ids_logprob` pairs per output position (when asked)."""
+    input_logprobs: list[float | None] | None = None
+    """Prompt log-probs (when asked)."""
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    """Prompt top-k pairs (when asked)."""
+    input_ids_lp: list[list[tuple[float, int]] | None] | None = None
+    """Prompt `token_ids_logprob` pairs (when asked)."""
+    finish: FinishReason | None = None
+    """Set when the row is done."""
+    matched: int | str | None = None
+    """The stop token id or stop string that ended it."""
+    handle: Any = None
+    """The engine's completion handle (future, loop, stream queue)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.input_ids)
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def prompt_scores(row: Row, logits: torch.Tensor, inv_temp: float) -> None:
+    """Fill the row's prompt log-probs from the logits over its prompt.  logits: [prompt, vocab]."""
+    req = row.request
+    ids = req.input_ids
+    lp = logprobs_of(logits[:-1], torch.tensor(inv_temp))  # [prompt-1, vocab]; predicts ids[1:]
+    target = torch.tensor(ids[1:], device=lp.device)
+    row.input_logprobs = [None, *lp.gather(-1, target[:, None])[:, 0].tolist()]
+    if req.top_logprobs_num > 0:
+        row.input_top = [None, *top_logprobs(lp, req.top_logprobs_num)]
+    if req.token_ids_logprob:
+        row.input_ids_lp = [None, *ids_logprobs(lp, req.token_ids_logprob)]
+
+
+def _wants_input(row: Row) -> bool:
+    return row.request.return_logprob and row.request.logprob_start_len == 0
+
+
+class DecodeBatch:
+    """Rows being decoded together, with their shared KV cache."""
+
+    def __init__(self, model: Any, pad_id: int, tokenizer: Any) -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.tokenizer = tokenizer
+        self.rows: list[Row] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [batch, cols] long; 1 = real token
+        self.next_pos: torch.Tensor | None = None  # [batch] long; position of the next fed token
+        self.last: torch.Tensor | None = None  # [batch] long; sampled, not yet fed
+        self.sampling: BatchSampling | None = None
+        self.device = next(model.parameters()).device
+        self.vocab = int(model.config.vocab_size)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ---- scoring and prefill -------------------------------------------------------------
+    def score(self, row: Row) -> None:
+        """`max_new_tokens = 0`: one forward over the prompt, no padding; fills prompt scores."""
+        ids = torch.tensor([row.request.input_ids], device=self.device)  # [1, prompt]
+        logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
+        if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
+            t = row.sampling.temperature
+            prompt_scores(row, logits, 1.0 / t if t > 0 else 1.0)
+        row.finish = "length"
+
+    def admit(self, rows: list[Row]) -> None:
+        """Prefill `rows` together, sample their first token, and merge them into the batch."""
+        from transformers import DynamicCache
+
+        lens = [r.prompt_len for r in rows]
+        width = max(lens)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [new, width]
+        mask = torch.zeros((len(rows), width), dtype=torch.long)  # [new, width]
+        for i, r in enumerate(rows):
+            ids[i, width - lens[i] :] = torch.tensor(r.request.input_ids)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [new, width]
+        cache = DynamicCache(config=self.model.config)
+        full = any(_wants_input(r) for r in rows)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if full else 1,
+        )
+        logits = out.logits  # [new, width or 1, vocab]
+        if full:
+            for i, r in enumerate(rows):
+                if _wants_input(r):
+                    t = r.sampling.temperature
+                    prompt_scores(r, logits[i, width - lens[i] :], 1.0 / t if t > 0 else 1.0)
+        sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
+        tokens, lps = sample(logits[:, -1, :], sampling)
+        self._record(rows, tokens, lps)
+        self._merge(rows, cache, mask, mask.sum(1), tokens)
+
+    def _merge(
+        self, rows: list[Row], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos, self.last = rows, cache, mask, pos, last
+            self._resample()
+            return
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        a, b = self.mask.shape[1], mask.shape[1]
+        width = max(a, b)
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width - a, 2), _pad_left(theirs.keys, width - b, 2)])
+            mine.values = torch.cat(
+                [_pad_left(mine.values, width - a, 2), _pad_left(theirs.values, width - b, 2)]
+            )
+        self.mask = torch.cat([_pad_left(self.mask, width - a, 1), _pad_left(mask, width - b, 1)])
+        self.next_pos = torch.cat([self.next_pos, pos])
+        self.last = torch.cat([self.last, last])
+        self.rows = self.rows + rows
+        self._resample()
+
+    def _resample(self) -> None:
+        self.sampling = BatchSampling.build([r.sampling for r in self.rows], self.vocab, self.device)
+
+    # ---- decoding ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """Feed every row's last token and sample the next one."""
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        n = len(self.rows)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        out = self.model(
+            input_ids=self.last[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_pos = self.next_pos + 1
+        assert self.sampling is not None
+        tokens, lps = sample(out.logits[:, -1, :], self.sampling)
+        self.last = tokens
+        self._record(self.rows, tokens, lps)
+
+    def _record(self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor) -> None:
+        """Append sampled tokens (and asked-for log-probs) and mark finished rows."""
+        toks = tokens.tolist()
+        chosen = lps.gather(-1, tokens[:, None])[:, 0].tolist()
+        need_top = [i for i, r in enumerate(rows) if r.request.top_logprobs_num > 0]
+        if need_top:
+            k = max(rows[i].request.top_logprobs_num for i in need_top)
+            tops = top_logprobs(lps[need_top], k)
+            for i, top in zip(need_top, tops, strict=True):
+                rows[i].output_top.append(top[: rows[i].request.top_logprobs_num])
+        for i, r in enumerate(rows):
+            if r.request.token_ids_logprob:
+                r.output_ids_lp.append(ids_logprobs(lps[i : i + 1], r.request.token_ids_logprob)[0])
+            r.output_ids.append(toks[i])
+            r.output_logprobs.append(chosen[i])
+            self._check_finish(r)
+
+    def _check_finish(self, r: Row) -> None:
+        tok = r.output_ids[-1]
+        if tok in r.stop_ids:
+            r.finish, r.matched = "stop", tok
+            return
+        stops = r.request.sampling.stop
+        if stops and self.tokenizer is not None:
+            window = max(len(s) for s in stops) + 8
+            tail = self.tokenizer.decode(r.output_ids[-window:], skip_special_tokens=False)
+            for s in stops:
+                if s in tail:
+                    r.finish, r.matched = "stop", s
+                    return
+        n = len(r.output_ids)
+        if n >= r.request.sampling.max_new_tokens or r.prompt_len + n >= r.context_len:
+            r.finish = "length"
+
+    def mark_abort(self, match: Any) -> None:
+        """Mark rows whose request matches as aborted (kept partial output)."""
+        for r in self.rows:
+            if r.finish is None and match(r):
+                r.finish = "abort"
+
+    def pop_finished(self) -> list[Row]:
+        """Remove and return finished rows, compacting the cache."""
+        done = [r for r in self.rows if r.finish is not None]
+        if not done:
+            return []
+        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        if not keep:
+            self.rows, self.cache, self.mask, self.next_pos, self.last, self.sampling = (
+                [],
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            return done
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        index = torch.tensor(keep, device=self.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.next_pos, self.last = self.next_pos[index], self.last[index]
+        live = self.mask.any(dim=0).nonzero()  # columns some row still attends to
+        first = int(live[0, 0]) if live.numel() else 0
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        self._resample()
+        return done
+
+    def drop_all(self, reason: FinishReason) -> list[Row]:
+        """Finish every row with `reason` (after a failed step) and empty the batch."""
+        for r in self.rows:
+            r.finish = r.finish or reason
+        return self.pop_finished()

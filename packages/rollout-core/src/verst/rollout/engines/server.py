@@ -1,0 +1,375 @@
+"""`verst serve`: the embedded engine behind SGLang's native HTTP API (the subset RL uses).
+
+    verst serve --model PATH --host 127.0.0.1 --port 30000
+    python -m verst.rollout.engines.server --model PATH --port 30000
+
+Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /health_generate,
+/model_info, /server_info (+ get_ aliases), /flush_cache, /pause_generation,
+/continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads.
+Bad requests get a 4xx with `{"error": ...}`; the server never dies on one.
+
+`--inject-latency-ms MEAN --inject-latency-fraction F` delays a seeded random fraction F of
+/generate requests by a uniform 0.5–1.5 × MEAN ms before they reach the engine (an aborted
+delayed request returns at once with finish `abort`), to simulate long-tailed generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import pickle
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from verst.rollout.engine import EngineError, GenerateOutput
+from verst.rollout.engines._common import InvalidRequest
+from verst.rollout.engines._wire import WireItem, output_json, parse_generate
+
+log = logging.getLogger("verst.serve")
+VERSION = "verst-serve 0.1 (SGLang native API subset)"
+
+
+@dataclass(slots=True)
+class LatencyInjection:
+    """Simulated long-tailed generation: delay a random fraction of requests."""
+
+    mean_ms: float = 0.0
+    """Mean delay of a delayed request (uniform in 0.5–1.5 × mean)."""
+    fraction: float = 0.0
+    """Fraction of /generate requests that are delayed."""
+    seed: int = 0
+    """Seed of the draw (which requests, how long)."""
+    rng: random.Random = field(default_factory=random.Random)
+    """The seeded generator (set up by `build_app`)."""
+
+    def draw(self) -> float:
+        """Seconds to delay the next request (0 for most)."""
+        if self.mean_ms <= 0 or self.fraction <= 0 or self.rng.random() >= self.fraction:
+            return 0.0
+        return self.mean_ms * self.rng.uniform(0.5, 1.5) / 1000.0
+
+
+class _State:
+    """Per-app state: the engine, server args, delayed requests waiting to be aborted."""
+
+    def __init__(self, engine: Any, info: dict[str, Any], latency: LatencyInjection) -> None:
+        self.engine = engine
+        self.info = info
+        self.latency = latency
+        self.delayed: dict[str, asyncio.Event] = {}
+
+
+STATE = web.AppKey("verst_state", _State)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure becomes a JSON error; nothing escapes to kill the server."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason or str(exc))
+    except InvalidRequest as exc:
+        return _error(400, str(exc))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _error(400, f"malformed JSON body: {exc}")
+    except EngineError as exc:
+        return _error(503, str(exc))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug: report it as JSON, keep serving
+        log.exception("unhandled error in %s", request.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    return json.loads(raw)
+
+
+async def _run_one(state: _State, item: WireItem) -> GenerateOutput:
+    delay = state.latency.draw()
+    if delay > 0:
+        event = asyncio.Event()
+        state.delayed[item.request.rid] = event
+        try:
+            await asyncio.wait_for(event.wait(), delay)
+            return GenerateOutput([], [], "abort", state.engine.weight_version, len(item.request.input_ids))
+        except TimeoutError:
+            pass
+        finally:
+            state.delayed.pop(item.request.rid, None)
+    return await state.engine.generate(item.request)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    items, batch, stream = parse_generate(await _body(request), state.engine.tokenizer)
+    tok = state.engine.tokenizer
+    start = time.perf_counter()
+    if stream:
+        if len(items) != 1:
+            raise InvalidRequest("stream=true supports a single prompt (n=1) in verst serve")
+        return await _stream(request, state, items[0], start)
+    outs = await asyncio.gather(*(_run_one(state, it) for it in items))
+    latency = time.perf_counter() - start
+    payload = [output_json(it, out, tok, latency) for it, out in zip(items, outs, strict=True)]
+    return web.json_response(payload if batch else payload[0])
+
+
+async def _stream(request: web.Request, state: _State, item: WireItem, start: float) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    tok = state.engine.tokenizer
+    async for out, final in state.engine.generate_stream(item.request):
+        chunk = output_json(item, out, tok, time.perf_counter() - start, final=final)
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        raise InvalidRequest("abort_request takes {'rid': str, 'abort_all': bool}")
+    prefix = None if abort_all else rid
+    for key, event in list(state.delayed.items()):
+        if prefix is None or key.startswith(prefix):
+            event.set()
+    await state.engine.abort(prefix)
+    return web.Response(status=200)
+
+
+async def health(request: web.Request) -> web.Response:
+    ok = await request.app[STATE].engine.health()
+    return web.Response(status=200 if ok else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    from verst.rollout.engine import GenerateRequest, SamplingParams
+
+    engine = request.app[STATE].engine
+    if not await engine.health():
+        return web.Response(status=503)
+    if engine.paused:
+        return web.Response(status=200)
+    probe = GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0), rid="health-probe-")
+    try:
+        await asyncio.wait_for(engine.generate(probe), 20)
+    except (TimeoutError, EngineError):
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    e = state.engine
+    return web.json_response(
+        {
+            "model_path": e.model_path,
+            "tokenizer_path": state.info.get("tokenizer_path") or e.model_path,
+            "is_generation": True,
+            "weight_version": str(e.weight_version),
+            "context_length": e.context_len,
+            "preferred_sampling_params": None,
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    info = {**state.info, "version": VERSION, "weight_version": str(state.engine.weight_version)}
+    info["context_length"] = state.engine.context_len
+    info["max_batch_size"] = state.engine.max_batch_size
+    return web.json_response(info)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    if request.app[STATE].engine.flush_cache():
+        return web.Response(text="Cache flushed.")
+    return _error(400, "cannot flush the cache while requests are running; pause generation first")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    body = await _body(request)
+    mode = body.get("mode", "abort") if isinstance(body, dict) else None
+    if mode not in ("abort", "retract", "in_place"):
+        raise InvalidRequest(f"mode must be one of abort, retract, in_place; got {mode!r}")
+    engine.pause()
+    if mode == "abort":
+        await engine.abort(None)
+    return web.json_response({"status": "ok", "message": f"generation paused ({mode})"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[STATE].engine.resume()
+    return web.json_response({"status": "ok", "message": "generation continued"})
+
+
+def _version_arg(body: dict[str, Any]) -> int | None:
+    version = body.get("weight_version")
+    if version is None:
+        return None
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"weight_version must be an integer (or its string), got {version!r}") from None
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    body = await _body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        raise InvalidRequest("update_weights_from_disk takes {'model_path': str, 'weight_version'?: str}")
+    if body.get("abort_all_requests"):
+        await engine.abort(None)
+    try:
+        version = await engine.update_weights_from_disk(body["model_path"], _version_arg(body))
+    except InvalidRequest as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    return web.json_response(
+        {
+            "success": True,
+            "message": "weights updated",
+            "weight_version": str(version),
+            "num_paused_requests": 0,
+        }
+    )
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """SGLang's format: base64 of a pickled list of (name, tensor); the first entry is used.
+
+    Unpickling runs arbitrary code, exactly as in SGLang: only expose this port to the trainer.
+    """
+    engine = request.app[STATE].engine
+    body = await _body(request)
+    blobs = body.get("serialized_named_tensors") if isinstance(body, dict) else None
+    if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
+        raise InvalidRequest("update_weights_from_tensor takes {'serialized_named_tensors': [str, ...]}")
+    try:
+        named = dict(pickle.loads(base64.b64decode(blobs[0])))
+    except Exception as exc:
+        raise InvalidRequest(
+            f"cannot deserialize serialized_named_tensors: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        version = await engine.update_weights_from_tensors(named, _version_arg(body))
+    except InvalidRequest as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+
+
+async def loads(request: web.Request) -> web.Response:
+    load = request.app[STATE].engine.load()
+    return web.json_response({"loads": [{**load, "dp_rank": 0}]})
+
+
+def build_app(
+    engine: Any, *, latency: LatencyInjection | None = None, info: dict[str, Any] | None = None
+) -> web.Application:
+    """The aiohttp application serving `engine` (an `EmbeddedEngine`) over SGLang's native API.
+
+    The engine is closed when the app shuts down.
+    """
+    latency = latency or LatencyInjection()
+    latency.rng = random.Random(latency.seed)
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+    app[STATE] = _State(engine, dict(info or {}), latency)
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_post("/abort_request", abort_request)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    for name, handler in (("model_info", model_info), ("server_info", server_info)):
+        r.add_get(f"/{name}", handler)
+        r.add_get(f"/get_{name}", handler)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    r.add_get("/v1/loads", loads)
+
+    async def _close(app: web.Application) -> None:
+        await app[STATE].engine.close()
+
+    app.on_cleanup.append(_close)
+    return app
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="verst serve",
+        description="Serve a Hugging Face causal LM over SGLang's native HTTP API (embedded engine).",
+    )
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="model directory (HF layout)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default 30000)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="device (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together (default 64)")
+    p.add_argument("--context-length", type=int, default=None, help="override the model's context length")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--weight-version", type=int, default=0, help="initial weight version (default 0)")
+    p.add_argument(
+        "--inject-latency-ms", type=float, default=0.0, help="mean injected delay in ms (default 0)"
+    )
+    p.add_argument(
+        "--inject-latency-fraction", type=float, default=0.0, help="fraction of requests delayed (default 0)"
+    )
+    p.add_argument("--inject-latency-seed", type=int, default=0, help="seed of the injected delays")
+    p.add_argument("--log-level", default="warning", help="logging level (default warning)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, load the model, serve until SIGINT/SIGTERM."""
+    args = make_parser().parse_args(argv)
+    if not 0 <= args.inject_latency_fraction <= 1:
+        raise SystemExit(f"--inject-latency-fraction must be in [0, 1], got {args.inject_latency_fraction}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from verst.rollout.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        num_threads=args.num_threads,
+        max_batch_size=args.max_batch_size,
+        context_len=args.context_length,
+        weight_version=args.weight_version,
+    )
+    info = {k: v for k, v in vars(args).items() if k != "log_level"}
+    info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model
+    latency = LatencyInjection(args.inject_latency_ms, args.inject_latency_fraction, args.inject_latency_seed)
+    app = build_app(engine, latency=latency, info=info)
+    print(f"verst serve: {args.model} on http://{args.host}:{args.port}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
