@@ -34,12 +34,17 @@ class LossOutput:
     """Micro-batch diagnostics, token means over its loss mask: pg_loss, clip_frac, ratio_mean, ..."""
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    """Mean of ``x`` over ``mask`` (0.0 for an empty mask), as a Python float."""
-    total = mask.sum()
-    if float(total) == 0.0:
-        return 0.0
-    return float((x.detach().to(mask.dtype) * mask).sum() / total)
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over ``mask`` (0 for an empty mask), detached, as a 0-d tensor (no host sync)."""
+    return (x.detach().to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1e-8)
+
+
+def _to_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-d metric tensors → Python floats with a single device-to-host copy."""
+    if not metrics:
+        return {}
+    values = torch.stack([v.detach().to(torch.float64).reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics, values, strict=True))
 
 
 def _same_shape(name: str, t: Tensor | None, shape: torch.Size) -> None:
@@ -147,7 +152,7 @@ class Algorithm:
                 "tis / use_rollout_logprobs_as_old is on: pass rollout_logprobs (the engine's log-probs)"
             )
         mask = mask.to(logprobs.dtype)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Tensor] = {}
         if rollout_logprobs is not None and old_logprobs is not None:
             metrics["logprob_mismatch"] = _masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
         if c.use_rollout_logprobs_as_old:
@@ -167,13 +172,12 @@ class Algorithm:
             metrics["tis_clip_frac"] = _masked_mean((weight >= c.tis_cap).to(mask.dtype), mask)
         pg_loss = self.aggregate(per_token, mask, norm)
         total = pg_loss
-        metrics["pg_loss"] = float(pg_loss.detach())
+        metrics["pg_loss"] = pg_loss
         metrics["clip_frac"] = _masked_mean(terms.clipped.to(mask.dtype), mask)
         if c.dual_clip_c is not None:
             metrics["dual_clip_frac"] = _masked_mean(terms.dual_clipped.to(mask.dtype), mask)
         metrics["ratio_mean"] = _masked_mean(terms.ratio, mask)
-        on = mask > 0
-        metrics["ratio_max"] = float(terms.ratio[on].max()) if bool(on.any()) else 1.0
+        metrics["ratio_max"] = torch.where(mask > 0, terms.ratio, torch.zeros_like(terms.ratio)).max()
         metrics["approx_kl"] = _masked_mean(old_logprobs - logprobs.detach(), mask)  # k1 of old vs new
 
         if ref_logprobs is not None:
@@ -181,7 +185,7 @@ class Algorithm:
             metrics["kl"] = _masked_mean(kl, mask)
             if c.use_kl_loss and c.kl_coef > 0:
                 kl_loss = self.aggregate(kl, mask, norm)
-                metrics["kl_loss"] = float(kl_loss.detach())
+                metrics["kl_loss"] = kl_loss
                 total = total + c.kl_coef * kl_loss
         elif c.use_kl_loss and c.kl_coef > 0:
             raise ValueError("use_kl_loss is on: pass ref_logprobs (the frozen reference's log-probs)")
@@ -192,8 +196,8 @@ class Algorithm:
                 total = total - c.entropy_coef * ent
         elif c.entropy_coef != 0:
             raise ValueError("entropy_coef != 0: pass entropy ([B, T]) to the loss")
-        metrics["loss"] = float(total.detach())
-        return LossOutput(loss=total, metrics=metrics)
+        metrics["loss"] = total
+        return LossOutput(loss=total, metrics=_to_floats(metrics))
 
 
 def build_algorithm(config: AlgorithmConfig) -> Algorithm:

@@ -35,14 +35,14 @@ def k2(log_ratio: Tensor) -> Tensor:
 
 
 def k3(log_ratio: Tensor) -> Tensor:
-    """``exp(−d) + d − 1``. log_ratio: [B, T]."""
-    return torch.exp(-log_ratio) + log_ratio - 1.0
+    """``exp(−d) + d − 1``, as ``expm1(−d) + d`` (accurate, ≥ 0 near d = 0). log_ratio: [B, T]."""
+    return torch.expm1(-log_ratio) + log_ratio
 
 
 def low_var(log_ratio: Tensor) -> Tensor:
     """``k3`` with ``−d`` clamped to [−20, 20] and the result to [−10, 10] (verl's low_var_kl)."""
     neg = (-log_ratio).clamp(-20.0, 20.0)
-    return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    return (torch.expm1(neg) - neg).clamp(-10.0, 10.0)
 
 
 KlEstimator = Callable[[Tensor], Tensor]
