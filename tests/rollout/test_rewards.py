@@ -95,6 +95,7 @@ async def test_builtin_ignores_trailing_eos_and_stop():
         ("\\boxed{12}", "The solution... so \\boxed{12}"),
         ("\\boxed{7}", 7),
         ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),
+        ("\\boxed{0.3333333333}", "\\frac{1}{3}"),
     ],
 )
 def test_math_correct_forms(response, label):
@@ -105,6 +106,8 @@ def test_math_correct_forms(response, label):
     ("response", "label"),
     [
         ("\\boxed{41}", "42"),
+        ("\\boxed{1000001}", "1000000"),
+        ("\\boxed{1000000.5}", "1000000"),
         ("\\boxed{\\frac{1}{3}}", "0.33"),
         ("no answer here", "3"),
         ("\\boxed{1 unbalanced", "1"),
@@ -297,3 +300,29 @@ async def test_concurrent_rule_rewards_are_cheap():
     fn, _ = build_reward_fns(_cfg(type="math"))
     out = await asyncio.gather(*(fn(_sample(f"\\boxed{{{i}}}", str(i))) for i in range(200)))
     assert out == [1.0] * 200
+
+
+# --- properties ---------------------------------------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.integers(-(10**9), 10**9))
+def test_math_integers_any_format(n):
+    assert grade_math(f"The answer is {n:,}.", str(n)) == 1.0
+    assert grade_math(f"so $\\boxed{{{n}}}$", f"{n}.0") == 1.0
+    assert grade_math(f"\\boxed{{{n + 1}}}", str(n)) == 0.0
+
+
+@given(st.integers(-500, 500), st.integers(1, 500))
+def test_math_fractions_match_decimals(p, q):
+    assert grade_math(f"\\boxed{{\\dfrac{{{p}}}{{{q}}}}}", repr(p / q)) == 1.0
+    assert grade_math(f"\\boxed{{\\frac{{{p}}}{{{q}}}}}", f"{p + q}/{q}") == 0.0
+
+
+@given(st.text("0123456789", max_size=12), st.text("0123456789", min_size=1, max_size=12))
+def test_partial_credit_bounds(response, label):
+    score = partial_credit(response, label)
+    assert 0.0 <= score <= 1.0
+    assert (score == 1.0) == response.startswith(label)

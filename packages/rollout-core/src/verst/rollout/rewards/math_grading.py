@@ -133,12 +133,31 @@ def _strip_parens(s: str) -> str:
     return s
 
 
+def _half_ulp(s: str) -> Fraction | None:
+    """Half a unit in the last decimal place of the decimals in `s` (None: no decimal point)."""
+    places = [len(m) for m in re.findall(r"\.(\d*)", s)]
+    return Fraction(1, 2 * 10 ** max(places)) if places else None
+
+
 def answers_match(predicted: str, reference: str, *, rel_tol: float = 1e-6) -> bool:
-    """True when two answers are equal numerically (both parse) or as normalised strings."""
+    """True when two answers are equal numerically (both parse) or as normalised strings.
+
+    Numbers written exactly (integers, fractions) must be equal. When a decimal is involved,
+    it may be a rounded value: it matches when the difference is within its rounding (half a
+    unit in its last place, at least 1e-12 relative) and within `rel_tol` relative error (so 0.3333333 matches 1/3, but
+    0.33 does not, and 1000000.5 does not match 1000000).
+    """
     a, b = normalize_answer(predicted), normalize_answer(reference)
     x, y = _parse_number(a), _parse_number(b)
     if x is not None and y is not None:
-        return abs(x - y) <= rel_tol * max(1, abs(y))
+        if x == y:
+            return True
+        ulps = [u for u in (_half_ulp(a), _half_ulp(b)) if u is not None]
+        if not ulps:
+            return False
+        scale = max(1, abs(y))
+        rounding = max(max(ulps), Fraction(1, 10**12) * scale)  # float reprs are not exact roundings
+        return abs(x - y) <= min(rounding, Fraction(rel_tol) * scale)
     return a == b
 
 
