@@ -337,3 +337,25 @@ def test_loss_norm_counts_tokens_and_nonempty_sequences():
     x = torch.zeros(2, 3, requires_grad=True)
     out = algo.loss(x, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), norm=empty)
     assert out.loss.item() == 0.0
+
+
+def _all_reduce_worker(rank: int, store_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        masks = [torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])]
+        norm = LossNorm.from_masks([masks[rank]], 3).all_reduced()
+        torch.save((norm.num_tokens, norm.num_seqs, norm.max_response_len), f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes re-import torch: ~10 s idle, far more on a loaded box
+def test_loss_norm_all_reduced_over_two_gloo_ranks(tmp_path):
+    """The step-global norm sums tokens / sequences over data-parallel ranks (real gloo, 2 processes)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"{rank}.pt") == (3.0, 2.0, 3)

@@ -67,9 +67,10 @@ class LossNorm:
 
         if not (dist.is_available() and dist.is_initialized()):
             return self
-        t = torch.tensor([self.num_tokens, self.num_seqs], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
+        device = torch.device("cpu")
+        if "nccl" in str(dist.get_backend(group)):
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([self.num_tokens, self.num_seqs], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=group)
         return LossNorm(num_tokens=float(t[0]), num_seqs=float(t[1]), max_response_len=self.max_response_len)
 
