@@ -359,3 +359,18 @@ def test_loss_norm_all_reduced_over_two_gloo_ranks(tmp_path):
     mp.spawn(_all_reduce_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert torch.load(tmp_path / f"{rank}.pt") == (3.0, 2.0, 3)
+
+
+def test_bf16_inputs_are_computed_in_float32_and_grads_flow_back():
+    lp32 = torch.tensor([[-1.0, -2.0, -0.5]])
+    lp = lp32.to(torch.bfloat16).requires_grad_(True)
+    old = (lp32 + 0.05).to(torch.bfloat16)
+    adv = torch.tensor([[1.0, -1.0, 0.5]])
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    algo = build_algorithm(AlgorithmConfig())
+    out = algo.loss(lp, old, adv, mask, norm=LossNorm.from_masks([mask], 3))
+    assert out.loss.dtype == torch.float32
+    out.loss.backward()
+    assert lp.grad is not None and lp.grad.dtype == torch.bfloat16 and lp.grad[0, 2] == 0
+    ref = algo.loss(lp.detach().float(), old.float(), adv, mask.float(), norm=LossNorm.from_masks([mask], 3))
+    assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-6)

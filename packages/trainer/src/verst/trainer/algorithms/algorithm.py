@@ -151,7 +151,13 @@ class Algorithm:
             raise ValueError(
                 "tis / use_rollout_logprobs_as_old is on: pass rollout_logprobs (the engine's log-probs)"
             )
-        mask = mask.to(logprobs.dtype)
+        # low-precision inputs (bf16 log-probs) are computed in float32: exp(ratio) needs the bits
+        dtype = torch.promote_types(logprobs.dtype, torch.float32)
+        logprobs, advantages, mask = logprobs.to(dtype), advantages.to(dtype), mask.to(dtype)
+        old_logprobs, rollout_logprobs, ref_logprobs, entropy = (
+            None if x is None else x.to(dtype)
+            for x in (old_logprobs, rollout_logprobs, ref_logprobs, entropy)
+        )
         metrics: dict[str, Tensor] = {}
         if rollout_logprobs is not None and old_logprobs is not None:
             metrics["logprob_mismatch"] = _masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
