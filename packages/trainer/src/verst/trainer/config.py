@@ -18,15 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from verst.rollout.config import RolloutConfig, Section
-
-try:  # TEMP-E2: until helper B lands engines/config.py
-    from verst.rollout.engines.config import EngineConfig
-except ModuleNotFoundError:
-
-    class EngineConfig(Section):  # type: ignore[no-redef]
-        model_path: str | None = Field(None, description="temp")
-
-
+from verst.rollout.engines.config import EngineConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
 
@@ -294,7 +286,7 @@ def train_problems(
 
 
 def _engine_model_path(cfg: RunConfig) -> str | None:
-    return getattr(cfg.engine, "model_path", None) or getattr(cfg.engine, "model", None)
+    return cfg.engine.model_path
 
 
 def resolved_model_path(cfg: RunConfig) -> str:

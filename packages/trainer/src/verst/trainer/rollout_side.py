@@ -24,11 +24,14 @@ from verst.trainer.config import RunConfig
 T = TypeVar("T")
 
 
-def build_engine_from_config(config: RunConfig, model_path: str) -> InferenceEngine:
-    """The engine the `[engine]` section describes (helper-owned `build_engine`)."""
+async def build_engine_from_config(config: RunConfig, model_path: str) -> InferenceEngine:
+    """The engine the `[engine]` section describes; its model defaults to the trainer's."""
     from verst.rollout.engines.config import build_engine
 
-    return build_engine(config.engine, model_path=model_path)
+    engine_cfg = config.engine
+    if engine_cfg.model_path is None and engine_cfg.type != "sglang":
+        engine_cfg = engine_cfg.model_copy(update={"model_path": model_path})
+    return await build_engine(engine_cfg, max_concurrency=config.rollout.max_concurrency)
 
 
 class RolloutSide:
@@ -53,7 +56,9 @@ class RolloutSide:
 
         self._loop = asyncio.new_event_loop()
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
-        self.engine = engine if engine is not None else build_engine_from_config(config, model_path)
+        self.engine = (
+            engine if engine is not None else self._run(build_engine_from_config(config, model_path))
+        )
         rc = config.rollout
         self.data_source = PromptDataSource(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
         reward_fn, group_reward_fn = build_reward_fns(rc)

@@ -1,0 +1,131 @@
+"""Rollout groups → train batch; micro-batching that matches the full batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verst.rollout.sample import Sample, Status
+from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.batch import build_train_batch, micro_batches, split_even
+from verst.trainer.config import TrainConfig
+from verst.trainer.train_side import TrainSide
+
+
+def _sample(
+    g: int, j: int, *, reward: float | None = 1.0, status: Status = Status.COMPLETED, r: int = 3
+) -> Sample:
+    return Sample(
+        prompt=f"p{g}",
+        tokens=[10 + g, 11, 12, *[20 + j + k for k in range(r)]],
+        response_length=r,
+        reward=reward,
+        status=status,
+        rollout_logprobs=[-1.0 - k for k in range(r)],
+        loss_mask=[1] * (r - 1) + [0] if r else None,
+        group_index=g,
+        sample_index=2 * g + j,
+    )
+
+
+def test_failed_and_unscored_groups_are_dropped_and_counted():
+    groups = [
+        [_sample(0, 0), _sample(0, 1, reward=0.0)],
+        [_sample(1, 0, status=Status.FAILED, reward=None), _sample(1, 1)],
+        [_sample(2, 0, reward=None), _sample(2, 1)],
+        [_sample(3, 0, r=1), _sample(3, 1, r=4, reward=0.5)],
+    ]
+    batch = build_train_batch(groups)
+    assert batch.metrics["train/dropped_groups"] == 2.0
+    assert batch.rewards.tolist() == [[1.0, 0.0], [1.0, 0.5]]
+    assert batch.num_samples == 4 and batch.group_size == 2
+    assert batch.loss_mask.shape == (4, 4)
+    assert batch.loss_mask[2].tolist() == [0.0, 0.0, 0.0, 0.0]  # r=1: its only token is masked out
+    assert batch.loss_mask[3].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert batch.rollout_logprobs[3].tolist() == [-1.0, -2.0, -3.0, -4.0]
+
+
+def test_dict_rewards_use_the_reward_key():
+    groups = [[_sample(0, 0), _sample(0, 1)]]
+    groups[0][0].reward = {"acc": 1.0, "fmt": 0.2}
+    groups[0][1].reward = {"acc": 0.0, "fmt": 0.4}
+    assert build_train_batch(groups, reward_key="fmt").rewards.tolist() == [
+        [pytest.approx(0.2), pytest.approx(0.4)]
+    ]
+
+
+def test_no_trainable_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="no trainable groups"):
+        build_train_batch([[_sample(0, 0, status=Status.FAILED)]])
+
+
+@given(n=st.integers(0, 40), parts=st.integers(1, 6))
+def test_split_even_partitions(n, parts):
+    chunks = split_even(list(range(n)), parts)
+    assert len(chunks) == parts
+    assert [i for c in chunks for i in c] == list(range(n))
+    assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+
+
+@given(n=st.integers(1, 40), mbs=st.integers(1, 9), world=st.integers(1, 4))
+def test_micro_batches_cover_rows_once_with_equal_counts_per_rank(n, mbs, world):
+    per_rank = [micro_batches(list(range(n)), mbs, rank=r, world_size=world) for r in range(world)]
+    assert len({len(m) for m in per_rank}) == 1  # FSDP collectives line up
+    rows = sorted(i for m in per_rank for mb in m for i in mb)
+    assert rows == list(range(n))
+    assert all(len(mb) <= mbs for m in per_rank for mb in m)
+
+
+def _groups_for_model(vocab: int) -> list[list[Sample]]:
+    gen = torch.Generator().manual_seed(1)
+    groups = []
+    for g in range(3):
+        group = []
+        for j in range(4):
+            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 5
+            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
+            group.append(
+                Sample(
+                    prompt=str(g),
+                    tokens=tokens,
+                    response_length=r,
+                    reward=float((g + j) % 3),
+                    status=Status.COMPLETED,
+                    rollout_logprobs=[-2.0] * r,
+                    group_index=g,
+                    sample_index=4 * g + j,
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_gradient_accumulation_equals_full_batch(tiny_checkpoint, loss_agg):
+    torch.set_num_threads(1)
+    weights = []
+    for mbs in (1, 5, 12):
+        # eps=1 makes the first AdamW step ~ lr * g / (|g| + 1): linear in small gradients, so
+        # weights compare the accumulated gradients (eps=1e-8 would amplify float noise of ~0 grads)
+        cfg = TrainConfig(
+            model_path=str(tiny_checkpoint), micro_batch_size=mbs, lr=1.0, eps=1.0, max_grad_norm=None
+        )
+        side = TrainSide(
+            cfg,
+            AlgorithmConfig(loss_agg=loss_agg),
+            model_path=str(tiny_checkpoint),
+            total_steps=1,
+            max_response_len=5,
+            temperature=1.0,
+            env={},
+        )
+        batch = build_train_batch(_groups_for_model(side.bundle.hf_model.config.vocab_size))
+        metrics = side.train_step(batch)
+        weights.append((metrics["train/grad_norm"], side.state_dict_for_sync()))
+    (n0, w0) = weights[0]
+    for n, w in weights[1:]:
+        assert n == pytest.approx(n0, rel=1e-4)
+        for k in w0:
+            torch.testing.assert_close(w[k], w0[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
