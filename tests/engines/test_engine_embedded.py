@@ -42,7 +42,8 @@ async def test_many_concurrent_requests_are_batched(engine):
     outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
     assert [len(o.output_ids) for o in outs] == [4 + i % 9 for i in range(24)]
     assert all(
-        o.finish_reason == "length" and o.prompt_tokens == len(r.input_ids) for o, r in zip(outs, reqs)
+        o.finish_reason == "length" and o.prompt_tokens == len(r.input_ids)
+        for o, r in zip(outs, reqs, strict=True)
     )
     assert engine.peak_batch > 1
 
@@ -57,7 +58,7 @@ async def test_logprobs_match_full_forward_with_padding_and_late_joiners(engine)
     first = [asyncio.ensure_future(engine.generate(r)) for r in reqs[:2]]
     await asyncio.sleep(0.02)
     outs = await asyncio.gather(*first, *(engine.generate(r) for r in reqs[2:]))
-    for req, out in zip(reqs, outs):
+    for req, out in zip(reqs, outs, strict=True):
         ref = reference_logprobs(engine.model, req.input_ids, out.output_ids, req.sampling.temperature)
         err = (ref - torch.tensor(out.output_logprobs)).abs().max().item()
         assert err < 1e-4, (req.sampling, err)

@@ -175,7 +175,8 @@ class SGLangClient:
         failed = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             detail = "; ".join(f"{u}: {e}" for u, e in failed)
-            raise EngineError(f"{what} failed on {len(failed)} of {len(urls)} workers ({detail})")
+            cls = InvalidRequest if all(isinstance(e, InvalidRequest) for _, e in failed) else EngineError
+            raise cls(f"{what} failed on {len(failed)} of {len(urls)} workers ({detail})")
         return list(results)
 
     # ---- weights -----------------------------------------------------------------------------
