@@ -16,6 +16,7 @@ is relative to the current directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import types
@@ -183,17 +184,42 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = run_training(cfg, run_dir.root, env=env, logger=logger)
     finally:
         logger.close()
-    summary = dict(summary or {})
-    summary.setdefault("run_dir", str(run_dir.root))
+    summary = summary_dict(summary)
     summary["phase_seconds"] = {k: round(v, 3) for k, v in logger.phase_seconds.items()}
     run_dir.write_summary(summary)
     print(_format_summary(summary, run_dir), flush=True)
     return 0
 
 
+def summary_dict(summary: Any) -> dict[str, Any]:
+    """A JSON-friendly dict of the controller's `TrainingSummary`, with the eval rewards pulled out."""
+    out = dataclasses.asdict(summary) if dataclasses.is_dataclass(summary) else dict(summary or {})
+    out.pop("prompts", None)
+    history = out.get("eval_history") or []
+    rewards = [(step, _eval_reward(m)) for step, m in history]
+    rewards = [(step, r) for step, r in rewards if r is not None]
+    if rewards:
+        out["initial_eval_reward"] = rewards[0][1]
+        out["final_eval_reward"] = rewards[-1][1]
+        out["eval_reward_gain"] = rewards[-1][1] - rewards[0][1]
+    return out
+
+
+def _eval_reward(metrics: dict[str, float]) -> float | None:
+    from verst.trainer.progress import EVAL_KEYS, _first
+
+    return _first(metrics, EVAL_KEYS, None)
+
+
 def _format_summary(summary: dict[str, Any], run_dir: Any) -> str:
     lines = [f"run finished: {run_dir.root}"]
-    for key in ("steps", "seconds", "initial_eval_reward", "final_eval_reward"):
+    for key in (
+        "steps_done",
+        "initial_eval_reward",
+        "final_eval_reward",
+        "eval_reward_gain",
+        "stopped_early",
+    ):
         if key in summary:
             value = summary[key]
             lines.append(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")

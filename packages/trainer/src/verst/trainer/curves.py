@@ -8,6 +8,7 @@ of disappearing, so a missing metric is visible.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -19,7 +20,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "reward (train)",
         ("rollout/reward_mean", "rollout/reward", "train/reward_mean", "reward_mean", "reward"),
     ),
-    ("eval reward", ("eval/reward_mean", "eval/reward", "eval_reward")),
+    ("eval reward", ("eval/reward_mean", "eval/*/reward_mean", "eval/reward", "eval_reward")),
     (
         "response length",
         (
@@ -29,7 +30,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "response_length",
         ),
     ),
-    ("KL to reference", ("train/kl", "train/kl_mean", "kl")),
+    ("KL (to reference; else old→new policy)", ("train/kl", "train/kl_mean", "kl", "train/approx_kl")),
     ("entropy", ("train/entropy", "train/entropy_mean", "entropy")),
     ("clip fraction", ("train/clip_frac", "train/clipfrac", "train/clip_fraction", "clip_fraction")),
     (
@@ -63,11 +64,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def pick_metric(rows: Iterable[dict[str, Any]], candidates: Sequence[str]) -> str | None:
-    """The first candidate name that has at least one finite numeric value in `rows`."""
+    """The first candidate name (a glob like `eval/*/reward_mean` matches the first such key, sorted)
+    that has at least one finite numeric value in `rows`."""
     rows = list(rows)
-    for name in candidates:
-        if any(_finite(row.get(name)) for row in rows):
-            return name
+    present = sorted({key for row in rows for key, value in row.items() if _finite(value)})
+    for pattern in candidates:
+        matches = fnmatch.filter(present, pattern) if "*" in pattern else [pattern] * (pattern in present)
+        if matches:
+            return matches[0]
     return None
 
 

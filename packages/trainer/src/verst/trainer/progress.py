@@ -7,6 +7,7 @@ finished steps times the steps remaining.
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -14,7 +15,7 @@ from typing import Any, TextIO
 
 REWARD_KEYS = ("rollout/reward_mean", "rollout/reward", "train/reward_mean", "reward_mean", "reward")
 """Metric names shown as the reward, in order of preference."""
-EVAL_KEYS = ("eval/reward_mean", "eval/reward")
+EVAL_KEYS = ("eval/reward_mean", "eval/*/reward_mean", "eval/reward")
 """Metric names shown as the eval reward."""
 
 
@@ -51,13 +52,20 @@ class ProgressDisplay:
         self.reward: float | None = None
         self.eval_reward: float | None = None
         self._width = 0
+        self._first_rollout: float | None = None
 
     def eta_seconds(self) -> float | None:
-        """Estimated seconds left, or None before the first step finished."""
+        """Estimated seconds left, or None before the first step finished.
+
+        Timed from the first `rollout` phase, so start-up (model loading, the initial eval) does
+        not inflate the per-step estimate.
+        """
         done = self.step - self._start_step
         if done <= 0:
             return None
-        per_step = (self._clock() - self._start) / done
+        per_step = (
+            self._clock() - (self._start if self._first_rollout is None else self._first_rollout)
+        ) / done
         return per_step * max(0, self.total_steps - self.step)
 
     def line(self) -> str:
@@ -75,6 +83,8 @@ class ProgressDisplay:
     def phase(self, name: str) -> None:
         """The run entered a phase (rollout, train, sync, eval, checkpoint...)."""
         self.phase_name = name
+        if name == "rollout" and self._first_rollout is None:
+            self._first_rollout = self._clock()
         if self.live:
             self._draw()
 
@@ -112,8 +122,10 @@ class ProgressDisplay:
 
 
 def _first(metrics: Mapping[str, Any], keys: tuple[str, ...], default: float | None) -> float | None:
-    for key in keys:
-        value = metrics.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+    for pattern in keys:
+        names = sorted(fnmatch.filter(metrics, pattern)) if "*" in pattern else [pattern]
+        for key in names:
+            value = metrics.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
     return default

@@ -5,7 +5,7 @@ Layout (`RunDir` names each path)::
     runs/<name>/
       config.toml          the resolved config (file + overrides + defaults), as TOML
       metrics.jsonl        one JSON object per logged step: {"step": n, "time": t, <metric>: value...}
-      events.jsonl         rollout lifecycle events (attempt_start/gen_start/gen_end/attempt_end)
+      lifecycle.jsonl      rollout lifecycle events (attempt_start/gen_start/gen_end/attempt_end)
       tensorboard/         TensorBoard event files (`tensorboard --logdir runs/<name>/tensorboard`)
       checkpoints/         step_<n>/ checkpoints written by the trainer (atomic rename)
       curves.png           reward, eval reward, response length, KL, entropy, clip fraction and
@@ -45,7 +45,7 @@ class RunDir:
     @property
     def events(self) -> Path:
         """Rollout lifecycle events (JSON lines)."""
-        return self.root / "events.jsonl"
+        return self.root / "lifecycle.jsonl"
 
     @property
     def tensorboard(self) -> Path:
