@@ -36,6 +36,8 @@ class TrainBatch:
     """n, samples per group."""
     weight_versions: list[list[int]]
     """Engine weight versions each sample was generated with."""
+    prompts: list[str]
+    """The prompt of each kept group, in batch order."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Batch statistics (dropped groups, lengths, rewards)."""
 
@@ -60,8 +62,13 @@ def _usable(group: list[Sample], reward_key: str | None) -> bool:
 
 
 def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None = None) -> TrainBatch:
-    """Collate usable groups (see module doc) into a `TrainBatch`."""
+    """Collate usable groups (see module doc) into a `TrainBatch`, in `group_index` order.
+
+    Strategies return groups in completion order; sorting by the index they were submitted
+    with makes the batch (and so the float summation order) independent of engine timing.
+    """
     kept = [g for g in groups if g and _usable(g, reward_key)]
+    kept.sort(key=lambda g: (g[0].group_index is None, g[0].group_index or 0))
     sizes = {len(g) for g in kept}
     if len(sizes) > 1:
         common = max(sizes, key=lambda n: sum(len(g) == n for g in kept))
@@ -94,6 +101,10 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         "train/reward_mean": float(rewards.mean()),
         "train/truncated_frac": float(sum(s.status == Status.TRUNCATED for s in samples) / len(samples)),
     }
+    versions = [v for s in samples for v in s.weight_versions]
+    if versions:
+        metrics["train/sample_weight_version_min"] = float(min(versions))
+        metrics["train/sample_weight_version_max"] = float(max(versions))
     return TrainBatch(
         tokens=[list(s.tokens) for s in samples],
         response_lengths=lengths,
@@ -103,6 +114,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         rewards=rewards,
         group_size=len(kept[0]),
         weight_versions=[list(s.weight_versions) for s in samples],
+        prompts=[str(g[0].prompt) for g in kept],
         metrics=metrics,
     )
 

@@ -174,10 +174,10 @@ class Trainer:
                 self._phase("rollout")
                 result = self.rollout.rollout(step, self.sync.weight_version) if self.rollout else None
                 groups = broadcast_object(result.groups if result else None, self.dist)
-                summary.prompts.append([str(g[0].prompt) for g in groups if g])
                 t1 = time.perf_counter()
                 self._phase("train")
                 batch = build_train_batch(groups, reward_key=cfg.rollout.reward.key)
+                summary.prompts.append(batch.prompts)
                 metrics = self.train.train_step(batch)
                 t2 = time.perf_counter()
                 self._phase("sync")
