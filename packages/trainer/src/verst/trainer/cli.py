@@ -256,17 +256,54 @@ def _fmt(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
+def checkpoint_model_dir(path: str | Path) -> Path:
+    """A model directory from a HF model folder, a run checkpoint (`step_N/model`), or a run
+    directory (its newest checkpoint)."""
+    from verst.trainer.checkpoint import latest_checkpoint
+
+    path = Path(path).resolve()
+    if (path / "config.json").exists():
+        return path
+    if (path / "model" / "config.json").exists():
+        return path / "model"
+    newest = latest_checkpoint(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    if newest is not None and (newest / "model" / "config.json").exists():
+        return newest / "model"
+    raise ConfigError(
+        [
+            Problem(
+                "checkpoint",
+                f"{path} holds no model (no config.json, no model/config.json, no checkpoints/step_N/)",
+                "pass a Hugging Face model folder, a run checkpoint folder, or a run directory",
+            )
+        ]
+    )
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """`verst eval`: evaluate the config's model (or CHECKPOINT) on `rollout.eval.datasets`."""
-    from verst.trainer.evaluate import run_eval
-
     overrides = list(args.overrides)
     if args.checkpoint:
-        checkpoint = Path(args.checkpoint).resolve()
-        overrides += [f'train.model_path="{checkpoint}"', f'engine.model_path="{checkpoint}"']
+        model = checkpoint_model_dir(args.checkpoint)
+        overrides += [f'train.model_path="{model}"', f'engine.model_path="{model}"']
     cfg, env = load_config_and_env(args.config, overrides)
-    result = run_eval(cfg, env=env)
-    print(json.dumps(result, indent=2))
+    if not cfg.rollout.eval.datasets:
+        raise ConfigError(
+            [
+                Problem(
+                    "rollout.eval.datasets", "no eval datasets", "add a [rollout.eval.datasets.<name>] table"
+                )
+            ]
+        )
+    from verst.trainer.config import resolved_model_path
+    from verst.trainer.rollout_side import RolloutSide
+
+    side = RolloutSide(cfg, model_path=resolved_model_path(cfg), env=env)
+    try:
+        metrics = dict(side.evaluate(0, side.weight_version()).metrics)
+    finally:
+        side.close()
+    print(json.dumps({"model": resolved_model_path(cfg), **metrics}, indent=2))
     return 0
 
 
