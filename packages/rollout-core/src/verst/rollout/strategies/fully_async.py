@@ -1,0 +1,440 @@
+"""`FullyAsyncRollout`: generate continuously while the trainer trains (bounded staleness).
+
+A producer task keeps groups in flight between calls (`generate_and_rm_group`, the same
+retry → FAILED and dynamic-filter rules as `InferenceRollout`). Finished groups enter a bounded
+buffer: groups buffered plus groups in flight never exceed `rollout.async_buffer_groups`, so the
+producer waits when the buffer is full (backpressure).
+
+Each training call takes `batch_size` groups, oldest first, whose OLDEST weight version — the
+smallest engine weight version any of their samples was generated with (a resumed partial
+sample records several) — lags `request.weight_version` by at most `max_weight_staleness`.
+Too-stale groups, and groups that came back aborted (e.g. an engine that aborts requests to
+update its weights), are handled per `stale_policy`:
+
+- `retry`: handed back to the data source — reset to fresh prompts, or with `partial_rollout`
+  kept with their partial tokens and resumed (masked per `mask_offpolicy_in_partial_rollout`);
+- `drop`: discarded and counted.
+
+Nothing is silently lost: every prompt taken from the data source is trained on, buffered,
+in flight, handed back, or dropped and counted (`rollout/stale_dropped`,
+`rollout/aborted_dropped`, `rollout/dropped/<filter>`, `rollout/failed_groups`).
+`state_dict()` holds the buffered groups and the groups in flight (as fresh prompts), so a
+resume loses none. `close()` stops the producer, aborts its engine requests and hands every
+unfinished and buffered group back to the data source.
+
+The producer runs on the event loop of whoever calls the strategy: it overlaps with training
+only if that loop keeps running between calls (the trainer's `RolloutSide` runs its loop in a
+background thread), or when the engine is another process (`verst serve`, SGLang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from verst.rollout.engine import SamplingParams
+from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
+from verst.rollout.logging_utils import log_first_sample, log_rollout_finish
+from verst.rollout.protocols import (
+    Capability,
+    GenerateState,
+    RolloutContext,
+    RolloutRequest,
+    RolloutResult,
+)
+from verst.rollout.sample import Sample
+from verst.rollout.sampling import sampling_params_for
+from verst.rollout.strategies.inference import InferenceRollout, _mark_failed, _Tally
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+"""Version of `FullyAsyncRollout.state_dict()`'s layout."""
+
+
+@dataclass
+class _AsyncTally(_Tally):
+    """Counters since the last training call (turned into metrics by the next one)."""
+
+    stale_retried: int = 0
+    """Too-stale groups handed back to the data source."""
+    stale_dropped: int = 0
+    """Too-stale groups discarded (`stale_policy = "drop"`)."""
+    aborted_retried: int = 0
+    """Groups that finished with aborted samples, handed back."""
+    aborted_dropped: int = 0
+    """Groups that finished with aborted samples, discarded."""
+
+
+@dataclass
+class _Buffered:
+    """A finished group waiting to be trained on."""
+
+    group: list[Sample]
+    """The group's samples (all finished, passed the filters)."""
+    fallback_version: int
+    """Weight version known when it finished; used for samples that recorded no version."""
+
+    def oldest_version(self) -> int:
+        """The smallest weight version any sample of the group was generated with."""
+        return min((v for s in self.group for v in s.weight_versions), default=self.fallback_version)
+
+
+class ProducerError(RuntimeError):
+    """The background producer stopped on an error; the training call cannot be served."""
+
+
+class FullyAsyncRollout(InferenceRollout):
+    """Fully-async rollout with a bounded buffer and bounded staleness (see the module docstring).
+
+    Eval requests run like `InferenceRollout`'s (they do not touch the buffer) while the
+    producer keeps generating.
+    """
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(Capability)
+
+    def __init__(self, context: RolloutContext) -> None:
+        super().__init__(context)
+        config = context.config
+        if config.async_buffer_groups < config.batch_size:
+            raise ValueError(
+                f"rollout.async_buffer_groups = {config.async_buffer_groups} cannot hold one batch of "
+                f"rollout.batch_size = {config.batch_size} groups; set async_buffer_groups >= {config.batch_size}"
+            )
+        self.buffer: deque[_Buffered] = deque()
+        """Finished groups waiting for a training call, oldest first."""
+        self.last_dropped_groups: list[list[Sample]] = []
+        """Groups dropped (too stale or aborted, `stale_policy = "drop"`) since the previous call."""
+        self.peak_buffer = 0
+        """The most groups ever buffered at once (at most `async_buffer_groups`)."""
+        self._cond = asyncio.Condition()
+        self._in_flight: dict[asyncio.Task[None], list[Sample]] = {}
+        self._resume: list[list[Sample]] = []
+        self._closing_unfinished: list[list[Sample]] = []
+        self._dropped: list[list[Sample]] = []
+        self._failed: list[list[Sample]] = []
+        self._tally = _AsyncTally()
+        self._producer: asyncio.Task[None] | None = None
+        self._producer_error: BaseException | None = None
+        self._state: GenerateState | None = None
+        self._params: SamplingParams = sampling_params_for(config)
+        self._version = 0
+        self._exhausted = False
+        self._closing = False
+        self._closed = False
+        self._next_group = 0
+        self._next_sample = 0
+        self._last_call = time.perf_counter()
+
+    # ------------------------------------------------------------------ protocol
+
+    async def __call__(self, request: RolloutRequest) -> RolloutResult:
+        if self._closed or self._closing:
+            raise RuntimeError("FullyAsyncRollout is closed; build a new strategy to generate again")
+        if request.evaluation:
+            return await self._evaluate(request)
+        return await self._take(request)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, buffered groups, and the groups in flight as fresh prompts (resumed first)."""
+        pending = [*self._resume, *self._closing_unfinished]
+        pending += [[reset_sample(s.clone()) for s in g] for g in self._in_flight.values()]
+        return {
+            "version": STATE_VERSION,
+            "counters": dict(self._counters),
+            "weight_version": self._version,
+            "buffer": [
+                {"group": [s.to_dict() for s in b.group], "fallback_version": b.fallback_version}
+                for b in self.buffer
+            ],
+            "pending": [[s.to_dict() for s in g] for g in pending],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"FullyAsyncRollout state has version {state.get('version')!r}, expected {STATE_VERSION}; "
+                f"it was saved by an incompatible verst version (or by another strategy)"
+            )
+        if self._producer is not None:
+            raise RuntimeError("load_state_dict must be called before the first rollout (the producer runs)")
+        self._counters.update(state["counters"])
+        self._version = int(state["weight_version"])
+        self.buffer = deque(
+            _Buffered([Sample.from_dict(d) for d in b["group"]], int(b["fallback_version"]))
+            for b in state["buffer"]
+        )
+        self._resume = [[Sample.from_dict(d) for d in g] for g in state["pending"]]
+
+    async def close(self) -> None:
+        """Stop the producer, abort its requests, hand in-flight and buffered groups back."""
+        if self._closed:
+            return
+        self._closing = True
+        try:
+            async with self._cond:
+                self._cond.notify_all()
+            if self._producer is not None:
+                await asyncio.wait({self._producer}, timeout=self.abort_grace_s)
+                if not self._producer.done():
+                    self._producer.cancel()
+            unfinished = await self._stop_in_flight()
+            groups = [*self._resume, *self._closing_unfinished, *unfinished, *(b.group for b in self.buffer)]
+            self._resume, self._closing_unfinished = [], []
+            self.buffer.clear()
+            tally = _AsyncTally()
+            self._hand_back(groups, tally)
+            if groups:
+                logger.info("fully-async close: handed %d groups back to the data source", len(groups))
+        finally:
+            self._closed = True
+            await super().close()
+
+    # ------------------------------------------------------------------ the producer
+
+    def _room(self) -> int:
+        return self.context.config.async_buffer_groups - len(self.buffer) - len(self._in_flight)
+
+    def _start(self, request: RolloutRequest) -> None:
+        """Start the producer on the first call; later calls update the state it generates with."""
+        self._version = request.weight_version
+        if self._state is None:
+            self._state = GenerateState(
+                context=self.context,
+                rollout_id=request.rollout_id,
+                weight_version=request.weight_version,
+                semaphore=asyncio.Semaphore(self.context.config.max_concurrency),
+                request_prefix=f"{self._prefix}-a",
+                generate_fn=self.generate_fn,
+                generate_fn_cache=self._generate_fn_cache,
+            )
+        else:
+            self._state.rollout_id = request.rollout_id
+            self._state.weight_version = request.weight_version
+        if self._producer is None:
+            self._producer = asyncio.create_task(self._produce(), name="verst-fully-async-producer")
+
+    async def _produce(self) -> None:
+        config = self.context.config
+        wave = config.effective_over_sampling_batch_size
+        try:
+            while True:
+                async with self._cond:
+                    await self._cond.wait_for(
+                        lambda: (
+                            self._closing
+                            or (self._room() > 0 and (bool(self._resume) or not self._exhausted))
+                        )
+                    )
+                    if self._closing:
+                        return
+                room = self._room()
+                groups = [self._resume.pop(0) for _ in range(min(room, len(self._resume)))]
+                if len(groups) < room:
+                    got = self.context.data_source.get_samples(min(wave, room - len(groups)))
+                    if not got and not groups:
+                        self._exhausted = True
+                        logger.warning("fully-async producer: the data source ran out of prompts")
+                        async with self._cond:
+                            self._cond.notify_all()
+                        continue
+                    groups += got
+                for group in groups:
+                    self._submit(group)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._producer_error = exc
+            logger.exception("fully-async producer failed")
+            async with self._cond:
+                self._cond.notify_all()
+            raise
+
+    def _submit(self, group: list[Sample]) -> None:
+        for s in group:
+            s.group_index, s.sample_index = self._next_group, self._next_sample
+            self._next_sample += 1
+        self._next_group += 1
+        task = asyncio.create_task(self._run_group(group))
+        self._in_flight[task] = group
+        task.add_done_callback(lambda t: self._in_flight.pop(t, None))
+
+    async def _run_group(self, group: list[Sample]) -> None:
+        """Generate one group (retrying failures), then buffer, drop or hand it back."""
+        try:
+            samples = await self._generate_with_retries(group)
+            if samples is not None:
+                self._file(samples)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # e.g. a raising dynamic filter: surface it, lose no prompt
+            self._producer_error = exc
+            logger.exception("fully-async: handling a finished group failed")
+            self._give_back([group], fresh=True)
+        finally:
+            # leave the in-flight set before waking the producer (its room counts it)
+            self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+        await self._notify()
+
+    async def _generate_with_retries(self, group: list[Sample]) -> list[Sample] | None:
+        """The generated group, or None when it failed for good (marked FAILED) or is closing."""
+        assert self._state is not None
+        retries = 0
+        while True:
+            try:
+                return await generate_and_rm_group(self._state, group, self._params)
+            except GroupGenerationError as err:
+                if self._closing:
+                    self._closing_unfinished.append(group)
+                    return None
+                retry = retries < self.context.config.max_group_retries
+                self._log_group_failure(err, retry)
+                if not retry:
+                    self._failed.append(_mark_failed(group, err))
+                    self._tally.failed_groups += 1
+                    return None
+                retries += 1
+                self._tally.group_retries += 1
+                group = [reset_sample(s, keep_attempt=True) for s in group]
+
+    def _file(self, samples: list[Sample]) -> None:
+        """A generated group: into the buffer, dropped by a filter, or unfinished (retry/drop)."""
+        kept: list[list[Sample]] = []
+        unfinished: list[list[Sample]] = []
+        self._classify(samples, kept, unfinished, self._tally)
+        for g in kept:
+            self.buffer.append(_Buffered(g, self._version))
+        self.peak_buffer = max(self.peak_buffer, len(self.buffer))
+        for g in unfinished:
+            if self._closing:
+                self._closing_unfinished.append(g)
+            elif self.context.config.stale_policy == "retry":
+                self._tally.aborted_retried += 1
+                self._give_back([g], fresh=False)
+            else:
+                self._tally.aborted_dropped += 1
+                self._dropped.append(g)
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    def _give_back(self, groups: list[list[Sample]], *, fresh: bool) -> None:
+        """Hand groups back to the data source (counted as returned) and wake the producer.
+
+        `fresh` resets them to prompts; otherwise partial samples are kept with `partial_rollout`.
+        """
+        if fresh:
+            for g in groups:
+                for s in g:
+                    reset_sample(s)
+        self._hand_back(groups, self._tally)
+        self._exhausted = False
+
+    async def _stop_in_flight(self) -> list[list[Sample]]:
+        """Abort the producer's requests, wait for its groups; return those that never finished."""
+        if self._state is not None:
+            self._state.aborted.set()
+        in_flight = dict(self._in_flight)
+        if not in_flight:
+            return []
+        assert self._state is not None
+        try:
+            await self.context.engine.abort(self._state.request_prefix + "-")
+        except Exception as exc:  # keep closing: the groups are still handed back
+            logger.warning("fully-async close: engine abort failed: %s: %s", type(exc).__name__, exc)
+        _, pending = await asyncio.wait(in_flight, timeout=self.abort_grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            logger.warning(
+                "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
+            )
+            await asyncio.wait(pending)
+        return [
+            group for task, group in in_flight.items() if task.cancelled() or task.exception() is not None
+        ]
+
+    # ------------------------------------------------------------------ the consumer
+
+    def _evict_stale(self, version: int) -> None:
+        """Retry or drop buffered groups older than `max_weight_staleness` versions."""
+        config = self.context.config
+        keep: deque[_Buffered] = deque()
+        for b in self.buffer:
+            if version - b.oldest_version() <= config.max_weight_staleness:
+                keep.append(b)
+            elif config.stale_policy == "retry":
+                self._tally.stale_retried += 1
+                self._give_back([b.group], fresh=True)
+            else:
+                self._tally.stale_dropped += 1
+                self._dropped.append(b.group)
+        self.buffer = keep
+
+    async def _take(self, request: RolloutRequest) -> RolloutResult:
+        started = time.perf_counter()
+        target = self.context.config.batch_size
+        self._start(request)
+        taken: list[_Buffered] = []
+        async with self._cond:
+            while True:
+                self._evict_stale(request.weight_version)
+                while self.buffer and len(taken) < target:
+                    taken.append(self.buffer.popleft())
+                self._cond.notify_all()  # room for the producer; hand-backs to pick up
+                if len(taken) >= target:
+                    break
+                if self._producer_error is not None:
+                    raise ProducerError(
+                        f"the fully-async producer stopped: {type(self._producer_error).__name__}: "
+                        f"{self._producer_error}"
+                    ) from self._producer_error
+                if self._exhausted and not self._in_flight and not self._resume:
+                    logger.warning(
+                        "rollout %d: the data source ran out; returning %d of %d groups",
+                        request.rollout_id,
+                        len(taken),
+                        target,
+                    )
+                    break
+                await self._cond.wait()
+        return self._result(request, taken, started)
+
+    def _result(self, request: RolloutRequest, taken: list[_Buffered], started: float) -> RolloutResult:
+        kept = [b.group for b in taken]
+        tally, self._tally = self._tally, _AsyncTally()
+        failed, self._failed = self._failed, []
+        self.last_dropped_groups, self._dropped = self._dropped, []
+        self.last_failed_groups = failed
+        metrics = self._metrics(kept, failed, tally, started)
+        now = time.perf_counter()
+        since = now - self._last_call
+        self._last_call = now
+        staleness = [request.weight_version - b.oldest_version() for b in taken]
+        metrics.update(
+            {
+                "rollout/wait_s": now - started,
+                "rollout/tokens_per_s": tally.generated_tokens / since if since > 0 else 0.0,
+                "rollout/buffer_size": float(len(self.buffer)),
+                "rollout/in_flight_groups": float(len(self._in_flight)),
+                "rollout/staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+                "rollout/staleness_max": float(max(staleness, default=0)),
+                "rollout/stale_retried": float(tally.stale_retried),
+                "rollout/stale_dropped": float(tally.stale_dropped),
+                "rollout/aborted_retried": float(tally.aborted_retried),
+                "rollout/aborted_dropped": float(tally.aborted_dropped),
+            }
+        )
+        self._counters["rollouts"] += 1
+        self._counters["kept_groups"] += len(kept)
+        self._counters["failed_groups"] += len(failed)
+        if kept:
+            log_first_sample(logger, kept[0][0], label=f"rollout {request.rollout_id}")
+        log_rollout_finish(logger, request.rollout_id, metrics)
+        return RolloutResult(groups=kept, metrics=metrics)
