@@ -90,6 +90,24 @@ def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
         yield from describe_model(sub, key)
 
 
+def markdown_reference(model: type[BaseModel], section: str) -> str:
+    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections."""
+    rows = [f"### `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    subs: list[str] = []
+    for name, field in model.model_fields.items():
+        sub = _nested_model(field.annotation)
+        if sub is not None:
+            subs.append(markdown_reference(sub, f"{section}.{name}"))
+            continue
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        shown = "unset" if default is None else f"`{json.dumps(default, default=str)}`"
+        doc = (field.description or "").replace("|", "\\|")
+        rows.append(
+            f"| `{name}` | `{_type_name(field.annotation).replace('|', chr(92) + '|')}` | {shown} | {doc} |"
+        )
+    return "\n\n".join(["\n".join(rows), *subs])
+
+
 def config_reference() -> str:
     """Every config section and field with its default and meaning (for `verst train --help`)."""
     from verst.trainer.config import RunConfig
