@@ -3,12 +3,15 @@
 The controller calls `rollout`, `evaluate`, `update_weights_from_tensors` /
 `update_weights_from_disk`, `state_dict` / `load_state_dict` and `close` — nothing else — so a
 Ray actor can implement the same surface. It owns its own asyncio event loop: strategies and
-engines are async, the training loop is not.
+engines are async, the training loop is not. The loop runs in a background thread for the
+side's whole life (calls are submitted with `run_coroutine_threadsafe`), so background work —
+the fully-async producer — keeps generating while the trainer trains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -55,6 +58,8 @@ class RolloutSide:
         from transformers import AutoTokenizer
 
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="verst-rollout-loop", daemon=True)
+        self._thread.start()
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
         self.engine = (
             engine if engine is not None else self._run(build_engine_from_config(config, model_path))
@@ -78,7 +83,13 @@ class RolloutSide:
         self.strategy = load_rollout_strategy(self.strategy_path, context)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._loop.run_until_complete(coro)
+        """Run `coro` on the side's loop (in its background thread) and wait for the result."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(
+                "RolloutSide methods are synchronous; do not call them from its own event loop"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def in_process_engine(self) -> bool:
@@ -113,19 +124,35 @@ class RolloutSide:
         return self._run(self.engine.get_weight_version())
 
     def state_dict(self) -> dict[str, Any]:
-        """Data source and strategy state (buffered samples included)."""
-        return {"data_source": self.data_source.state_dict(), "strategy": self.strategy.state_dict()}
+        """Data source and strategy state (buffered samples included).
+
+        Taken on the loop thread, so a background producer cannot change either half in between.
+        """
+
+        async def snapshot() -> dict[str, Any]:
+            return {"data_source": self.data_source.state_dict(), "strategy": self.strategy.state_dict()}
+
+        return self._run(snapshot())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict`."""
-        self.data_source.load_state_dict(state["data_source"])
-        self.strategy.load_state_dict(state["strategy"])
+
+        async def restore() -> None:
+            self.data_source.load_state_dict(state["data_source"])
+            self.strategy.load_state_dict(state["strategy"])
+
+        self._run(restore())
 
     def close(self, *, close_engine: bool = True) -> None:
         """Close the strategy (unfinished samples go back to the data source) and the engine."""
+        if self._loop.is_closed():
+            return
         try:
             self._run(self.strategy.close())
             if close_engine:
                 self._run(self.engine.close())
         finally:
-            self._loop.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()
