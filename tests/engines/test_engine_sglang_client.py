@@ -224,13 +224,18 @@ async def test_client_does_not_retry_4xx(servers):
 @asynccontextmanager
 async def stand_in_router(workers: list[str], *, old_form: bool):
     """Simulates the external sglang-router's worker listing (old or new API)."""
+
+    async def list_workers(_: web.Request) -> web.Response:  # router <= 0.2.1
+        return web.json_response({"urls": workers})
+
+    async def workers_new(_: web.Request) -> web.Response:  # newer gateway
+        return web.json_response({"workers": [{"url": u} for u in workers], "total": len(workers)})
+
     app = web.Application()
     if old_form:
-        app.router.add_get("/list_workers", lambda _: web.json_response({"urls": workers}))
+        app.router.add_get("/list_workers", list_workers)
     else:
-        app.router.add_get(
-            "/workers", lambda _: web.json_response({"workers": [{"url": u} for u in workers]})
-        )
+        app.router.add_get("/workers", workers_new)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
