@@ -122,16 +122,41 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
     return float(total)
 
 
-def all_reduce_mean(values: dict[str, float], dist_info: DistInfo) -> dict[str, float]:
-    """Average scalar metrics over ranks (every rank must pass the same keys)."""
-    if not dist_info.distributed or not values:
-        return values
-    import torch.distributed as dist
+def reduce_metrics(
+    sums: dict[str, float], weights: dict[str, float], summed: frozenset[str], dist_info: DistInfo
+) -> dict[str, float]:
+    """Combine per-rank metric accumulators into `sums[k] / weights[k]` over all ranks.
 
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: float(v) / dist_info.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+    Keys ending in `_max` are maxima; keys in `summed` are plain sums (losses already
+    normalised by the global `LossNorm`); the rest are weighted means. A rank may lack a key
+    (all its micro-batches empty): it contributes nothing to it.
+    """
+    keys = sorted(sums)
+    if dist_info.distributed:
+        import torch.distributed as dist
+
+        gathered: list[list[str] | None] = [None] * dist_info.world_size
+        dist.all_gather_object(gathered, keys)
+        keys = sorted({k for ks in gathered for k in ks or []})
+        maxima = [k for k in keys if k.endswith("_max")]
+        rest = [k for k in keys if not k.endswith("_max")]
+        t = torch.tensor(
+            [sums.get(k, 0.0) for k in rest] + [weights.get(k, 0.0) for k in rest], dtype=torch.float64
+        )
+        dist.all_reduce(t)
+        m = torch.tensor([sums.get(k, float("-inf")) for k in maxima], dtype=torch.float64)
+        if maxima:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        n = len(rest)
+        sums = {**dict(zip(rest, t[:n].tolist(), strict=True)), **dict(zip(maxima, m.tolist(), strict=True))}
+        weights = dict(zip(rest, t[n:].tolist(), strict=True))
+    out = {}
+    for k in keys:
+        if k.endswith("_max") or k in summed:
+            out[k] = sums[k]
+        else:
+            out[k] = sums[k] / max(weights.get(k, 0.0), 1e-12)
+    return out
 
 
 def broadcast_object(obj: Any, dist_info: DistInfo) -> Any:

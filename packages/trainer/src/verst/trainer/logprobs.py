@@ -125,9 +125,10 @@ def hidden_logprobs(
         chunk_size=chunk_size,
         **kwargs,
     )
+    # clones: FSDP2 warns about (and mishandles in-place ops on) views returned from its root
     if return_entropy:
-        return out[0], out[1]
-    return (out[0] if isinstance(out, tuple) else out), None
+        return out[0].clone(), out[1].clone()
+    return (out[0] if isinstance(out, tuple) else out).clone(), None
 
 
 class PolicyLogprobs(nn.Module):

@@ -21,7 +21,7 @@ import torch
 from verst.trainer.algorithms import AlgorithmConfig, LossNorm, build_algorithm
 from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
-from verst.trainer.fsdp import DistInfo, all_reduce_mean, clip_grad_norm
+from verst.trainer.fsdp import DistInfo, clip_grad_norm, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.model import build_policy, build_reference
 
@@ -150,8 +150,7 @@ class TrainSide:
             ):
                 self._micro_step(batch, mb, norm, advantages, old_all, ref_lp, rollout_lp, sums, weights)
             step_metrics.append(self._optimizer_step())
-        metrics = {k: sums[k] / max(weights[k], 1e-12) for k in sums}
-        metrics = all_reduce_mean(metrics, self.dist) if self.dist.distributed else metrics
+        metrics = reduce_metrics(sums, weights, _SUMMED, self.dist)
         out = {f"train/{k}": v for k, v in metrics.items()}
         for k in step_metrics[-1]:
             out[f"train/{k}"] = step_metrics[-1][k]
@@ -200,10 +199,8 @@ class TrainSide:
         for k, v in metrics.items():
             if k in _SUMMED:
                 sums[k] = sums.get(k, 0.0) + v
-                weights[k] = 1.0
             elif k.endswith("_max"):
-                sums[k] = max(sums.get(k, 0.0), v)
-                weights[k] = 1.0
+                sums[k] = max(sums.get(k, float("-inf")), v)
             else:
                 sums[k] = sums.get(k, 0.0) + v * ntok
                 weights[k] = weights.get(k, 0.0) + ntok

@@ -1,0 +1,152 @@
+"""FSDP on CPU: 2 processes over gloo really shard, and train like 1 process.
+
+accelerate ignores its FSDP plugin on CPU; verst shards with FSDP2 `fully_shard` directly. The
+workers are real processes (spawn), one torch thread each, rendezvous over TCP on loopback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from verst.rollout.engines.launcher import free_port
+from verst.rollout.sample import Sample, Status
+from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.batch import build_train_batch
+from verst.trainer.config import TrainConfig
+from verst.trainer.fsdp import DistInfo
+from verst.trainer.model import build_policy
+from verst.trainer.train_side import TrainSide
+
+STEPS = 2
+
+
+def _groups(vocab: int) -> list[list[Sample]]:
+    gen = torch.Generator().manual_seed(3)
+    groups = []
+    for g in range(3):
+        group = []
+        for j in range(4):
+            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 5
+            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
+            group.append(
+                Sample(
+                    prompt=str(g),
+                    tokens=tokens,
+                    response_length=r,
+                    reward=float((g * j) % 3),
+                    status=Status.COMPLETED,
+                    rollout_logprobs=[-2.0] * r,
+                    group_index=g,
+                    sample_index=4 * g + j,
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def _config(model: str, fsdp: bool) -> TrainConfig:
+    # eps=1: the AdamW step is ~linear in small gradients, so weights compare the gradients
+    return TrainConfig(model_path=model, fsdp=fsdp, micro_batch_size=2, lr=0.5, eps=1.0, num_threads=1)
+
+
+def _train(model: str, env: dict[str, str], fsdp: bool) -> tuple[TrainSide, list[dict[str, float]]]:
+    side = TrainSide(
+        _config(model, fsdp),
+        AlgorithmConfig(),
+        model_path=model,
+        total_steps=STEPS,
+        max_response_len=5,
+        temperature=1.0,
+        env=env,
+    )
+    batch = build_train_batch(_groups(side.bundle.hf_model.config.vocab_size))
+    return side, [side.train_step(batch) for _ in range(STEPS)]
+
+
+def _worker(rank: int, port: int, model: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from verst.trainer.fsdp import is_sharded
+
+    torch.set_num_threads(1)
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    side, metrics = _train(model, env, fsdp=True)
+    shards = {
+        n: (p.to_local().numel(), p.numel(), is_sharded(p)) for n, p in side.bundle.module.named_parameters()
+    }
+    weights = side.state_dict_for_sync()  # a collective: full weights on rank 0
+    side.save(Path(out) / "ckpt")  # a collective too; rank 0 writes
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
+        pickle.dump(
+            {"shards": shards, "metrics": metrics, "weights": weights, "sharding": side.bundle.sharding}, fh
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # exit right after destroy (see PLATFORM.md: rare aborts in FSDP teardown otherwise)
+
+
+def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_checkpoint):
+    torch.set_num_threads(1)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
+    r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
+
+    assert r0["sharding"] == "fsdp2-direct"
+    # every parameter is a DTensor split across the two ranks (large ones really sharded)
+    for name, (local0, full, sharded) in r0["shards"].items():
+        local1 = r1["shards"][name][0]
+        assert local0 + local1 == full, name
+        if full >= 2:
+            assert sharded and local0 < full, f"{name} is not sharded"
+    assert r1["weights"] == {}  # full weights are gathered to rank 0 only
+
+    single = TrainSide(
+        _config(str(tiny_checkpoint), False),
+        AlgorithmConfig(),
+        model_path=str(tiny_checkpoint),
+        total_steps=STEPS,
+        max_response_len=5,
+        temperature=1.0,
+        env={},
+    )
+    batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
+    ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
+    ref = single.state_dict_for_sync()
+    assert r0["weights"].keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):
+        assert m_fsdp["train/grad_norm"] == pytest.approx(m_ref["train/grad_norm"], rel=1e-4)
+        assert m_fsdp["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-4, abs=1e-7)
+
+    # the FSDP checkpoint (gathered full state) loads into a 1-process model: same weights
+    single.load(tmp_path / "ckpt")
+    for k, v in single.state_dict_for_sync().items():
+        torch.testing.assert_close(v, r0["weights"][k])
+
+
+def test_fsdp_on_cpu_with_one_process_is_refused(tiny_checkpoint):
+    with pytest.raises(RuntimeError, match="unsharded"):
+        build_policy(
+            _config(str(tiny_checkpoint), True), str(tiny_checkpoint), total_steps=1, dist_info=DistInfo()
+        )
