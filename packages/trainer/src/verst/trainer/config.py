@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from verst.rollout.config import RolloutConfig, Section
 from verst.rollout.engines.config import EngineConfig
@@ -125,6 +125,20 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, KL, entropy."
     )
+
+    @model_validator(mode="after")
+    def _off_policy_correction_default(self) -> RunConfig:
+        """Fully-async rollout trains on samples from older weights: truncated importance sampling
+        (`algorithm.tis`) is on by default then. An explicit `algorithm.tis` (true or false) wins,
+        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off."""
+        algo = self.algorithm
+        if (
+            self.rollout.fully_async
+            and "tis" not in algo.model_fields_set
+            and not algo.use_rollout_logprobs_as_old
+        ):
+            algo.tis = True
+        return self
 
 
 # ---------------------------------------------------------------- loading
