@@ -21,7 +21,12 @@ class RowOps(Protocol):
 
     @staticmethod
     def forward(
-        logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        *,
+        overwrite: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 
     @staticmethod
@@ -34,6 +39,8 @@ class RowOps(Protocol):
         grad_logprobs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
         out_dtype: torch.dtype,
+        *,
+        overwrite: bool = False,
     ) -> torch.Tensor: ...
 
     @staticmethod
@@ -105,7 +112,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             logits = hidden[s:e] @ weight.T  # [C, V], never more than one chunk alive
-            lp_c, ent_c, lse_c = ops.forward(logits, targets[s:e], temperature, with_entropy)
+            lp_c, ent_c, lse_c = ops.forward(
+                logits, targets[s:e], temperature, with_entropy, overwrite=not topk
+            )  # top-k reads the logits afterwards: keep them intact then
             logprobs[s:e], lse[s:e] = lp_c, lse_c
             if entropy is not None:
                 entropy[s:e] = ent_c
@@ -143,8 +152,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
                 entropy[s:e] if entropy is not None else None,
                 grad_logprobs[s:e],
                 grad_entropy[s:e] if grad_entropy is not None else None,
-                torch.float32,
-            )  # fmt: skip  # [C, V] float32
+                torch.float32, overwrite=True,
+            )  # fmt: skip  # [C, V] float32, may reuse the logits' buffer
             del logits
             if grad_h is not None:
                 gl = grad_logits.to(hidden.dtype) if low_precision else grad_logits

@@ -75,9 +75,12 @@ class TritonRowOps:
         temperature: float,
         with_entropy: bool,
         *,
+        overwrite: bool = False,
         block_v: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32."""
+        """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32.
+
+        `overwrite` is accepted for the RowOps contract; the kernel needs no temporaries."""
         where = "token log-probs (triton forward)"
         _check_logits(logits, where)
         N, V = logits.shape
@@ -108,6 +111,7 @@ class TritonRowOps:
         grad_entropy: torch.Tensor | None,  # [N] float32
         out_dtype: torch.dtype,
         *,
+        overwrite: bool = False,
         block_v: int | None = None,
     ) -> torch.Tensor:
         """Gradient wrt logits `[N, V]` in `out_dtype` (float32 accumulation)."""

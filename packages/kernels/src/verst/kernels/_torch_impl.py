@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 
-def _scaled_float32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh float32 copy of logits / T (fresh so it can be modified in place)."""
-    x = logits.to(torch.float32, copy=True)  # [N, V]
+def _scaled_float32(logits: torch.Tensor, temperature: float, overwrite: bool) -> torch.Tensor:
+    """logits / T in float32 that may be modified in place: `logits` itself when the caller
+    allows overwriting it (and it is float32), else a fresh copy."""
+    x = logits if overwrite and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True)
     if temperature != 1.0:
         x.div_(temperature)
     return x
@@ -29,17 +30,28 @@ class TorchRowOps:
         targets: torch.Tensor,  # [N, M] int64
         temperature: float,
         with_entropy: bool,
+        *,
+        overwrite: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32."""
-        x = _scaled_float32(logits, temperature)  # [N, V]
-        lse = torch.logsumexp(x, dim=-1)  # [N]
-        logprobs = x.gather(-1, targets) - lse[:, None]  # [N, M]
+        """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32.
+
+        `overwrite=True`: `logits` is the caller's temporary and may be clobbered (saves one
+        `[N, V]` float32 array; the chunked linear path uses it)."""
+        x = _scaled_float32(logits, temperature, overwrite)  # [N, V]
+        m = x.amax(dim=-1, keepdim=True)  # [N, 1]
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        picked = x.gather(-1, targets)  # [N, M], before x is modified
+        xs = x.sub_(m)  # x - m, in place
         entropy = None
-        if with_entropy:
-            logp = x.sub_(lse[:, None])  # [N, V]
-            p = logp.exp()
-            plogp = p.mul_(logp).nan_to_num_(nan=0.0)  # 0 * -inf -> 0
-            entropy = -plogp.sum(-1)  # [N]
+        if with_entropy:  # H = log s - sum p (x - m) / s: two non-negative terms, no cancellation
+            p = xs.exp()  # [N, V] unnormalised
+            s = p.sum(-1)
+            t = p.mul_(xs).nan_to_num_(nan=0.0).sum(-1)  # 0 * -inf -> 0
+            entropy = s.log() - t / s
+        else:
+            s = xs.exp_().sum(-1)
+        lse = m.squeeze(-1) + s.log()  # [N]
+        logprobs = picked - lse[:, None]
         return logprobs, entropy, lse
 
     @staticmethod
@@ -52,19 +64,21 @@ class TorchRowOps:
         grad_logprobs: torch.Tensor,  # [N, M] float32
         grad_entropy: torch.Tensor | None,  # [N] float32
         out_dtype: torch.dtype,
+        *,
+        overwrite: bool = False,
     ) -> torch.Tensor:
-        """Gradient wrt logits `[N, V]` in `out_dtype`.
+        """Gradient wrt logits `[N, V]` in `out_dtype` (`overwrite` as in `forward`).
 
         d lp_m / d x_j = [j == t_m] - p_j and d H / d x_j = -p_j (log p_j + H), with x = logits / T.
         """
-        logp = _scaled_float32(logits, temperature).sub_(lse[:, None])  # [N, V]
-        p = logp.exp()  # [N, V]
-        if grad_entropy is not None and entropy is not None:
+        logp = _scaled_float32(logits, temperature, overwrite).sub_(lse[:, None])  # [N, V]
+        if grad_entropy is None or entropy is None:  # one [N, V] buffer: p computed in place
+            grad = logp.exp_().mul_(-grad_logprobs.sum(-1, keepdim=True))
+        else:
+            p = logp.exp()  # [N, V]
             term = logp.add_(entropy[:, None]).mul_(p).nan_to_num_(nan=0.0)  # p (log p + H)
             grad = p.mul_(-grad_logprobs.sum(-1, keepdim=True))
             grad.addcmul_(term, grad_entropy[:, None], value=-1.0)
-        else:
-            grad = p.mul_(-grad_logprobs.sum(-1, keepdim=True))
         grad.scatter_add_(-1, targets, grad_logprobs.to(torch.float32))
         if temperature != 1.0:
             grad.div_(temperature)

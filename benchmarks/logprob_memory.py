@@ -1,0 +1,182 @@
+"""Peak memory and time of per-token log-probs: naive full logits vs chunked `linear_token_logprobs`.
+
+Why: full `[tokens, vocab]` float32 logits are the classic RL-training OOM. This compares, on
+CPU, forward + backward (gradients for hidden and the LM-head weight, with a non-uniform upstream
+gradient as GRPO produces) of
+
+  naive: log_softmax(hidden @ W.T / T).gather(-1, ids)        (full logits, autograd)
+  ours:  verst.kernels.linear_token_logprobs(hidden, W, ids, T) (token chunks, recompute backward)
+
+at vocab 151,936, hidden 896, 4,096 tokens, float32. Each variant runs in a fresh Python process
+(subprocess) that allocates its inputs first; then the peak resident memory is reset
+(`/proc/self/clear_refs`, VmHWM) and also sampled by a thread from `/proc/self/statm`. Reported:
+the extra peak above the inputs (max of the two methods; tracemalloc does not see torch's
+allocations), and totals (inputs + extra; whole-process peak RSS).
+
+Run (Linux, ~1 min, needs ~8 GiB free RAM):
+  uv run python benchmarks/logprob_memory.py
+  uv run python benchmarks/logprob_memory.py --tokens 8192 --chunk-size 128 --repeats 3
+
+The last line is `peak_memory_ratio=<naive/ours, extra above inputs> time_ratio=<ours/naive>`.
+Targets: memory ratio >= 8, time ratio <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+MiB = 1024 * 1024
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _page_size()
+
+
+def _page_size() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def _vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+class _Sampler(threading.Thread):
+    """Samples the resident set size every `interval` seconds and keeps the maximum."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peak, self._stop_evt = interval, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_evt.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self._stop_evt.set()
+        self.join()
+        self.peak = max(self.peak, _rss_bytes())
+        return self.peak
+
+
+def child(args: argparse.Namespace) -> None:
+    """One measurement in this (fresh) process; prints one JSON line."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    V, H, N, T = args.vocab, args.hidden, args.tokens, args.temperature
+    # inputs first
+    weight = (torch.randn(V, H, generator=g) * 0.02).requires_grad_()  # [V, H]
+    hidden = torch.randn(N, H, generator=g).requires_grad_()  # [N, H]
+    ids = torch.randint(0, V, (N,), generator=g)  # [N]
+    upstream = torch.randn(N, generator=g)  # [N] per-token weights (advantages x mask)
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (weight, hidden, ids, upstream))
+    if args.variant == "ours":
+        from verst.kernels import linear_token_logprobs  # import before the baseline is taken
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _rss_bytes()
+    sampler = _Sampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    if args.variant == "naive":
+        lp = torch.log_softmax(hidden @ weight.T / T, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+    else:
+        lp = linear_token_logprobs(hidden, weight, ids, T, chunk_size=args.chunk_size, backend="torch")
+    (lp * upstream).sum().backward()
+    elapsed = time.perf_counter() - t0
+    peak_sampled = sampler.stop()
+    peak_hwm = _vm_hwm_bytes()
+    peak = max(peak_sampled, peak_hwm)
+    print(
+        json.dumps(
+            {
+                "variant": args.variant,
+                "seconds": elapsed,
+                "inputs_mib": inputs_bytes / MiB,
+                "base_rss_mib": base / MiB,
+                "extra_hwm_mib": (peak_hwm - base) / MiB,
+                "extra_sampled_mib": (peak_sampled - base) / MiB,
+                "extra_mib": (peak - base) / MiB,
+                "process_peak_mib": peak / MiB,
+                "grad_w_norm": float(weight.grad.double().norm()),
+            }
+        )
+    )
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--vocab", str(args.vocab), "--hidden", str(args.hidden),
+           "--tokens", str(args.tokens), "--chunk-size", str(args.chunk_size), "--threads", str(args.threads),
+           "--temperature", str(args.temperature)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{variant} child failed (rc={out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant (alternating); medians reported")
+    p.add_argument("--child", choices=["naive", "ours"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.variant = args.child
+        child(args)
+        return
+    print(
+        f"V={args.vocab} H={args.hidden} N={args.tokens} float32 chunk={args.chunk_size} threads={args.threads}"
+    )
+    runs: dict[str, list[dict]] = {"naive": [], "ours": []}
+    for _ in range(args.repeats):
+        for variant in ("naive", "ours"):
+            r = run_variant(variant, args)
+            runs[variant].append(r)
+            print(
+                f"  {variant:5s} {r['seconds']:7.2f} s  extra {r['extra_mib']:8.0f} MiB "
+                f"(VmHWM {r['extra_hwm_mib']:.0f}, sampled {r['extra_sampled_mib']:.0f})  "
+                f"inputs {r['inputs_mib']:.0f} MiB  process peak {r['process_peak_mib']:.0f} MiB"
+            )
+    med = {
+        v: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "variant"} for v, rs in runs.items()
+    }
+    n, o = med["naive"], med["ours"]
+    rel = abs(n["grad_w_norm"] - o["grad_w_norm"]) / n["grad_w_norm"]
+    print(f"grad_W norm rel. diff naive vs ours: {rel:.1e}")
+    print(
+        f"totals (inputs + extra): naive {n['inputs_mib'] + n['extra_mib']:.0f} MiB, ours "
+        f"{o['inputs_mib'] + o['extra_mib']:.0f} MiB -> {(n['inputs_mib'] + n['extra_mib']) / (o['inputs_mib'] + o['extra_mib']):.2f}x; "
+        f"whole-process peak: {n['process_peak_mib']:.0f} vs {o['process_peak_mib']:.0f} MiB -> "
+        f"{n['process_peak_mib'] / o['process_peak_mib']:.2f}x"
+    )
+    print(f"time: naive {n['seconds']:.2f} s, ours {o['seconds']:.2f} s (median of {args.repeats})")
+    print(
+        f"peak_memory_ratio={n['extra_mib'] / o['extra_mib']:.2f} time_ratio={o['seconds'] / n['seconds']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Chunked linear_token_logprobs / linear_topk_logprobs vs float64 naive full-logits reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernels_checks import OUT_DTYPE_EPS, assert_close_report, assert_grad_close, logprob_tol
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from verst.kernels import linear_token_logprobs, linear_topk_logprobs
+from verst.kernels.reference import reference_linear_token_logprobs, reference_topk_logprobs
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(lead, H, V, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn((*lead, H), generator=g, dtype=torch.float64) * scale).to(dtype)
+    weight = (torch.randn((V, H), generator=g, dtype=torch.float64) / H**0.5).to(dtype)
+    targets = torch.randint(0, V, lead, generator=g)
+    return hidden, weight, targets
+
+
+def _tol(hidden, weight, T):
+    """float32 tolerance plus the rounding of the matmul output to a low-precision dtype."""
+    logits = hidden.double() @ weight.double().T
+    return logprob_tol(logits, T) + 4 * OUT_DTYPE_EPS[hidden.dtype] * float(logits.abs().max()) / T
+
+
+def _check(hidden, weight, targets, T, chunk, backend, seed=0):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    lp, ent = linear_token_logprobs(h, w, targets, T, True, chunk_size=chunk, backend=backend)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref_lp, ref_ent = reference_linear_token_logprobs(hr, wr, targets, T, True)
+    tol = _tol(hidden, weight, T)
+    assert_close_report(lp, ref_lp, atol=tol, name="logprobs")
+    assert_close_report(ent, ref_ent, atol=tol, name="entropy")
+    g = torch.Generator().manual_seed(seed + 7)
+    g_lp = torch.randn(lp.shape, generator=g, dtype=torch.float64)  # per-token, signed (advantages)
+    g_ent = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    ((lp.double() * g_lp).sum() + (ent.double() * g_ent).sum()).backward()
+    ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
+    extra = 8 * OUT_DTYPE_EPS[hidden.dtype]
+    assert h.grad.dtype == hidden.dtype and w.grad.dtype == weight.dtype
+    assert_grad_close(h.grad, hr.grad, name="grad_hidden", extra_rel=extra)
+    assert_grad_close(w.grad, wr.grad, name="grad_weight", extra_rel=extra)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("lead", "H", "V", "chunk"),
+    [((1,), 16, 7, 256), ((9,), 16, 1000, 4), ((2, 3), 8, 300, 5), ((5,), 32, 4500, 2)],
+    ids=str,
+)
+def test_linear_grid(backend, dtype, lead, H, V, chunk):
+    hidden, weight, targets = _inputs(lead, H, V, dtype, seed=V)
+    _check(hidden, weight, targets, 0.8, chunk, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arbitrary_upstream_gradients_after_forward(backend):
+    """The upstream gradient is not known at forward time (GRPO: advantages, masks, clipping).
+    Two different upstream gradients through the same graph give the two correct gradients."""
+    hidden, weight, targets = _inputs((6,), 8, 50, torch.float32, seed=2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp = linear_token_logprobs(h, w, targets, 1.0, chunk_size=2, backend=backend)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference_linear_token_logprobs(hr, wr, targets)
+    for upstream in (
+        torch.tensor([1.0, -1.0, 0.0, 2.0, 0.0, -0.5]),
+        torch.tensor([0.0, 0.0, 3.0, 0.0, 1.0, 0.0]),
+    ):
+        ratio = torch.exp(lp - lp.detach())  # PPO-style ratio, clipped per token
+        loss = -(torch.clamp(ratio, 0.8, 1.2) * upstream).sum()
+        gh, gw = torch.autograd.grad(loss, (h, w), retain_graph=True)
+        ref_loss = -(torch.clamp(torch.exp(ref - ref.detach()), 0.8, 1.2) * upstream.double()).sum()
+        rh, rw = torch.autograd.grad(ref_loss, (hr, wr), retain_graph=True)
+        assert_grad_close(gh, rh, name="grad_hidden")
+        assert_grad_close(gw, rw, name="grad_weight")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weight_or_hidden(backend):
+    hidden, weight, targets = _inputs((4,), 8, 40, torch.float32, seed=3)
+    h = hidden.clone().requires_grad_()
+    linear_token_logprobs(h, weight, targets, chunk_size=3, backend=backend).sum().backward()
+    assert h.grad is not None and weight.grad is None
+    w = weight.clone().requires_grad_()
+    linear_token_logprobs(hidden, w, targets, chunk_size=3, backend=backend).sum().backward()
+    hr, wr = hidden.double(), weight.double().requires_grad_()
+    reference_linear_token_logprobs(hr, wr, targets).sum().backward()
+    assert_grad_close(w.grad, wr.grad, name="grad_weight")
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any aten op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:  # (interpreter: byte copies)
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_logits_never_materialised(backend):
+    N, H, V, chunk = 64, 8, 500, 8
+    hidden, weight, targets = _inputs((N,), H, V, torch.float32, seed=4)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with _LargestOutput() as mode:
+        lp, ent = linear_token_logprobs(h, w, targets, 1.0, True, chunk_size=chunk, backend=backend)
+        (lp * torch.randn(N)).sum().add(ent.sum()).backward()
+    assert mode.largest <= max(chunk * V, V * H), (
+        f"a tensor of {mode.largest} elements (full logits: {N * V})"
+    )
+    with _LargestOutput() as mode:
+        out = linear_topk_logprobs(
+            h, w, 5, token_ids=torch.randint(0, V, (N, 3)), chunk_size=chunk, backend=backend
+        )
+        out.token_logprobs.sum().backward()
+    assert mode.largest <= max(chunk * V, V * H), (
+        f"a tensor of {mode.largest} elements (full logits: {N * V})"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_topk(backend, dtype):
+    hidden, weight, _ = _inputs((2, 5), 16, 700, dtype, seed=5)
+    ids = torch.randint(0, 700, (2, 5, 4))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_topk_logprobs(h, w, 6, 0.9, token_ids=ids, chunk_size=3, backend=backend)
+    logits64 = hidden.double() @ weight.double().T
+    ref_vals, _ = reference_topk_logprobs(logits64, 6, 0.9)
+    tol = _tol(hidden, weight, 0.9)
+    assert_close_report(out.values, ref_vals, atol=tol, name="top-k values")
+    full = torch.log_softmax(logits64 / 0.9, -1)
+    assert_close_report(out.values, full.gather(-1, out.indices), atol=tol, name="value@index")
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = torch.log_softmax(hr @ wr.T / 0.9, -1).gather(-1, ids)
+    assert_close_report(out.token_logprobs, ref, atol=tol, name="token_logprobs")
+    g = torch.randn(2, 5, 4, dtype=torch.float64)
+    (out.token_logprobs.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    extra = 8 * OUT_DTYPE_EPS[dtype]
+    assert_grad_close(h.grad, hr.grad, name="grad_hidden", extra_rel=extra)
+    assert_grad_close(w.grad, wr.grad, name="grad_weight", extra_rel=extra)
+    plain = linear_topk_logprobs(hidden, weight, 6, 0.9, chunk_size=4, backend=backend)
+    assert plain.token_logprobs is None
+    assert_close_report(plain.values, out.values, atol=tol, name="values without token_ids")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    N=st.integers(1, 7),
+    H=st.integers(1, 12),
+    V=st.integers(1, 150),
+    chunk=st.integers(1, 8),
+    scale=st.sampled_from([1e-2, 1.0, 1e3]),
+    temperature=st.floats(0.25, 4.0),
+    dtype=st.sampled_from(DTYPES),
+    backend=st.sampled_from(BACKENDS),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_property(N, H, V, chunk, scale, temperature, dtype, backend, seed):
+    hidden, weight, targets = _inputs((N,), H, V, dtype, seed=seed, scale=scale)
+    _check(hidden, weight, targets, temperature, chunk, backend, seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.interpret_large
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_large(backend, dtype):
+    hidden, weight, targets = _inputs((300,), 64, 32_000, dtype, seed=6)
+    _check(hidden, weight, targets, 0.7, 128, backend)
