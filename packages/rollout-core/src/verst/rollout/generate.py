@@ -16,7 +16,7 @@ import asyncio
 from typing import Any
 
 from verst.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
-from verst.rollout.lifecycle import EventKind, LifecycleEvent
+from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.logging_utils import sample_text_preview
 from verst.rollout.protocols import GenerateFn, GenerateInput, GenerateState
 from verst.rollout.sample import Sample, Status
@@ -231,7 +231,7 @@ async def generate_and_rm(
     """Generate one sample and score it (see the module docstring for the lifecycle contract)."""
     if sample.status.is_finished:
         return sample
-    emit = not evaluation
+    emit = not evaluation and type(state.context.sink) is not NoopSink
     attempt = sample.metadata.get("attempt", -1) + 1
     sample.metadata["attempt"] = attempt
     if emit:
@@ -245,14 +245,13 @@ async def generate_and_rm(
             if state.aborted.is_set():
                 return _mark_aborted(sample, state)
             fn = generate_fn_for(state, sample)
+            # SamplingParams is frozen, so sharing it is as safe as a copy; a seed makes a new one.
             params = sampling_params
             if params.sampling_seed is not None:
                 seed = derive_sample_seed(
                     params.sampling_seed, state.rollout_id, sample.sample_index, attempt
                 )
                 params = params.replace(sampling_seed=seed)
-            else:
-                params = params.replace()
             if emit:
                 _emit(state, EventKind.GEN_START, sample, {"attempt": attempt})
             result = await fn(GenerateInput(state, sample, params, evaluation))

@@ -219,8 +219,12 @@ class InferenceRollout:
         next_group = next_sample = 0
         exhausted = False
 
+        finished: asyncio.Queue[asyncio.Task[list[Sample]]] = asyncio.Queue()
+
         def submit(group: list[Sample]) -> None:
-            in_flight[asyncio.create_task(generate_and_rm_group(state, group, params))] = group
+            task = asyncio.create_task(generate_and_rm_group(state, group, params))
+            task.add_done_callback(finished.put_nowait)
+            in_flight[task] = group
 
         try:
             while len(kept) < target:
@@ -237,7 +241,10 @@ class InferenceRollout:
                         submit(group)
                 if not in_flight:
                     break
-                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                # O(1) per finished group (asyncio.wait would re-register on every task in flight).
+                done = [await finished.get()]
+                while not finished.empty():
+                    done.append(finished.get_nowait())
                 for task in done:
                     group = in_flight.pop(task)
                     if len(kept) >= target:
