@@ -112,6 +112,8 @@ class FullyAsyncRollout(InferenceRollout):
         """Groups dropped (too stale or aborted, `stale_policy = "drop"`) since the previous call."""
         self.peak_buffer = 0
         """The most groups ever buffered at once (at most `async_buffer_groups`)."""
+        self.produced_groups = 0
+        """Groups that finished and entered the buffer, in total."""
         self._cond = asyncio.Condition()
         self._in_flight: dict[asyncio.Task[None], list[Sample]] = {}
         self._resume: list[list[Sample]] = []
@@ -309,6 +311,7 @@ class FullyAsyncRollout(InferenceRollout):
         self._classify(samples, kept, unfinished, self._tally)
         for g in kept:
             self.buffer.append(_Buffered(g, self._version))
+            self.produced_groups += 1
         self.peak_buffer = max(self.peak_buffer, len(self.buffer))
         for g in unfinished:
             if self._closing:
