@@ -1,0 +1,305 @@
+"""The Ray actors: `TrainActor` (one `TrainSide` rank) and `RolloutManagerActor` (the `RolloutSide`).
+
+They are plain classes made remote by `proxies.RayPlacement` (`ray.remote(cls).options(...)`), so
+this module imports no Ray at module level. Construction is light (logging, import path, the
+effective environment); `setup` builds the heavy side, so the driver can start every actor
+first and then build them all at once (the train ranks must rendezvous together).
+
+Every actor logs to a ring buffer and to `<run_dir>/logs/actors/<name>.log`. Each driver call
+goes through `call(method, *args)`, which returns `(result, new log lines)`: the driver keeps the
+recent lines of every actor, so when an actor dies it can quote them even without a shared
+filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from verst.rollout.selection import LEGACY_FLAG, resolve_strategy_path
+from verst.trainer.config import RunConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""Format of an actor's log lines."""
+
+
+class RingLogHandler(logging.Handler):
+    """Keeps the last lines (and the lines not yet sent to the driver) and appends to a file."""
+
+    def __init__(self, maxlen: int, path: Path | None) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.recent: deque[str] = deque(maxlen=maxlen)
+        """The newest lines."""
+        self._unsent: deque[str] = deque(maxlen=maxlen)
+        self._guard = threading.Lock()
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", buffering=1, encoding="utf-8")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # a broken record must not take the actor down
+            line = f"<unformattable log record from {record.name}>"
+        with self._guard:
+            self.recent.append(line)
+            self._unsent.append(line)
+            if self._file is not None and not self._file.closed:
+                self._file.write(line + "\n")
+
+    def drain(self) -> list[str]:
+        """The lines logged since the last drain."""
+        with self._guard:
+            out = list(self._unsent)
+            self._unsent.clear()
+        return out
+
+    def close(self) -> None:
+        with self._guard:
+            if self._file is not None:
+                self._file.close()
+        super().close()
+
+
+class ActorBase:
+    """What every verst actor has: a name, the effective env, its log, `call` and `apply`."""
+
+    role = "actor"
+
+    def __init__(
+        self,
+        name: str,
+        config: RunConfig,
+        env: Mapping[str, str],
+        run_dir: str,
+        *,
+        log_lines: int,
+        sys_path: list[str],
+    ) -> None:
+        """`env` is the effective environment the driver resolved (also this actor's runtime env);
+        `sys_path` the driver's import path (entries that exist here and are missing are appended,
+        so user modules next to the config import in the actor too)."""
+        self.name = name
+        self.config = config
+        self.env = dict(env)
+        self.run_dir = Path(run_dir)
+        for entry in sys_path:
+            if entry and entry not in sys.path and os.path.isdir(entry):
+                sys.path.append(entry)
+        self.handler = RingLogHandler(log_lines, self.run_dir / "logs" / "actors" / f"{name}.log")
+        root = logging.getLogger()
+        root.addHandler(self.handler)
+        console = logging.StreamHandler()
+        console.setLevel(logging.WARNING)
+        console.setFormatter(logging.Formatter(f"[{name}] " + LOG_FORMAT))
+        root.addHandler(console)
+        logging.getLogger("verst").setLevel(logging.INFO)
+        logging.captureWarnings(True)
+        self.log = logging.getLogger(f"verst.placement.{name}")
+        self.log.info("%s started (pid %d)", name, os.getpid())
+
+    def describe(self) -> dict[str, Any]:
+        """Who and where this actor is, and what it resolves from its environment."""
+        from ray.util import get_node_ip_address
+
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": os.getpid(),
+            "node_ip": get_node_ip_address(),
+            "legacy_flag": self.env.get(LEGACY_FLAG),
+            "strategy_path": resolve_strategy_path(self.config.rollout, self.env),
+        }
+
+    def call(self, method: str, *args: Any) -> tuple[Any, list[str]]:
+        """Run one method; returns its result and the log lines since the last call."""
+        t0 = time.perf_counter()
+        self.log.info("%s: start", method)
+        try:
+            result = getattr(self, method)(*args)
+        except BaseException:
+            self.log.exception("%s: failed", method)
+            raise
+        self.log.info("%s: done in %.3f s", method, time.perf_counter() - t0)
+        return result, self.handler.drain()
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(self, *args)` inside this actor (diagnostics and tests)."""
+        return fn(self, *args)
+
+    def log_tail(self) -> list[str]:
+        """The newest log lines."""
+        return list(self.handler.recent)
+
+
+class TrainActor(ActorBase):
+    """One train rank: a `TrainSide` in its own process; FSDP across all train actors."""
+
+    role = "train"
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port): rank 0's answer is every rank's MASTER_ADDR/PORT."""
+        from ray.util import get_node_ip_address
+
+        from verst.trainer.placement.ray_cluster import free_port
+
+        return get_node_ip_address(), free_port()
+
+    def setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str) -> dict:
+        """Join the process group (when several ranks) and build the `TrainSide`."""
+        rank_env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0",  # Ray shows each train actor only its own GPU
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+        os.environ.update(rank_env)  # accelerate and NCCL read the process environment
+        self.env.update(rank_env)
+        from verst.trainer.train_side import TrainSide
+
+        cfg = self.config
+        self.log.info("rank %d of %d, rendezvous %s:%d", rank, world_size, master_addr, master_port)
+        self.side = TrainSide(
+            cfg.train,
+            cfg.algorithm,
+            model_path=model_path,
+            total_steps=cfg.run.num_steps,
+            max_response_len=cfg.rollout.max_response_len,
+            temperature=cfg.rollout.temperature,
+            env=self.env,
+        )
+        return {"rank": rank, "sharding": self.side.bundle.sharding}
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        metrics = self.side.train_step(batch)
+        self.log.info(
+            "train_step %d: loss %.4f", self.side.optimizer_steps, metrics.get("train/loss", float("nan"))
+        )
+        return metrics
+
+    def state_dict_for_sync(self) -> dict:
+        return self.side.state_dict_for_sync()
+
+    def save_hf(self, path: str, state_dict: dict | None) -> None:
+        self.side.save_hf(path, state_dict)
+
+    def save(self, path: str) -> None:
+        self.side.save(path)
+
+    def load(self, path: str) -> None:
+        self.side.load(path)
+
+    def close(self) -> None:
+        """Release the model and leave the process group."""
+        side = getattr(self, "side", None)
+        if side is not None:
+            side.close()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.handler.close()
+
+
+class RolloutManagerActor(ActorBase):
+    """The rollout side in its own process: strategy, data source, reward and engines.
+
+    The engines are built from `[engine]` inside this actor: an embedded engine lives in it;
+    `sglang_launch` servers are started (and stopped) by it; `sglang` connects to running ones.
+    Colocated, it asks the engine to release its memory after each rollout and to take it back
+    before the next engine call, when the engine offers `release_memory_occupation` /
+    `resume_memory_occupation`; otherwise (the embedded engine, CPU) that is a no-op.
+    """
+
+    role = "rollout"
+
+    def setup(self, model_path: str, colocated: bool) -> dict:
+        """Build the `RolloutSide` (engine, data, rewards, strategy); returns what the driver needs."""
+        from verst.rollout.lifecycle import JsonlSink
+        from verst.trainer.rollout_side import RolloutSide
+
+        self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl")
+        self.side = RolloutSide(self.config, model_path=model_path, env=self.env, sink=self.sink)
+        self.colocated = colocated
+        self.released = False
+        strategy = type(self.side.strategy)
+        info = {
+            "has_eval": self.side.has_eval,
+            "in_process_engine": self.side.in_process_engine,
+            "strategy_path": self.side.strategy_path,
+            "strategy_class": f"{strategy.__module__}:{strategy.__qualname__}",
+            "engine_can_release": self._hook("release_memory_occupation") is not None,
+        }
+        self.log.info("rollout side ready: %s", info)
+        return info
+
+    def _hook(self, name: str) -> Callable[[], Any] | None:
+        return getattr(self.side.engine, name, None)
+
+    def _release(self) -> None:
+        hook = self._hook("release_memory_occupation")
+        if self.colocated and hook is not None and not self.released:
+            self.side._run(hook())
+            self.released = True
+            self.log.info("engine memory released for training")
+
+    def _resume(self) -> None:
+        hook = self._hook("resume_memory_occupation")
+        if self.released and hook is not None:
+            self.side._run(hook())
+            self.released = False
+            self.log.info("engine memory resumed")
+
+    def rollout(self, rollout_id: int, weight_version: int) -> Any:
+        self._resume()
+        result = self.side.rollout(rollout_id, weight_version)
+        self.log.info("rollout %d: %d groups", rollout_id, len(result.groups))
+        self._release()
+        return result
+
+    def evaluate(self, rollout_id: int, weight_version: int) -> Any:
+        self._resume()
+        result = self.side.evaluate(rollout_id, weight_version)
+        self._release()
+        return result
+
+    def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int:
+        self._resume()
+        return self.side.update_weights_from_tensors(named_tensors, weight_version)
+
+    def update_weights_from_disk(self, path: str, weight_version: int) -> int:
+        self._resume()
+        return self.side.update_weights_from_disk(path, weight_version)
+
+    def weight_version(self) -> int:
+        return self.side.weight_version()
+
+    def state_dict(self) -> dict:
+        return self.side.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.side.load_state_dict(state)
+
+    def close(self, close_engine: bool) -> None:
+        """Close the strategy (unfinished samples go back to the data source), the engine, the sink."""
+        side = getattr(self, "side", None)
+        try:
+            if side is not None:
+                self._resume()
+                side.close(close_engine=close_engine)
+        finally:
+            sink = getattr(self, "sink", None)
+            if sink is not None:
+                sink.close()
+            self.handler.close()
