@@ -21,6 +21,7 @@ from verst.rollout.config import RolloutConfig, Section
 from verst.rollout.engines.config import EngineConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.placement.layout import RaySection
 
 
 class TrainConfig(Section):
@@ -112,6 +113,13 @@ class RunSection(Section):
     )
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables (win over the ambient environment)."
+    )
+    ray_address: str | None = Field(
+        None,
+        description="placement='ray': address of a running cluster ('auto', 'HOST:6379'); None = start a local one.",
+    )
+    ray: RaySection = Field(
+        default_factory=RaySection, description="placement='ray': layout, train actors, resources."
     )
 
 
@@ -259,6 +267,8 @@ def train_problems(
         cuda_available = torch.cuda.is_available()
     problems = []
     world_size = int(env.get("WORLD_SIZE", "1") or 1)
+    if cfg.run.placement == "ray":
+        world_size = 2  # Ray starts the train actors; FSDP placement is checked by placement_problems
     if cfg.train.fsdp and not cuda_available and world_size < 2:
         problems.append(
             Problem(
@@ -324,5 +334,8 @@ def validate_run_config(
     except ConfigError as exc:
         problems += exc.problems
     problems += train_problems(cfg, env, cuda_available=cuda_available)
+    from verst.trainer.placement.layout import placement_problems
+
+    problems += placement_problems(cfg, env)
     if problems:
         raise ConfigError(problems)
