@@ -135,20 +135,35 @@ class Trainer:
             (self.run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
         torch.manual_seed(config.run.seed)
         self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl") if self.dist.is_main else NoopSink()
-        self.train = TrainSide(
-            config.train,
-            config.algorithm,
-            model_path=self.model_path,
-            total_steps=config.run.num_steps,
-            max_response_len=config.rollout.max_response_len,
-            temperature=config.rollout.temperature,
-            env=self.env,
-        )
-        self.rollout: RolloutSide | None = None
-        if self.dist.is_main:
-            self.rollout = RolloutSide(
-                config, model_path=self.model_path, env=self.env, sink=self.sink, engine=engine
+        self.placement = None
+        """The Ray actors and their proxies when run.placement='ray' (verst.trainer.placement)."""
+        if config.run.placement == "ray":
+            if engine is not None:
+                raise ValueError(
+                    "run.placement='ray' builds the engines inside the rollout manager actor; "
+                    "do not pass engine= (configure [engine] instead), or use run.placement='local'"
+                )
+            from verst.trainer.placement import build_ray_placement
+
+            self.placement = build_ray_placement(
+                config, self.run_dir, model_path=self.model_path, env=self.env
             )
+            self.train, self.rollout = self.placement.train, self.placement.rollout
+        else:
+            self.train = TrainSide(
+                config.train,
+                config.algorithm,
+                model_path=self.model_path,
+                total_steps=config.run.num_steps,
+                max_response_len=config.rollout.max_response_len,
+                temperature=config.rollout.temperature,
+                env=self.env,
+            )
+            self.rollout: RolloutSide | None = None
+            if self.dist.is_main:
+                self.rollout = RolloutSide(
+                    config, model_path=self.model_path, env=self.env, sink=self.sink, engine=engine
+                )
         self._owns_engine = engine is None
         self.sync = WeightSync(
             self.train,
@@ -202,8 +217,11 @@ class Trainer:
                 summary.last_metrics = metrics
                 summary.steps_done = step
                 save_every = cfg.run.save_interval
-                stopping = self._sync_stop()
-                if (save_every and step % save_every == 0) or stopping or step == cfg.run.num_steps:
+                if (
+                    (save_every and step % save_every == 0)
+                    or self.stop.requested
+                    or step == cfg.run.num_steps
+                ):
                     summary.checkpoint = self._checkpoint(step)
         interval = cfg.rollout.eval.interval
         if not self.stop.requested and step > start and (not interval or step % interval):
@@ -254,17 +272,6 @@ class Trainer:
         path = save_checkpoint(self.checkpoint_dir, step, write, meta, keep=self.config.run.keep_checkpoints)
         self._barrier()
         return path
-
-    def _sync_stop(self) -> bool:
-        """Whether any rank was asked to stop; every rank then stops after this step."""
-        if self.dist.distributed:
-            import torch.distributed as dist
-
-            flag = torch.tensor([1.0 if self.stop.requested else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and not self.stop.requested:
-                self.stop.request("another rank was asked to stop")
-        return self.stop.requested
 
     def _barrier(self) -> None:
         if self.dist.distributed:
