@@ -217,11 +217,8 @@ class Trainer:
                 summary.last_metrics = metrics
                 summary.steps_done = step
                 save_every = cfg.run.save_interval
-                if (
-                    (save_every and step % save_every == 0)
-                    or self.stop.requested
-                    or step == cfg.run.num_steps
-                ):
+                stopping = self._sync_stop()
+                if (save_every and step % save_every == 0) or stopping or step == cfg.run.num_steps:
                     summary.checkpoint = self._checkpoint(step)
         interval = cfg.rollout.eval.interval
         if not self.stop.requested and step > start and (not interval or step % interval):
@@ -272,6 +269,17 @@ class Trainer:
         path = save_checkpoint(self.checkpoint_dir, step, write, meta, keep=self.config.run.keep_checkpoints)
         self._barrier()
         return path
+
+    def _sync_stop(self) -> bool:
+        """Whether any rank was asked to stop; every rank then stops after this step."""
+        if self.dist.distributed:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if self.stop.requested else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not self.stop.requested:
+                self.stop.request("another rank was asked to stop")
+        return self.stop.requested
 
     def _barrier(self) -> None:
         if self.dist.distributed:
