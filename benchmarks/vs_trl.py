@@ -1,0 +1,332 @@
+"""verst vs TRL's GRPOTrainer on the reverse-digits example, and both vs the compute floor.
+
+Why: at tiny scale a GRPO step is mostly framework overhead, so this is where an RL framework's
+own cost shows. TRL is close to the floor here; verst should be no slower than TRL, within
+1.1× of the floor, and learn at least as well in the same number of steps.
+
+Both sides get the same model (the example's SFT warm start), task and prompts, group size (8),
+batch (8 prompts × 8 completions = 64 sequences, one forward/backward, one optimizer step per
+step), max new tokens (12), temperature 1.0 (no top-k / top-p), lr 1e-4 constant, AdamW
+(betas 0.9/0.999, eps 1e-8, weight decay 0), grad-norm clip 1.0, no KL, PPO clip 0.2, one
+update per batch, the same reward (partial credit over digits + EOS,
+`examples/reverse_digits/reverse_digits_reward.py`), float32 on CPU, the same torch thread
+count; loss aggregation token-mean over the whole batch (TRL `loss_type="dapo"`, verst
+`loss_agg="token_mean"`) and group-std advantage normalisation (TRL `scale_rewards="group"`,
+verst `normalize_std=true`). The compute floor of one step is measured in the same run: plain
+`model.generate` of the same batch, one forward+backward over it, one AdamW step — each timed
+alone, summed. Step times are medians over the steps of each run after `--warmup` steps, then
+the median over `--runs` runs; eval rewards are greedy on the 300 held-out prompts, medians
+over runs.
+
+Run (TRL lives in the `bench` dependency group):
+
+    uv run --group bench python benchmarks/vs_trl.py            # ~5–8 min on 2 cores
+    uv run --group bench python benchmarks/vs_trl.py --steps 20 --runs 1   # quick look
+
+Last line: `trl_over_verst_step_time=<r> verst_over_floor=<r> verst_eval_reward=<x> trl_eval_reward=<y>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reverse_digits"
+MODEL = EXAMPLE / "model" / "warm_start"
+PROMPTS, GROUP, MAX_NEW, LR, CLIP = 8, 8, 12, 1e-4, 0.2
+
+
+def rows(name: str) -> list[dict[str, str]]:
+    return [json.loads(line) for line in (EXAMPLE / "data" / name).read_text().splitlines() if line.strip()]
+
+
+def greedy_eval(model: Any, tok: Any, eval_rows: list[dict[str, str]]) -> float:
+    """Mean reward of greedy completions (digits + EOS partial credit) on the eval rows."""
+    import torch
+
+    sys.path.insert(0, str(EXAMPLE))
+    from reverse_digits_reward import score
+
+    model.eval()
+    total = 0.0
+    for i in range(0, len(eval_rows), 100):
+        chunk = eval_rows[i : i + 100]
+        ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # [batch, seq]
+        attention = (input_ids != tok.pad_token_id).long()  # [batch, seq]
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        for row, seq in zip(chunk, out[:, width:].tolist(), strict=True):
+            stopped = tok.eos_token_id in seq
+            seq = seq[: seq.index(tok.eos_token_id)] if stopped else seq
+            total += score(tok.decode(seq), row["label"], stopped)
+    return total / len(eval_rows)
+
+
+# ---------------------------------------------------------------- verst
+
+
+def run_verst(
+    seed: int, steps: int, threads: int, eval_rows: list[dict[str, str]]
+) -> tuple[list[float], float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verst.rollout.selection import resolve_extra_env_vars
+    from verst.trainer.cli import add_config_dir_to_path, resolve_paths
+    from verst.trainer.config import load_run_config
+    from verst.trainer.controller import InMemoryLogger, run_training
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [
+            f"run.num_steps={steps}",
+            f'run.output_dir="{tmp}"',
+            "run.save_interval=0",
+            "run.resume=false",
+            f"run.seed={seed}",
+            f"rollout.seed={seed}",
+            f"train.seed={seed}",
+            f"rollout.batch_size={PROMPTS}",
+            f"rollout.n_samples_per_prompt={GROUP}",
+            f"rollout.max_response_len={MAX_NEW}",
+            "rollout.temperature=1.0",
+            "rollout.eval.datasets={}",
+            f"train.lr={LR}",
+            f"train.num_threads={threads}",
+            f"engine.num_threads={threads}",
+            "train.micro_batch_size=64",
+            'algorithm.loss_agg="token_mean"',
+            f"algorithm.eps_clip_low={CLIP}",
+            f"algorithm.eps_clip_high={CLIP}",
+            "algorithm.kl_coef=0.0",
+        ]
+        cfg = resolve_paths(load_run_config(EXAMPLE / "config.toml", overrides), EXAMPLE / "config.toml")
+        add_config_dir_to_path(EXAMPLE / "config.toml")
+        logger = InMemoryLogger()
+        run_training(cfg, tmp, env=resolve_extra_env_vars(cfg.run.env), logger=logger)
+        times = [m["time/step_s"] for _, m in logger.records if "time/step_s" in m]
+        final = Path(tmp) / "checkpoints" / f"step_{steps}" / "model"
+        model = AutoModelForCausalLM.from_pretrained(final)
+        tok = AutoTokenizer.from_pretrained(final)
+        return times, greedy_eval(model, tok, eval_rows)
+
+
+# ---------------------------------------------------------------- TRL
+
+
+def run_trl(seed: int, steps: int, eval_rows: list[dict[str, str]]) -> tuple[list[float], float]:
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("trl", "datasets"):
+            raise
+        raise SystemExit(
+            "TRL is in the bench group: `uv run --group bench python benchmarks/vs_trl.py`"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    sys.path.insert(0, str(EXAMPLE))
+    from reverse_digits_reward import score
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    eos = tok.eos_token_id
+
+    def reward(prompts, completions, completion_ids, label, **_: Any) -> list[float]:
+        out = []
+        for ids, lab in zip(completion_ids, label, strict=True):
+            stopped = bool(ids) and ids[-1] == eos
+            digits = tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
+            out.append(score(digits, lab, stopped))
+        return out
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self._t)
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=PROMPTS * GROUP,
+            num_generations=GROUP,
+            max_completion_length=MAX_NEW,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            epsilon=CLIP,
+            loss_type="dapo",
+            scale_rewards="group",
+            num_iterations=1,
+            max_steps=steps,
+            seed=seed,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10_000,
+            disable_tqdm=True,
+        )
+        dataset = Dataset.from_list(rows("train.jsonl"))
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[timer],
+        )
+        trainer.train()
+        return timer.times, greedy_eval(trainer.model, tok, eval_rows)
+
+
+# ---------------------------------------------------------------- the floor
+
+
+def measure_floor(repeats: int, seed: int) -> dict[str, float]:
+    """Medians of: generate the batch, one forward+backward over it, one AdamW step."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    train = rows("train.jsonl")
+    rng = random.Random(seed)
+    gen, fwd_bwd, step = [], [], []
+    for _ in range(repeats):
+        batch = [r for r in rng.sample(train, PROMPTS) for _ in range(GROUP)]
+        ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in batch]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # [batch, seq]
+        attention = (input_ids != tok.pad_token_id).long()  # [batch, seq]
+        model.eval()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=MAX_NEW,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )  # [batch, seq + new]
+        t1 = time.perf_counter()
+        model.train()
+        completion = out[:, width:]  # [batch, new]
+        mask = (completion != tok.pad_token_id).float()  # [batch, new]
+        full_attention = torch.cat([attention, mask.long()], dim=1)  # [batch, seq + new]
+        logits = model(input_ids=out, attention_mask=full_attention).logits[
+            :, width - 1 : -1
+        ]  # [batch, new, vocab]
+        logp = (
+            torch.log_softmax(logits.float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        )  # [batch, new]
+        advantages = torch.randn(len(batch), 1)  # [batch, 1]
+        loss = -(advantages * logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t3 = time.perf_counter()
+        gen.append(t1 - t0)
+        fwd_bwd.append(t2 - t1)
+        step.append(t3 - t2)
+    return {
+        "generate_s": statistics.median(gen),
+        "forward_backward_s": statistics.median(fwd_bwd),
+        "optimizer_s": statistics.median(step),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=50, help="GRPO steps per run (both sides)")
+    parser.add_argument("--runs", type=int, default=2, help="runs per side (seeds 0..runs-1)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps excluded from the step-time median")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
+    parser.add_argument("--floor-repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    eval_rows = rows("eval.jsonl")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start_eval = greedy_eval(
+        AutoModelForCausalLM.from_pretrained(MODEL), AutoTokenizer.from_pretrained(MODEL), eval_rows
+    )
+    print(f"warm start greedy eval reward: {start_eval:.3f}", flush=True)
+    verst_steps, trl_steps, floors, verst_evals, trl_evals = [], [], [], [], []
+    for seed in range(args.runs):  # floor, verst, TRL back to back: machine-load drift hits all alike
+        floor = measure_floor(args.floor_repeats, seed=seed)
+        floors.append(sum(floor.values()))
+        print(
+            f"floor run {seed}: "
+            + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in floor.items())
+            + f" total={floors[-1] * 1e3:.1f}ms",
+            flush=True,
+        )
+        times, ev = run_verst(seed, args.steps, args.threads, eval_rows)
+        verst_steps.append(statistics.median(times[args.warmup :]))
+        verst_evals.append(ev)
+        print(f"verst run {seed}: median step {verst_steps[-1] * 1e3:.1f} ms, eval {ev:.3f}", flush=True)
+        times, ev = run_trl(seed, args.steps, eval_rows)
+        trl_steps.append(statistics.median(times[args.warmup :]))
+        trl_evals.append(ev)
+        print(f"trl   run {seed}: median step {trl_steps[-1] * 1e3:.1f} ms, eval {ev:.3f}", flush=True)
+
+    # ratios within each run (same load window), then the median over runs
+    trl_over_verst = statistics.median(t / v for t, v in zip(trl_steps, verst_steps, strict=True))
+    verst_over_floor = statistics.median(v / f for v, f in zip(verst_steps, floors, strict=True))
+    print(
+        f"steps={args.steps} runs={args.runs} threads={args.threads} batch={PROMPTS}x{GROUP} max_new={MAX_NEW} "
+        f"verst_step={statistics.median(verst_steps) * 1e3:.1f}ms trl_step={statistics.median(trl_steps) * 1e3:.1f}ms "
+        f"floor={statistics.median(floors) * 1e3:.1f}ms warm_start_eval={start_eval:.3f}"
+    )
+    print(
+        f"trl_over_verst_step_time={trl_over_verst:.3f} verst_over_floor={verst_over_floor:.3f} "
+        f"verst_eval_reward={statistics.median(verst_evals):.3f} trl_eval_reward={statistics.median(trl_evals):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
