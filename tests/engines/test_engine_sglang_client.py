@@ -279,6 +279,54 @@ async def _fan_out(workers: list[str], old_form: bool) -> None:
             await via_router.abort()
 
 
+async def _length_reward(sample) -> float:
+    return float(sample.response_length)
+
+
+async def _rollout(engine, tokenizer, data_path):
+    from verst.rollout.config import DataConfig, RolloutConfig
+    from verst.rollout.data import PromptDataSource
+    from verst.rollout.protocols import RolloutContext, RolloutRequest
+    from verst.rollout.strategies.inference import InferenceRollout
+
+    cfg = RolloutConfig(batch_size=2, n_samples_per_prompt=2, max_response_len=6, temperature=0.0)
+    source = PromptDataSource(DataConfig(path=str(data_path), shuffle=False), 2, tokenizer=tokenizer)
+    ctx = RolloutContext(
+        config=cfg, data_source=source, engine=engine, tokenizer=tokenizer, reward_fn=_length_reward
+    )
+    return await InferenceRollout(ctx)(RolloutRequest(rollout_id=0))
+
+
+@needs_own_servers
+async def test_default_rollout_same_samples_in_process_and_over_http(servers, tiny_checkpoint, tmp_path):
+    """The default strategy against the embedded engine and against `verst serve` via the client."""
+    from verst.rollout.engines.embedded import EmbeddedEngine
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["1+1=", "2+3=", "4+4="]))
+    local = EmbeddedEngine.from_pretrained(tiny_checkpoint)
+    try:
+        results = [await _rollout(local, local.tokenizer, data)]
+        async with client_for(servers.urls[0]) as remote:
+            version = await remote.get_weight_version()
+            results.append(await _rollout(remote, local.tokenizer, data))
+    finally:
+        await local.close()
+    shapes = []
+    for result in results:
+        samples = [s for g in result.groups for s in g]
+        for s in samples:
+            s.validate()
+            assert s.status.is_finished and len(s.rollout_logprobs) == s.response_length > 0
+        shapes.append([(s.prompt, s.tokens, s.response_length, s.status) for s in samples])
+    assert shapes[0] == shapes[1]  # greedy: the same tokens through both paths
+    local_lps = [s.rollout_logprobs for g in results[0].groups for s in g]
+    remote_lps = [s.rollout_logprobs for g in results[1].groups for s in g]
+    for a, b in zip(local_lps, remote_lps, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert {v for g in results[1].groups for s in g for v in s.weight_versions} == {version}
+
+
 @needs_own_servers
 async def test_server_killed_mid_request_fails_after_bounded_retries(servers):
     victim = servers.servers[0]
