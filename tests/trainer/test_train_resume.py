@@ -49,7 +49,10 @@ def test_resume_matches_straight_run(tmp_path, tiny_checkpoint, monkeypatch):
             tiny_checkpoint,
             data,
             run={"num_steps": 4, "save_interval": 0},
-            rollout={"reward": {"type": reward}},
+            rollout={
+                "reward": {"type": reward},
+                "eval": {"interval": 3, "datasets": {"held": {"path": str(data)}}},
+            },
             train={"lr": 1e-3},
         )
     )
@@ -66,6 +69,10 @@ def test_resume_matches_straight_run(tmp_path, tiny_checkpoint, monkeypatch):
     assert second.start_step == 2 and second.steps_done == 4 and second.weight_version == 4
 
     assert first.prompts + second.prompts == straight.prompts
+    # eval at the start, every 3 steps, and at the end (not repeated after a resume)
+    assert [s for s, _ in straight.eval_history] == [0, 3, 4]
+    assert [s for s, _ in first.eval_history] + [s for s, _ in second.eval_history] == [0, 3, 4]
+    assert "eval/held/reward_mean" in straight.eval_history[-1][1]
     assert len({p for step in straight.prompts for p in step}) == 5  # an epoch boundary was crossed
     # the run learned something (non-zero advantages), so equal weights are not trivially equal
     assert any(abs(m.get("train/advantage_abs_mean", 0.0)) > 0 for _, m in logger.records)
