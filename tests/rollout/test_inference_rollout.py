@@ -280,3 +280,25 @@ async def test_inference_rollout_against_the_embedded_engine(tiny_checkpoint):
         assert len(result.groups) + len(ctx.data_source.buffer) == served
     finally:
         await engine.close()
+
+
+async def test_failed_engine_abort_surfaces_and_still_loses_no_prompt():
+    from verst.rollout.engine import EngineError
+
+    class UnreachableOnAbort(ToyEngine):
+        async def abort(self, rid_prefix=None):
+            await super().abort(rid_prefix)  # the reachable worker stops...
+            raise EngineError("worker http://10.0.0.2:30000 unreachable during abort")
+
+    def delay(req):
+        return 0.0 if sum(req.input_ids) % 2 == 0 else 0.005
+
+    engine = UnreachableOnAbort(length=lambda r: 30, token_delay_s=delay)
+    ctx = make_context(
+        engine, prompts=[f"p{i:02d}" for i in range(40)], batch_size=2, over_sampling_batch_size=8
+    )
+    with pytest.raises(EngineError, match="unreachable"):
+        await InferenceRollout(ctx)(RolloutRequest(rollout_id=0))
+    ds = ctx.data_source
+    assert sorted(prompt_id(g) for g in ds.buffer) == list(range(ds.offset)), "kept groups go back too"
+    assert_attempts_closed(ctx.sink)

@@ -226,6 +226,7 @@ class InferenceRollout:
             task.add_done_callback(finished.put_nowait)
             in_flight[task] = group
 
+        completed = False
         try:
             while len(kept) < target:
                 while not exhausted and len(kept) + len(in_flight) < target:
@@ -266,10 +267,18 @@ class InferenceRollout:
                         unused.append(group)
                         raise error
                     self._classify(task.result(), kept, unused, tally)
+            completed = True
         finally:
             state.aborted.set()
-            unused.extend(await self._drain(state, in_flight))
-            self._hand_back(unused, tally)
+            drained = False
+            try:
+                await self._drain(state, in_flight)
+                drained = True
+            finally:  # even if the abort itself failed: no group is lost
+                unused.extend(_group_of(task, group) for task, group in in_flight.items())
+                if not (completed and drained):  # the rollout raises: its kept groups go back too
+                    unused.extend(kept)
+                self._hand_back(unused, tally)
 
         self.last_failed_groups = failed
         result = RolloutResult(groups=kept, metrics=self._metrics(kept, failed, tally, started))
@@ -304,10 +313,10 @@ class InferenceRollout:
 
     async def _drain(
         self, state: GenerateState, in_flight: dict[asyncio.Task[list[Sample]], list[Sample]]
-    ) -> list[list[Sample]]:
-        """Abort this rollout's requests, wait for the groups in flight, return them."""
+    ) -> None:
+        """Abort this rollout's requests and wait for the groups in flight to return."""
         if not in_flight:
-            return []
+            return
         try:
             await self.context.engine.abort(state.request_prefix + "-")
         finally:
@@ -319,7 +328,6 @@ class InferenceRollout:
                     "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
                 )
                 await asyncio.wait(pending)
-        return [_group_of(task, group) for task, group in in_flight.items()]
 
     def _metrics(
         self, kept: list[list[Sample]], failed: list[list[Sample]], tally: _Tally, started: float
@@ -392,7 +400,11 @@ class InferenceRollout:
 
 
 def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sample]:
-    """The samples a finished task produced, or the submitted group if it raised or was cancelled."""
+    """The samples a finished task produced, or the submitted group if it raised, was cancelled
+    or is still running (then it is cancelled: its group goes back to the data source)."""
+    if not task.done():
+        task.cancel()
+        return group
     if task.cancelled() or task.exception() is not None:
         return group
     return task.result()
