@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines._common import InvalidRequest
@@ -239,3 +241,39 @@ async def test_weight_update_lands_between_decode_steps(tiny_checkpoint):
         await eng.close()
     with pytest.raises(Exception, match="closed"):
         await eng.generate(GenerateRequest([1, 2], SamplingParams(2)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+            st.sampled_from([-1, 1, 3, 10]),
+            st.sampled_from([1.0, 0.9, 0.3, 0.01]),
+            st.one_of(st.none(), st.integers(0, 2**31)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_sampling_respects_topk_topp_and_reports_untruncated_logprobs(rows, seed):
+    from verst.rollout.engines._sampling import BatchSampling, RowSampling, sample
+
+    vocab = 16
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3  # [rows, vocab]
+    specs = [
+        RowSampling(t, p, k, None if s is None else torch.Generator().manual_seed(s)) for t, k, p, s in rows
+    ]
+    tokens, lps = sample(logits, BatchSampling.build(specs, vocab, "cpu"))
+    for i, (t, k, p, _) in enumerate(rows):
+        expected = torch.log_softmax(logits[i] / (t if t > 0 else 1.0), -1)
+        assert torch.allclose(lps[i], expected, atol=1e-5)
+        order = torch.argsort(expected, descending=True).tolist()
+        if t == 0:
+            assert tokens[i] == order[0]
+            continue
+        rank = order.index(int(tokens[i]))
+        probs = expected.exp()[order]
+        allowed = int((torch.cumsum(probs, 0) - probs < p).sum())  # smallest prefix reaching p
+        assert rank < max(1, allowed) and (k == -1 or rank < k)
