@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.importing import ImportPathError
@@ -23,6 +23,7 @@ def group_of(values, status=Status.COMPLETED, key=None):
     return [Sample(reward={key: v} if key else v, status=status) for v in values]
 
 
+@settings(deadline=None, max_examples=60)
 @given(st.lists(rewards, min_size=1, max_size=16), st.sampled_from([None, "acc"]))
 def test_nonzero_std_keeps_exactly_the_groups_with_distinct_rewards(values, key):
     outcome = load_dynamic_filter("nonzero_std", key)(group_of(values, key=key))
@@ -30,6 +31,7 @@ def test_nonzero_std_keeps_exactly_the_groups_with_distinct_rewards(values, key)
     assert outcome.reason == (None if outcome.keep else "zero_std")
 
 
+@settings(deadline=None, max_examples=60)
 @given(st.lists(statuses, min_size=1, max_size=16))
 def test_no_aborted_drops_exactly_the_groups_with_an_aborted_sample(sts):
     group = [Sample(status=s, reward=0.0) for s in sts]
@@ -38,6 +40,7 @@ def test_no_aborted_drops_exactly_the_groups_with_an_aborted_sample(sts):
     assert outcome.reason == (None if outcome.keep else "aborted")
 
 
+@settings(deadline=None, max_examples=60)
 @given(st.lists(rewards, min_size=1, max_size=8), st.lists(statuses, min_size=1, max_size=8))
 def test_chain_is_the_first_rejection(values, sts):
     group = [Sample(reward=v, status=s) for v, s in zip(values, sts, strict=False)]

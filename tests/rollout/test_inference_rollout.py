@@ -76,6 +76,8 @@ async def test_target_reached_aborts_and_returns_every_unused_prompt():
             assert "start_rollout_id" not in s.metadata
     assert_attempts_closed(ctx.sink)
     assert result.metrics["rollout/aborted"] > 0
+    end_statuses = Counter(e.detail["status"] for e in ctx.sink.events if e.kind is EventKind.ATTEMPT_END)
+    assert end_statuses["aborted"] > 0 and end_statuses["completed"] >= 6
 
 
 async def test_partial_rollout_keeps_partial_tokens_and_resumes_them_with_offpolicy_mask():
@@ -233,14 +235,17 @@ async def test_state_dict_round_trip_and_version_check():
 
 
 async def test_two_strategies_on_one_engine_abort_only_their_own_requests():
-    engine = ToyEngine(length=lambda r: 20, token_delay_s=0.002)
+    engine = ToyEngine(length=lambda r: 20, token_delay_s=lambda r: 0.0005 if sum(r.input_ids) % 2 else 0.003)
     ctx_a = make_context(engine, batch_size=1, over_sampling_batch_size=4)
-    ctx_b = make_context(engine, batch_size=2, over_sampling_batch_size=2)
+    ctx_b = make_context(engine, batch_size=2, over_sampling_batch_size=4)
     a, b = InferenceRollout(ctx_a), InferenceRollout(ctx_b)
     ra, rb = await asyncio.gather(a(RolloutRequest(rollout_id=0)), b(RolloutRequest(rollout_id=0)))
     assert len(ra.groups) == 1 and len(rb.groups) == 2
     assert all(s.status.is_finished for g in rb.groups for s in g)
-    assert all(call != "" and call is not None for call in engine.abort_calls)
+    prefixes = set(engine.abort_calls)
+    assert len(prefixes) == 2 and all(p and p.endswith("-r0-") for p in prefixes)
+    for req in engine.requests:  # each request belongs to exactly one strategy's prefix
+        assert sum(req.rid.startswith(p) for p in prefixes) == 1
 
 
 @pytest.mark.skipif(

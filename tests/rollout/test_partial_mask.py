@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.generate import resumed_loss_mask
@@ -15,6 +15,7 @@ def expand(mask: list[int] | None, n: int) -> list[int]:
     return [1] * n if mask is None else mask
 
 
+@settings(deadline=None, max_examples=60)
 @given(prev=masks, new_len=st.integers(0, 40), offpolicy=st.booleans())
 def test_resumed_mask_invariants(prev, new_len, offpolicy):
     prev_len = 7 if prev is None else len(prev)
@@ -28,6 +29,7 @@ def test_resumed_mask_invariants(prev, new_len, offpolicy):
         assert out[:prev_len] == expand(prev, prev_len), "without masking the earlier mask is kept"
 
 
+@settings(deadline=None, max_examples=60)
 @given(prev=masks, new_len=st.integers(0, 40), offpolicy=st.booleans())
 def test_none_means_all_ones(prev, new_len, offpolicy):
     prev_len = 5 if prev is None else len(prev)
@@ -35,6 +37,7 @@ def test_none_means_all_ones(prev, new_len, offpolicy):
     assert (out is None) == all(expand(out, prev_len + new_len))
 
 
+@settings(deadline=None, max_examples=60)
 @given(segments=st.lists(st.integers(0, 10), min_size=1, max_size=6), offpolicy=st.booleans())
 def test_repeated_resumes_only_keep_the_last_segment_when_masking(segments, offpolicy):
     mask, length = None, 0

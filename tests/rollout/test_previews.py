@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.logging_utils import (
@@ -16,6 +16,7 @@ from verst.rollout.logging_utils import (
 from verst.rollout.sample import Sample, Status
 
 
+@settings(deadline=None, max_examples=60)
 @given(st.text(max_size=3000), st.integers(0, 500))
 def test_preview_is_bounded_and_exact_when_short(text, limit):
     out = sample_text_preview(text, limit)
