@@ -229,6 +229,18 @@ async def test_checkpoint_round_trip_restores_buffer_and_in_flight_prompts():
         FullyAsyncRollout(fully_async_context()).load_state_dict({"version": 99})
 
 
+async def test_resume_from_the_default_strategys_state_keeps_its_counters():
+    from verst.rollout.strategies.inference import InferenceRollout
+
+    default = InferenceRollout(make_context())
+    await default(RolloutRequest(rollout_id=0))
+    strategy = FullyAsyncRollout(fully_async_context())
+    strategy.load_state_dict(default.state_dict())
+    assert strategy._counters["rollouts"] == 1 and not strategy.buffer
+    assert len((await strategy(RolloutRequest(rollout_id=1))).groups) == 2
+    await strategy.close()
+
+
 async def test_close_aborts_in_flight_and_hands_every_prompt_back_with_partial_tokens():
     engine = ToyEngine(length=lambda r: 40, token_delay_s=lambda r: 0.0 if sum(r.input_ids) % 2 else 0.01)
     ctx = fully_async_context(

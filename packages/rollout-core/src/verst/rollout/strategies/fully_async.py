@@ -166,12 +166,13 @@ class FullyAsyncRollout(InferenceRollout):
         if self._producer is not None:
             raise RuntimeError("load_state_dict must be called before the first rollout (the producer runs)")
         self._counters.update(state["counters"])
-        self._version = int(state["weight_version"])
+        # a run that switched from the default strategy has counters only (nothing buffered)
+        self._version = int(state.get("weight_version", 0))
         self.buffer = deque(
             _Buffered([Sample.from_dict(d) for d in b["group"]], int(b["fallback_version"]))
-            for b in state["buffer"]
+            for b in state.get("buffer", [])
         )
-        self._resume = [[Sample.from_dict(d) for d in g] for g in state["pending"]]
+        self._resume = [[Sample.from_dict(d) for d in g] for g in state.get("pending", [])]
 
     async def close(self) -> None:
         """Stop the producer, abort its requests, hand in-flight and buffered groups back."""
