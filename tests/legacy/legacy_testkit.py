@@ -117,7 +117,13 @@ def write_prompts(path: Path, prompts: list[str], labels: list[str] | None = Non
 
 
 def legacy_context(
-    tmp_path: Path, engine: Any, prompts: list[str], *, tokenizer: Any = None, **config: Any
+    tmp_path: Path,
+    engine: Any,
+    prompts: list[str],
+    *,
+    tokenizer: Any = None,
+    env: dict[str, str] | None = None,
+    **config: Any,
 ) -> RolloutContext:
     """A context over `engine`, a real `PromptDataSource` (no shuffle) and a `ListSink`."""
     data = DataConfig(path=str(write_prompts(tmp_path / "prompts.jsonl", prompts)), shuffle=False)
@@ -129,6 +135,7 @@ def legacy_context(
         tokenizer=tokenizer if tokenizer is not None else CharTokenizer(),
         reward_fn=first_letter_reward,
         sink=ListSink(),
+        env=env or {},
     )
 
 

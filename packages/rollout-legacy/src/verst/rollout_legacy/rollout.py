@@ -56,6 +56,23 @@ class RolloutFnEvalOutput:
     """Flat eval metrics (`eval/<name>/...`)."""
 
 
+class RolloutFailedError(RuntimeError):
+    """More groups failed (after their retries) than the batch needs: generation is failing
+    consistently, so the rollout stops instead of cycling through the dataset."""
+
+    def __init__(self, rollout_id: int, failed: list[list[Sample]]) -> None:
+        self.num_failed = len(failed)
+        """How many groups failed."""
+        self.errors = [s.metadata.get("error", "") for g in failed for s in g[:1]]
+        """One error message per failed group (the groups themselves go back to the data source)."""
+        super().__init__(
+            f"v1 rollout {rollout_id}: {len(failed)} groups failed after their retries, more than the "
+            f"batch needs; last error: {self.errors[-1] if self.errors else ''}. Fix the engine or the "
+            f"generate function (the log has each failure), or raise rollout.max_group_retries for "
+            f"transient errors"
+        )
+
+
 def build_legacy_args(runtime: LegacyRuntime) -> V1Args:
     """The read-only v1 args of the runtime's config (plus the context's extra v1 settings such
     as `hf_checkpoint`), carrying the runtime itself as `args.runtime`."""
@@ -111,6 +128,7 @@ async def _train_rollout(
     kept: list[list[Sample]] = []
     unused: list[list[Sample]] = []
     in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]] = {}
+    failed_groups: list[list[Sample]] = []
     next_group = next_sample = 0
     rt.current_state = state
     try:
@@ -133,10 +151,16 @@ async def _train_rollout(
                 group, failed = task.result()
                 if failed:
                     tally["failed_groups"] += 1
+                    failed_groups.append(group)
+                    if len(failed_groups) > target:
+                        raise RolloutFailedError(rollout_id, failed_groups)
                 elif len(kept) >= target:
                     unused.append(group)
                 else:
                     _classify(group, filters, args.reward_key, kept, unused, tally)
+    except RolloutFailedError:
+        unused.extend(failed_groups)  # handed back as fresh prompts: none is lost
+        raise
     finally:
         unused.extend(await _abort_in_flight(state, rt, in_flight))
         rt.current_state = None
@@ -342,7 +366,7 @@ def _new_state(rt: LegacyRuntime, rollout_id: int, args: Any, *, evaluation: boo
     """The per-rollout `GenerateState` (the strategy's generate function, a fresh semaphore)."""
     concurrency = getattr(args, "sglang_server_concurrency", None) or rt.config.max_concurrency
     return GenerateState(
-        context=rt.context,
+        context=rt.generate_context,
         rollout_id=rollout_id,
         weight_version=rt.weight_version,
         semaphore=asyncio.Semaphore(concurrency),

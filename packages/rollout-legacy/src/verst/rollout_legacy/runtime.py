@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from verst.rollout.config import RolloutConfig
@@ -47,6 +47,14 @@ class LegacyRuntime:
     abort flag to stop a rollout early."""
     generate_fn_cache: dict[str, GenerateFn] = field(default_factory=dict)
     """Generate functions loaded so far, by import path (the custom one and per-sample ones)."""
+
+    @property
+    def generate_context(self) -> RolloutContext:
+        """The context the rollout's `GenerateState` carries: the strategy's, with the runtime
+        added to the v1 args (`args.runtime`) that v1 generate functions receive — on the
+        legacy path they reach the engine and tokenizer there, where slime kept them in its
+        module-global `GenerateState`."""
+        return replace(self.context, v1_args={**self.context.v1_args, "runtime": self})
 
     @property
     def engine(self) -> InferenceEngine:
@@ -84,7 +92,7 @@ class LegacyRuntime:
         if fn is None:
             from verst.rollout.loading import load_generate_function
 
-            fn = load_generate_function(path, self.config, v1_args=self.context.v1_args)
+            fn = load_generate_function(path, self.config, v1_args=self.generate_context.v1_args)
             self.generate_fn_cache[path] = fn
         return fn
 
