@@ -357,3 +357,22 @@ def test_nothing_is_lost(bumps, policy, staleness, buffer_extra, partial, filter
         assert len(missing) == filter_dropped, "only filter drops (counted) are not accounted here"
 
     asyncio.run(scenario())
+
+
+async def test_a_cancelled_call_loses_no_group():
+    # only "prompt 0" is fast: the call takes it and waits for the slow ones
+    engine = ToyEngine(token_delay_s=lambda r: 0.0 if r.input_ids[-1] == ord("0") else 0.5)
+    ctx = fully_async_context(engine, batch_size=3, async_buffer_groups=4)
+    strategy = FullyAsyncRollout(ctx)
+    call = asyncio.create_task(strategy(RolloutRequest(rollout_id=0)))
+    for _ in range(500):  # until some fast groups were produced and taken, slow ones generating
+        await asyncio.sleep(0.01)
+        if strategy.produced_groups and not strategy.buffer:
+            break
+    assert strategy.produced_groups and not call.done()
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    assert strategy.buffer, "the groups the call had taken are buffered again"
+    await strategy.close()
+    ds = ctx.data_source
+    assert sorted(pid(g) for g in ds.buffer) == list(range(ds.offset))

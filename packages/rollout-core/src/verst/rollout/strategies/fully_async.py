@@ -386,28 +386,32 @@ class FullyAsyncRollout(InferenceRollout):
         target = self.context.config.batch_size
         self._start(request)
         taken: list[_Buffered] = []
-        async with self._cond:
-            while True:
-                self._evict_stale(request.weight_version)
-                while self.buffer and len(taken) < target:
-                    taken.append(self.buffer.popleft())
-                self._cond.notify_all()  # room for the producer; hand-backs to pick up
-                if len(taken) >= target:
-                    break
-                if self._producer_error is not None:
-                    raise ProducerError(
-                        f"the fully-async producer stopped: {type(self._producer_error).__name__}: "
-                        f"{self._producer_error}"
-                    ) from self._producer_error
-                if self._exhausted and not self._in_flight and not self._resume:
-                    logger.warning(
-                        "rollout %d: the data source ran out; returning %d of %d groups",
-                        request.rollout_id,
-                        len(taken),
-                        target,
-                    )
-                    break
-                await self._cond.wait()
+        try:
+            async with self._cond:
+                while True:
+                    self._evict_stale(request.weight_version)
+                    while self.buffer and len(taken) < target:
+                        taken.append(self.buffer.popleft())
+                    self._cond.notify_all()  # room for the producer; hand-backs to pick up
+                    if len(taken) >= target:
+                        break
+                    if self._producer_error is not None:
+                        raise ProducerError(
+                            f"the fully-async producer stopped: {type(self._producer_error).__name__}: "
+                            f"{self._producer_error}"
+                        ) from self._producer_error
+                    if self._exhausted and not self._in_flight and not self._resume:
+                        logger.warning(
+                            "rollout %d: the data source ran out; returning %d of %d groups",
+                            request.rollout_id,
+                            len(taken),
+                            target,
+                        )
+                        break
+                    await self._cond.wait()
+        except BaseException:  # cancelled, or the producer failed: the groups taken stay buffered
+            self.buffer.extendleft(reversed(taken))
+            raise
         return self._result(request, taken, started)
 
     def _result(self, request: RolloutRequest, taken: list[_Buffered], started: float) -> RolloutResult:
