@@ -111,3 +111,26 @@ def test_malformed_flag_is_one_problem(tmp_path):
     with pytest.raises(ConfigError) as info:
         validate_rollout_config(ctx.config, {LEGACY_FLAG: "yes"})
     assert len(info.value.problems) == 1 and "'yes' is not a valid value" in str(info.value)
+
+
+def test_legacy_extra_brings_the_package_into_the_main_environment():
+    """`uv sync --extra legacy`: the root `legacy` extra names the workspace package, and the
+    lock resolves it to the editable `packages/rollout-legacy`, which needs rollout-core only."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["legacy"] == ["verst-rollout-legacy"]
+    assert pyproject["tool"]["uv"]["sources"]["verst-rollout-legacy"] == {"workspace": True}
+    legacy = tomllib.loads((root / "packages/rollout-legacy/pyproject.toml").read_text())
+    assert legacy["project"]["dependencies"] == ["verst-rollout-core"]
+    lock = tomllib.loads((root / "uv.lock").read_text())
+    by_name = {p["name"]: p for p in lock["package"]}
+    assert by_name["verst-rollout-legacy"]["source"] == {"editable": "packages/rollout-legacy"}
+    assert {d["name"] for d in by_name["verst-rollout-legacy"].get("dependencies", [])} == {
+        "verst-rollout-core"
+    }
+    assert any(
+        d["name"] == "verst-rollout-legacy" for d in by_name["verst"]["optional-dependencies"]["legacy"]
+    )
