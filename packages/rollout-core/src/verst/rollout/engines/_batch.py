@@ -9,6 +9,7 @@ masks out are trimmed. Positions are explicit (`position_ids`), so padding never
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,70 @@ class Row:
     @property
     def prompt_len(self) -> int:
         return len(self.request.input_ids)
+
+
+def growing_cache(config: Any) -> Any:
+    """A `DynamicCache` whose full-attention layers grow in place (see `_growing_layer_class`)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layer_cls = _growing_layer_class()
+    cache.layers = [layer_cls() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """`DynamicLayer` that writes each step's keys/values into spare capacity.
+
+    transformers' `DynamicLayer.update` concatenates, copying the whole cache every decode step;
+    this subclass keeps `keys`/`values` as prefix views of a buffer with `CHUNK` spare columns.
+    Whenever the batch edits the tensors (merge, row selection, trim), the next update sees
+    they are no longer views of the buffer and re-adopts them.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        CHUNK = 64
+
+        def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
+            b, h, t, d = keys.shape
+            cap = t + extra + self.CHUNK
+            self._kbuf = keys.new_empty((b, h, cap, d))  # [batch, heads, capacity, head_dim]
+            self._vbuf = values.new_empty((b, h, cap, values.shape[-1]))
+            self._kbuf[:, :, :t] = keys
+            self._vbuf[:, :, :t] = values
+            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
+
+        def _is_view(self) -> bool:
+            buf = getattr(self, "_kbuf", None)
+            return (
+                buf is not None
+                and self.keys.data_ptr() == buf.data_ptr()
+                and self.keys.shape[0] == buf.shape[0]
+                and self.keys.stride() == buf.stride()
+                and self.values.data_ptr() == self._vbuf.data_ptr()
+                and self.values.stride() == self._vbuf.stride()
+            )
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.keys is None or self.keys.numel() == 0:
+                self._adopt(key_states, value_states, 0)
+                return self.keys, self.values
+            t, n = self.keys.shape[-2], key_states.shape[-2]
+            if not self._is_view() or t + n > self._kbuf.shape[-2]:
+                self._adopt(self.keys, self.values, n)
+            self._kbuf[:, :, t : t + n] = key_states
+            self._vbuf[:, :, t : t + n] = value_states
+            self.keys, self.values = self._kbuf[:, :, : t + n], self._vbuf[:, :, : t + n]
+            return self.keys, self.values
+
+    return GrowingLayer
 
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -119,8 +184,6 @@ class DecodeBatch:
 
     def admit(self, rows: list[Row]) -> None:
         """Prefill `rows` together, sample their first token, and merge them into the batch."""
-        from transformers import DynamicCache
-
         lens = [r.prompt_len for r in rows]
         width = max(lens)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [new, width]
@@ -130,7 +193,7 @@ class DecodeBatch:
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # [new, width]
-        cache = DynamicCache(config=self.model.config)
+        cache = growing_cache(self.model.config)
         full = any(_wants_input(r) for r in rows)
         out = self.model(
             input_ids=ids,
