@@ -24,6 +24,7 @@ import pickle
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     if not 0 <= args.inject_latency_fraction <= 1:
         raise SystemExit(f"--inject-latency-fraction must be in [0, 1], got {args.inject_latency_fraction}")
+    if not Path(args.model).is_dir():
+        raise SystemExit(f"verst serve: --model {args.model!r} is not a directory; give a Hugging Face model folder")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from verst.rollout.engines.embedded import EmbeddedEngine
 
