@@ -162,3 +162,22 @@ async def test_consistent_generation_failure_stops_with_a_clear_error(tmp_path):
     assert len(returned) * 2 == len(submitted)
     assert all(s.status is Status.PENDING and "error" not in s.metadata for g in returned for s in g)
     assert assert_complete_streams(ctx.sink) == 2 * len(submitted)  # two tries per sample
+
+
+async def test_cancelling_the_call_stops_the_rollout_and_hands_groups_back(tmp_path):
+    engine = HoldingEngine(hold=lambda r: 2)
+    ctx = legacy_context(tmp_path, engine, PROMPTS, max_response_len=4, partial_rollout=True)
+    strategy = LegacyRolloutStrategy(ctx)
+    call = asyncio.create_task(strategy(RolloutRequest(rollout_id=0)))
+    while len(engine.requests) < 4:
+        await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert ctx.data_source.num_buffered_groups == 2
+    assert all(s.response_length == 2 for g in ctx.data_source.get_samples(2) for s in g)
+    assert assert_complete_streams(ctx.sink) == 4
+    # Not closed: the next rollout runs normally.
+    engine.hold = lambda r: None
+    result = await strategy(RolloutRequest(rollout_id=1))
+    assert len(result.groups) == 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
-from verst.rollout.protocols import Capability, RolloutContext, RolloutRequest, RolloutResult
+from verst.rollout.protocols import Capability, GenerateState, RolloutContext, RolloutRequest, RolloutResult
 from verst.rollout_legacy.rollout import (
     RolloutFnEvalOutput,
     RolloutFnTrainOutput,
@@ -91,7 +91,12 @@ class LegacyRolloutStrategy:
         )
         self._in_flight = call
         try:
-            output = await call
+            output = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The worker thread cannot be cancelled: stop the rollout instead, so it hands its
+            # unfinished groups back to the data source and the thread ends.
+            await self._stop_rollout(call)
+            raise
         finally:
             self._in_flight = None
         if request.evaluation:
@@ -121,13 +126,19 @@ class LegacyRolloutStrategy:
     async def close(self) -> None:
         """Stop an in-flight rollout (its unfinished samples go back to the data source)."""
         self._closed = True
-        call = self._in_flight
-        if call is None:
-            return
-        state = self.runtime.current_state
-        if state is not None:
-            state.aborted.set()
-        await self.runtime.engine.abort(None)
+        if self._in_flight is not None:
+            await self._stop_rollout(self._in_flight)
+
+    async def _stop_rollout(self, call: asyncio.Future[Any]) -> None:
+        """Set the running rollout's abort flag, abort its engine requests, wait for it to end."""
+        stopped: GenerateState | None = None
+        while not call.done():
+            state = self.runtime.current_state  # None until the worker thread has started it
+            if state is not None and state is not stopped:
+                state.aborted.set()
+                await self.runtime.engine.abort(state.request_prefix + "-")
+                stopped = state
+            await asyncio.wait([call], timeout=0.05)
         await asyncio.gather(call, return_exceptions=True)
 
 
