@@ -1,0 +1,300 @@
+"""The `[opd]` config section (on-policy distillation) and its cross-section validation.
+
+```toml
+[opd]
+enabled = true
+coef = 1.0
+log_prob_top_k = 0            # 0 = sampled-token OPD (folded into the advantage); k > 0 = top-k KL loss
+token_set = "only_teacher"    # only_student | only_teacher | intersection | union | xor
+weighting = "student"         # student | teacher | uniform
+teacher_key = "teacher"       # sample.metadata key that names a sample's teacher
+with_task_reward = true
+
+[opd.teachers.big]
+type = "engine"               # scored by an inference engine (embedded, or SGLang / verst serve)
+model_path = "runs/teacher/final"
+
+[opd.teachers.remote]
+type = "engine"
+engine = { type = "sglang", urls = ["http://127.0.0.1:30000"] }
+
+[opd.teachers.local]
+type = "trainer"              # loaded in the trainer; all token sets, no extra server
+model_path = "runs/teacher/final"
+```
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from verst.rollout.config import Section
+from verst.rollout.engines.config import EngineConfig
+from verst.rollout.errors import Problem
+from verst.rollout.protocols import Capability
+from verst.trainer.opd.token_sets import (
+    STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS,
+    TOKEN_SET_STRATEGIES,
+    WEIGHTINGS,
+)
+
+if TYPE_CHECKING:
+    from verst.trainer.config import RunConfig
+
+
+class TeacherConfig(Section):
+    """One teacher: where its log-probs come from."""
+
+    type: Literal["engine", "trainer"] = Field(
+        "engine",
+        description=(
+            "'engine' = scored by an inference engine after each rollout (the embedded engine on "
+            "model_path, or SGLang / `verst serve` through `engine`); 'trainer' = loaded in the "
+            "trainer process and run with the chunked kernels (supports every token set)."
+        ),
+    )
+    model_path: str | None = Field(
+        None,
+        description=(
+            "Hugging Face directory of the teacher. type='trainer': required. type='engine': the "
+            "embedded engine's model when engine.model_path is unset."
+        ),
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description=(
+            "type='engine': the teacher's engine, an [engine]-like table (type='sglang' with urls for "
+            "a served teacher; type='embedded' runs it in this process)."
+        ),
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="type='trainer': parameter dtype of the teacher model."
+    )
+
+    def resolved_engine(self) -> EngineConfig:
+        """The engine config with `model_path` filled in from the teacher's."""
+        if self.engine.model_path is None and self.model_path is not None:
+            return self.engine.model_copy(update={"model_path": self.model_path})
+        return self.engine
+
+    def model_dir(self) -> str | None:
+        """The teacher's local model directory, when known."""
+        if self.type == "trainer":
+            return self.model_path
+        return self.resolved_engine().model_path if self.engine.type != "sglang" else self.model_path
+
+
+class OpdConfig(Section):
+    """On-policy distillation: train the student on its own samples against teacher log-probs."""
+
+    enabled: bool = Field(False, description="Turn on-policy distillation on.")
+    coef: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Weight of the distillation term: sampled-token OPD subtracts coef * (student_logp - "
+            "teacher_logp) from each token's advantage; top-k OPD adds coef * KL to the loss."
+        ),
+    )
+    log_prob_top_k: int = Field(
+        0,
+        ge=0,
+        description=(
+            "0 = sampled-token OPD (reverse KL on the sampled tokens, in the advantage); k > 0 = "
+            "top-k OPD (the KL over a per-position token set from both sides' top-k, in the loss)."
+        ),
+    )
+    token_set: str = Field(
+        "only_teacher",
+        description=(
+            "Top-k OPD: tokens the KL sums over — only_student, only_teacher, intersection, union, xor "
+            "(of the student's and the teacher's top-k)."
+        ),
+    )
+    weighting: str = Field(
+        "student",
+        description=(
+            "Top-k OPD: weight of each token — student (p_s: the reverse-KL estimate), teacher (p_t), uniform (1)."
+        ),
+    )
+    teachers: dict[str, TeacherConfig] = Field(
+        default_factory=dict, description="Teachers by name; a sample picks one through teacher_key."
+    )
+    teacher_key: str = Field(
+        "teacher", description="sample.metadata key whose value names the sample's teacher."
+    )
+    default_teacher: str | None = Field(
+        None,
+        description="Teacher of samples without teacher_key in their metadata (None = the first teacher listed).",
+    )
+    with_task_reward: bool = Field(
+        True,
+        description="True = distillation on top of the task reward's advantages; False = distillation alone.",
+    )
+    score_concurrency: int = Field(
+        32, ge=1, description="Engine teachers: scoring requests in flight at once."
+    )
+
+    @property
+    def top_k(self) -> bool:
+        """True for top-k OPD, False for sampled-token OPD."""
+        return self.log_prob_top_k > 0
+
+    def default_teacher_name(self) -> str | None:
+        """The teacher of samples that do not name one."""
+        return self.default_teacher or next(iter(self.teachers), None)
+
+    def capability_requests(self) -> dict[Capability, str]:
+        """The rollout-strategy capabilities this section needs (capability → requesting key)."""
+        if not self.enabled:
+            return {}
+        if self.top_k:
+            return {Capability.OPD_TOP_K: "opd.log_prob_top_k"}
+        return {Capability.OPD_SAMPLED_TOKEN: "opd.coef"}
+
+
+def read_vocab_size(model_dir: str | None) -> int | None:
+    """`vocab_size` from a model directory's config.json, without loading weights (None if unknown)."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = data.get("vocab_size", (data.get("text_config") or {}).get("vocab_size"))
+    return int(vocab) if isinstance(vocab, int) else None
+
+
+def opd_problems(cfg: RunConfig) -> list[Problem]:
+    """Every problem of the `[opd]` section in the context of the run (empty when OPD is off)."""
+    o = cfg.opd
+    if not o.enabled:
+        return []
+    out: list[Problem] = []
+    names = sorted(o.teachers)
+    if not o.teachers:
+        out.append(
+            Problem(
+                "opd.teachers",
+                "on-policy distillation needs a teacher, and none is configured",
+                "add one, e.g. [opd.teachers.big] type = 'engine', model_path = 'PATH' "
+                "(or type = 'trainer'), or set opd.enabled = false",
+            )
+        )
+    if o.default_teacher is not None and o.default_teacher not in o.teachers:
+        out.append(
+            Problem(
+                "opd.default_teacher",
+                f"{o.default_teacher!r} is not a configured teacher",
+                f"use one of {names}, or unset it (= the first teacher)",
+            )
+        )
+    if o.token_set not in TOKEN_SET_STRATEGIES:
+        out.append(
+            Problem(
+                "opd.token_set",
+                f"unknown token-set strategy {o.token_set!r}",
+                f"use one of {sorted(TOKEN_SET_STRATEGIES)}",
+            )
+        )
+    if o.weighting not in WEIGHTINGS:
+        out.append(
+            Problem("opd.weighting", f"unknown weighting {o.weighting!r}", f"use one of {sorted(WEIGHTINGS)}")
+        )
+    if o.coef == 0 and not o.with_task_reward:
+        out.append(
+            Problem(
+                "opd.coef",
+                "coef = 0 with with_task_reward = false leaves nothing to train on",
+                "set opd.coef > 0, or opd.with_task_reward = true",
+            )
+        )
+    student_dir = cfg.train.model_path or cfg.engine.model_path
+    student_vocab = read_vocab_size(student_dir)
+    if o.top_k and student_vocab is not None and o.log_prob_top_k > student_vocab:
+        out.append(
+            Problem(
+                "opd.log_prob_top_k",
+                f"k = {o.log_prob_top_k} exceeds the student's vocabulary of {student_vocab} tokens",
+                f"choose 1 <= k <= {student_vocab} (typical: 8-64), or 0 for sampled-token OPD",
+            )
+        )
+    for name, t in o.teachers.items():
+        key = f"opd.teachers.{name}"
+        out += _teacher_problems(key, t, o, student_vocab)
+        if t.type == "trainer" and cfg.train.fsdp:
+            out.append(
+                Problem(
+                    f"{key}.type",
+                    "trainer teachers are not sharded: with train.fsdp each rank would need the whole "
+                    "teacher and run it on a different number of micro-batches",
+                    f"serve the teacher instead ({key}.type = 'engine'), or set train.fsdp = false",
+                )
+            )
+    return out
+
+
+def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: int | None) -> list[Problem]:
+    out: list[Problem] = []
+    if t.type == "trainer" and not t.model_path:
+        out.append(
+            Problem(f"{key}.model_path", "a trainer teacher needs a model", "set it to a HF model directory")
+        )
+    if t.type == "engine":
+        e = t.resolved_engine()
+        if e.type in ("embedded", "sglang_launch") and not e.model_path:
+            out.append(
+                Problem(
+                    f"{key}.model_path",
+                    f"an engine teacher of engine.type = {e.type!r} needs a model",
+                    f"set {key}.model_path (or {key}.engine.model_path)",
+                )
+            )
+        if e.type == "sglang" and not (e.urls or e.router_url):
+            out.append(
+                Problem(
+                    f"{key}.engine.urls",
+                    "an SGLang teacher needs its servers",
+                    f"set {key}.engine.urls (e.g. ['http://127.0.0.1:30000']) or {key}.engine.router_url",
+                )
+            )
+        if o.top_k and o.token_set in STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS:
+            out.append(
+                Problem(
+                    "opd.token_set",
+                    f"token set {o.token_set!r} holds the student's top-k tokens, so the teacher must score "
+                    f"the student's ids at every position, which engine teacher {key.rsplit('.', 1)[-1]!r} "
+                    "scores only before the trainer knows them",
+                    f"set {key}.type = 'trainer' (the teacher runs in the trainer), or use "
+                    "opd.token_set = 'only_teacher' or 'intersection'",
+                )
+            )
+    teacher_vocab = read_vocab_size(t.model_dir())
+    if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
+        out.append(
+            Problem(
+                key,
+                f"the teacher's vocabulary ({teacher_vocab}) differs from the student's ({student_vocab})",
+                "distil between models that share a tokenizer",
+            )
+        )
+    if o.top_k and teacher_vocab is not None and o.log_prob_top_k > teacher_vocab:
+        out.append(
+            Problem(
+                "opd.log_prob_top_k",
+                f"k = {o.log_prob_top_k} exceeds teacher {key.rsplit('.', 1)[-1]!r}'s vocabulary of {teacher_vocab}",
+                f"choose k <= {teacher_vocab}",
+            )
+        )
+    return out
+
+
+def opd_capability_requests(opd: OpdConfig) -> Mapping[Capability, str]:
+    """Alias of `OpdConfig.capability_requests` for `validate_rollout_config(extra_requests=...)`."""
+    return opd.capability_requests()
