@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verst.rollout.sample import Sample, Status
+from verst.trainer.opd.train import OpdBatch, collate_opd
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TrainBatch:
     """The prompt of each kept group, in batch order."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Batch statistics (dropped groups, lengths, rewards)."""
+    opd: OpdBatch | None = None
+    """Teacher data for on-policy distillation (None when no sample was distilled)."""
 
     @property
     def num_samples(self) -> int:
@@ -116,6 +119,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         weight_versions=[list(s.weight_versions) for s in samples],
         prompts=[str(g[0].prompt) for g in kept],
         metrics=metrics,
+        opd=collate_opd(samples, width),
     )
 
 

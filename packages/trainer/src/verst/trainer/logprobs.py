@@ -14,8 +14,9 @@ no token attends across sequences (tested against the right-padded layout).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,9 +147,19 @@ class PolicyLogprobs(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(
-        self, inputs: PackedInputs, *, temperature: float = 1.0, return_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flat log-probs `[num_response_tokens]` (and entropy) for a packed/padded micro-batch."""
+        self,
+        inputs: PackedInputs,
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        hidden_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Flat log-probs `[num_response_tokens]` (and entropy) for a packed/padded micro-batch.
+
+        `hidden_fn(hidden [N, H], lm_head_weight [V, H])`, when given, runs inside this forward
+        (so under FSDP2 on the gathered weight) and its result is returned third — used by
+        on-policy distillation for top-k log-probs through the chunked kernels.
+        """
         device = next(self.policy.parameters()).device
         decoder = self.policy.get_decoder()
         out = decoder(
@@ -160,7 +171,7 @@ class PolicyLogprobs(nn.Module):
         hidden = out.last_hidden_state  # [rows, width, H]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index.to(device))
         weight = self.policy.get_output_embeddings().weight  # [V, H]
-        return hidden_logprobs(
+        lp, ent = hidden_logprobs(
             hidden,
             weight,
             inputs.target_ids.to(device),
@@ -169,3 +180,6 @@ class PolicyLogprobs(nn.Module):
             backend=self.backend,
             chunk_size=self.chunk_size,
         )
+        if hidden_fn is None:
+            return lp, ent
+        return lp, ent, hidden_fn(hidden, weight)

@@ -24,6 +24,8 @@ from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, clip_grad_norm, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.model import build_policy, build_reference
+from verst.trainer.opd.config import OpdConfig
+from verst.trainer.opd.train import OpdStepInputs, OpdTrainer
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
 """Algorithm metrics already normalised by the global LossNorm: summed over micro-batches."""
@@ -42,6 +44,7 @@ class TrainSide:
         max_response_len: int,
         temperature: float,
         env: Mapping[str, str],
+        opd: OpdConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.dist = DistInfo.from_env(env)
@@ -59,6 +62,19 @@ class TrainSide:
         if self.algo.needs_reference:
             self.ref = build_reference(cfg, cfg.ref_model_path or model_path, self.dist)
         self.optimizer_steps = 0
+        self.opd: OpdTrainer | None = None
+        """On-policy distillation (`[opd]`), when enabled."""
+        if opd is not None and opd.enabled:
+            self.opd = OpdTrainer(
+                opd,
+                temperature=self.temperature,
+                chunk_size=cfg.logprob_chunk_size,
+                packing=cfg.packing,
+                micro_batch_size=cfg.micro_batch_size,
+                teacher_loader=lambda path, dtype: build_reference(
+                    cfg.model_copy(update={"dtype": dtype}), path, self.dist
+                ),
+            )
 
     # ------------------------------------------------------------ log-probs
 
@@ -138,6 +154,10 @@ class TrainSide:
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
         advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
+        opd_inputs = None
+        if self.opd is not None:
+            opd_inputs = self.opd.prepare(self.bundle.module, batch)
+            advantages = self.opd.fold_advantages(advantages, mask, opd_inputs)
 
         self.bundle.module.train()
         sums: dict[str, float] = {}
@@ -148,13 +168,17 @@ class TrainSide:
             for mb in micro_batches(
                 rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size
             ):
-                self._micro_step(batch, mb, norm, advantages, old_all, ref_lp, rollout_lp, sums, weights)
+                self._micro_step(
+                    batch, mb, norm, advantages, old_all, ref_lp, rollout_lp, sums, weights, opd_inputs
+                )
             step_metrics.append(self._optimizer_step())
         metrics = reduce_metrics(sums, weights, _SUMMED, self.dist)
         out = {f"train/{k}": v for k, v in metrics.items()}
         for k in step_metrics[-1]:
             out[f"train/{k}"] = step_metrics[-1][k]
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
+        if self.opd is not None and opd_inputs is not None:
+            out.update({f"train/{k}": v for k, v in self.opd.metrics(mask, opd_inputs).items()})
         out.update(batch.metrics)
         return out
 
@@ -169,8 +193,13 @@ class TrainSide:
         rollout_lp: torch.Tensor | None,
         sums: dict[str, float],
         weights: dict[str, float],
+        opd_inputs: OpdStepInputs | None = None,
     ) -> None:
-        lp, ent = self._forward(self.bundle.module, batch, mb, entropy=True)
+        opd_kl = None
+        if self.opd is not None and self.opd.k and opd_inputs is not None and mb:
+            lp, ent, opd_kl = self.opd.forward_with_kl(self.bundle.module, batch, mb, opd_inputs)
+        else:
+            lp, ent = self._forward(self.bundle.module, batch, mb, entropy=True)
         if not mb:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
             self._backward(loss)
@@ -189,9 +218,14 @@ class TrainSide:
             entropy=ent,
             norm=norm,
         )
-        self._backward(out.loss * self.dist.world_size)
-        ntok = float(m.sum())
+        loss = out.loss
         metrics = dict(out.metrics)
+        if opd_kl is not None:
+            loss = loss + self.opd.opd.coef * self.algo.aggregate(opd_kl, m, norm)  # type: ignore[union-attr]
+            kl_tok = float((opd_kl.detach() * m).sum()) / max(float(m.sum()), 1.0)
+            metrics["opd_topk_kl"] = kl_tok
+        self._backward(loss * self.dist.world_size)
+        ntok = float(m.sum())
         if rl is not None:
             diff = (lp.detach() - rl).abs() * m
             metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
