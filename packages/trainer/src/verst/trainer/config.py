@@ -21,6 +21,7 @@ from verst.rollout.config import RolloutConfig, Section
 from verst.rollout.engines.config import EngineConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.opd.config import OpdConfig
 from verst.trainer.placement.layout import RaySection
 
 
@@ -132,6 +133,9 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The policy model and optimizer.")
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, KL, entropy."
+    )
+    opd: OpdConfig = Field(
+        default_factory=OpdConfig, description="On-policy distillation: teachers, sampled-token or top-k KL."
     )
 
     @model_validator(mode="after")
@@ -330,9 +334,12 @@ def validate_run_config(
     try:
         from verst.rollout.validation import validate_rollout_config
 
-        validate_rollout_config(cfg.rollout, env)
+        validate_rollout_config(cfg.rollout, env, extra_requests=cfg.opd.capability_requests())
     except ConfigError as exc:
         problems += exc.problems
+    from verst.trainer.opd.config import opd_problems
+
+    problems += opd_problems(cfg)
     problems += train_problems(cfg, env, cuda_available=cuda_available)
     from verst.trainer.placement.layout import placement_problems
 

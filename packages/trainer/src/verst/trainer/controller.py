@@ -158,6 +158,7 @@ class Trainer:
                 max_response_len=config.rollout.max_response_len,
                 temperature=config.rollout.temperature,
                 env=self.env,
+                opd=config.opd,
             )
             self.rollout: RolloutSide | None = None
             if self.dist.is_main:

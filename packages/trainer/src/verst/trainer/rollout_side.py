@@ -23,6 +23,7 @@ from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResul
 from verst.rollout.rewards import build_reward_fns
 from verst.rollout.selection import resolve_strategy_path
 from verst.trainer.config import RunConfig
+from verst.trainer.opd.scoring import TeacherScorer, build_teacher_engines
 
 T = TypeVar("T")
 
@@ -49,11 +50,13 @@ class RolloutSide:
         sink: LifecycleSink | None = None,
         engine: InferenceEngine | None = None,
         tokenizer: Any = None,
+        teacher_engines: Mapping[str, InferenceEngine] | None = None,
     ) -> None:
         """Build the data source, rewards, eval sets and the selected strategy.
 
         `engine` may be given (tests, or an engine shared with another component); otherwise it
-        is built from `config.engine`.
+        is built from `config.engine`. `teacher_engines` likewise replaces the engines of
+        `[opd.teachers]` of type 'engine' (by name).
         """
         from transformers import AutoTokenizer
 
@@ -81,6 +84,14 @@ class RolloutSide:
         )
         self.has_eval = bool(context.eval_datasets)
         self.strategy = load_rollout_strategy(self.strategy_path, context)
+        self.teacher_scorer: TeacherScorer | None = None
+        """On-policy distillation: scores every rollout's samples with their teachers."""
+        if config.opd.enabled:
+            engines = teacher_engines
+            if engines is None:
+                engines = self._run(build_teacher_engines(config.opd, max_concurrency=rc.max_concurrency))
+            self.teacher_scorer = TeacherScorer(config.opd, engines, temperature=rc.temperature)
+        self._owns_teachers = teacher_engines is None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the side's loop (in its background thread) and wait for the result."""
@@ -100,7 +111,18 @@ class RolloutSide:
 
     def rollout(self, rollout_id: int, weight_version: int) -> RolloutResult:
         """One training rollout."""
-        return self._run(self.strategy(RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)))
+        request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)
+        if self.teacher_scorer is None:
+            return self._run(self.strategy(request))
+        scorer = self.teacher_scorer
+
+        async def rollout_and_score() -> RolloutResult:
+            result = await self.strategy(request)
+            metrics = await scorer.score(result.groups, rid_prefix=f"opd-{rollout_id}")
+            result.metrics.update(metrics)
+            return result
+
+        return self._run(rollout_and_score())
 
     def evaluate(self, rollout_id: int, weight_version: int) -> RolloutResult:
         """One pass over the eval datasets (empty result when none are configured)."""
@@ -151,6 +173,8 @@ class RolloutSide:
             self._run(self.strategy.close())
             if close_engine:
                 self._run(self.engine.close())
+            if self.teacher_scorer is not None and self._owns_teachers:
+                self._run(self.teacher_scorer.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

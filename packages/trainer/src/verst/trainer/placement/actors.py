@@ -178,6 +178,7 @@ class TrainActor(ActorBase):
             max_response_len=cfg.rollout.max_response_len,
             temperature=cfg.rollout.temperature,
             env=self.env,
+            opd=cfg.opd,
         )
         return {"rank": rank, "sharding": self.side.bundle.sharding}
 
