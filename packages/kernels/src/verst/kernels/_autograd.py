@@ -49,6 +49,12 @@ class RowOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def _no_autocast(t: torch.Tensor) -> torch.autocast:
+    """The chunk matmuls run in the inputs' dtype: under an ambient autocast the forward would be
+    cast while the backward's recompute would not, and the two would disagree."""
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
 class LogprobsFunction(torch.autograd.Function):
     """(log-probs [N, M], entropy [N] | None, lse [N]) of logits [N, V]; grads flow to logits."""
 
@@ -111,7 +117,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         top_i = torch.empty((N, topk), dtype=torch.int64, device=dev) if topk else None
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
-            logits = hidden[s:e] @ weight.T  # [C, V], never more than one chunk alive
+            with _no_autocast(hidden):
+                logits = hidden[s:e] @ weight.T  # [C, V], never more than one chunk alive
             lp_c, ent_c, lse_c = ops.forward(
                 logits, targets[s:e], temperature, with_entropy, overwrite=not topk
             )  # top-k reads the logits afterwards: keep them intact then
@@ -146,7 +153,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         for s in range(0, N, ctx.chunk_size):
             e = min(s + ctx.chunk_size, N)
             h_c = hidden[s:e]  # [C, H]
-            logits = h_c @ weight.T  # [C, V], recomputed
+            with _no_autocast(hidden):
+                logits = h_c @ weight.T  # [C, V], recomputed with the forward's precision
             grad_logits = ctx.ops.backward(
                 logits, targets[s:e], T, lse[s:e],
                 entropy[s:e] if entropy is not None else None,

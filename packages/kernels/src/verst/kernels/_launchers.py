@@ -6,6 +6,8 @@ and raises a ValueError that says what is wrong and how to fix it before any ker
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -59,6 +61,11 @@ def _block_m(M: int) -> int:
     return min(triton.next_power_of_2(max(M, 1)), MAX_BLOCK_M)
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch on the tensors' GPU (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
@@ -94,10 +101,11 @@ class TritonRowOps:
         entropy = torch.empty((N,), dtype=torch.float32, device=dev) if with_entropy else lse
         if N > 0:
             bv = _block_v(V, block_v)
-            _row_forward_kernel[(N,)](
-                logits, logits.stride(0), targets, logprobs, entropy, lse, V, M, float(temperature),
-                BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
-            )  # fmt: skip
+            with _on(dev):
+                _row_forward_kernel[(N,)](
+                    logits, logits.stride(0), targets, logprobs, entropy, lse, V, M, float(temperature),
+                    BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
+                )  # fmt: skip
         return logprobs, (entropy if with_entropy else None), lse
 
     @staticmethod
@@ -137,12 +145,13 @@ class TritonRowOps:
         grad = torch.empty((N, V), dtype=out_dtype, device=logits.device)
         if N > 0:
             bv = _block_v(V, block_v)
-            _row_backward_kernel[(N,)](
-                logits, logits.stride(0), targets, lse,
-                entropy if with_entropy else lse, grad_logprobs,
-                grad_entropy if with_entropy else lse, grad, V, M, float(temperature),
-                BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
-            )  # fmt: skip
+            with _on(logits.device):
+                _row_backward_kernel[(N,)](
+                    logits, logits.stride(0), targets, lse,
+                    entropy if with_entropy else lse, grad_logprobs,
+                    grad_entropy if with_entropy else lse, grad, V, M, float(temperature),
+                    BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
+                )  # fmt: skip
         return grad
 
     @staticmethod
@@ -175,10 +184,11 @@ class TritonRowOps:
         kk = min(k, bv)
         cand_val = torch.empty((N, n_blocks, kk), dtype=torch.float32, device=dev)
         cand_idx = torch.empty((N, n_blocks, kk), dtype=torch.int64, device=dev)
-        _block_topk_kernel[(N, n_blocks)](
-            logits, logits.stride(0), lse, cand_val, cand_idx, V, n_blocks, float(temperature),
-            K=kk, BLOCK_V=bv, num_warps=_num_warps(bv),
-        )  # fmt: skip
+        with _on(dev):
+            _block_topk_kernel[(N, n_blocks)](
+                logits, logits.stride(0), lse, cand_val, cand_idx, V, n_blocks, float(temperature),
+                K=kk, BLOCK_V=bv, num_warps=_num_warps(bv),
+            )  # fmt: skip
         cand_val = cand_val.view(N, -1)
         cand_idx = cand_idx.view(N, -1)
         valid = cand_idx < V
