@@ -116,7 +116,8 @@ async def _train_rollout(
 
     Group outcomes match the default strategy's: kept, dropped by a filter (counted per
     reason; a reward error is reason `reward_error`), FAILED after its retries (not trained
-    on), or unfinished (handed back). Everything not kept goes back to `data_source`.
+    on, counted), or unfinished (handed back). Unfinished groups and finished groups beyond the
+    batch go back to `data_source`; filtered groups are consumed, as in slime.
     """
     started = time.perf_counter()
     target = args.rollout_batch_size
@@ -130,14 +131,16 @@ async def _train_rollout(
     in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]] = {}
     failed_groups: list[list[Sample]] = []
     next_group = next_sample = 0
+    exhausted = False
     rt.current_state = state
     try:
         while len(kept) < target and not state.aborted.is_set():
-            while len(kept) + len(in_flight) < target:  # slime's `remaining_batch_size < target`
+            # slime's `remaining_batch_size < target`: another wave while kept + in flight fall short
+            while not exhausted and len(kept) + len(in_flight) < target:
                 groups = data_source.get_samples(wave)
                 if not groups:
+                    exhausted = True
                     logger.warning("v1 rollout %d: the data source ran out of prompts", rollout_id)
-                    break
                 for group in groups:
                     _index_group(group, next_group, next_sample)
                     next_group, next_sample = next_group + 1, next_sample + len(group)
