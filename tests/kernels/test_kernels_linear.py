@@ -184,3 +184,19 @@ def test_linear_property(N, H, V, chunk, scale, temperature, dtype, backend, see
 def test_linear_large(backend, dtype):
     hidden, weight, targets = _inputs((300,), 64, 32_000, dtype, seed=6)
     _check(hidden, weight, targets, 0.7, 128, backend)
+
+
+def test_ambient_autocast_does_not_change_the_chunk_precision():
+    """Under autocast the chunk matmuls still run in the inputs' dtype, forward and recompute alike."""
+    hidden, weight, targets = _inputs((6,), 8, 90, torch.float32, seed=8)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = linear_token_logprobs(h, w, targets, 0.9, chunk_size=4)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference_linear_token_logprobs(hr, wr, targets, 0.9)
+    assert_close_report(lp, ref, atol=_tol(hidden, weight, 0.9), name="logprobs under autocast")
+    g = torch.randn(6, dtype=torch.float64)
+    (lp.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    assert_grad_close(h.grad, hr.grad, name="grad_hidden")
+    assert_grad_close(w.grad, wr.grad, name="grad_weight")
