@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from legacy_testkit import CharTokenizer, HoldingEngine, assert_complete_streams, legacy_context, token_at
 
 from verst.rollout.protocols import RolloutRequest
@@ -137,3 +139,47 @@ def test_args_without_runtime_name_the_fix(tmp_path):
     ctx = legacy_context(tmp_path, engine, PROMPTS)
     with pytest.raises(TypeError, match="LegacyRuntime"):
         generate_rollout(build_v1_args(ctx.config), 0, ctx.data_source)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    max_new=st.integers(min_value=2, max_value=12),
+    held_frac=st.floats(min_value=0.0, max_value=1.0),
+    mask_offpolicy=st.booleans(),
+)
+def test_resume_arithmetic_property(tmp_path_factory, max_new, held_frac, mask_offpolicy):
+    """For any split of `max_new` tokens into a held (aborted) part and a resumed part, the
+    resumed sample is the uninterrupted one: same tokens, `max_new` log-probs, versions
+    [0, 1], and the mask is 0 on exactly the held part iff mask_offpolicy."""
+    held = max(1, min(max_new - 1, round(held_frac * max_new)))
+    tok = CharTokenizer()
+    switch = {"hold": True}
+    engine = HoldingEngine(
+        hold=lambda r: held if switch["hold"] and tok.decode(r.input_ids).startswith("slow") else None
+    )
+    ctx = legacy_context(
+        tmp_path_factory.mktemp("prop"),
+        engine,
+        PROMPTS,
+        over_sampling_batch_size=3,
+        max_response_len=max_new,
+        partial_rollout=True,
+        mask_offpolicy_in_partial_rollout=mask_offpolicy,
+    )
+    strategy = LegacyRolloutStrategy(ctx)
+    generate_rollout(strategy.args, 0, ctx.data_source)
+    switch["hold"] = False
+    engine.weight_version = 1
+    strategy.runtime.weight_version = 1
+    out = generate_rollout(strategy.args, 1, ctx.data_source)
+    [group] = [g for g in out.samples if g[0].prompt == "slow one"]
+    prompt_len = len("slow one")
+    for s in group:
+        s.validate()
+        assert s.tokens[prompt_len:] == [
+            token_at(s.tokens[:prompt_len], prompt_len + i) for i in range(max_new)
+        ]
+        assert s.rollout_logprobs == pytest.approx([-0.01 * (prompt_len + i) for i in range(max_new)])
+        assert s.weight_versions == [0, 1]
+        expected = [0] * held + [1] * (max_new - held) if mask_offpolicy else [1] * max_new
+        assert s.effective_loss_mask() == expected
