@@ -70,8 +70,14 @@ def growing_cache(config: Any) -> Any:
     from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=config)
+    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if other:
+        raise ValueError(
+            f"the embedded engine supports full-attention KV caches only; this model's cache has {other} "
+            f"layers (sliding-window or linear attention); serve it with SGLang (engine.type = 'sglang')"
+        )
     layer_cls = _growing_layer_class()
-    cache.layers = [layer_cls() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [layer_cls() for _ in cache.layers]
     return cache
 
 
@@ -168,6 +174,7 @@ class DecodeBatch:
         self.sampling: BatchSampling | None = None
         self.device = next(model.parameters()).device
         self.vocab = int(model.config.vocab_size)
+        growing_cache(model.config)  # fail at construction for unsupported cache layouts
 
     def __len__(self) -> int:
         return len(self.rows)

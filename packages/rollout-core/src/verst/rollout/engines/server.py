@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.inject_latency_fraction <= 1:
         raise SystemExit(f"--inject-latency-fraction must be in [0, 1], got {args.inject_latency_fraction}")
     if not Path(args.model).is_dir():
-        raise SystemExit(f"verst serve: --model {args.model!r} is not a directory; give a Hugging Face model folder")
+        raise SystemExit(
+            f"verst serve: --model {args.model!r} is not a directory; give a Hugging Face model folder"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from verst.rollout.engines.embedded import EmbeddedEngine
 
