@@ -106,6 +106,19 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
     ]
     for p in procs:
         p.start()
+    # the 1-process reference trains while the workers run
+    single = TrainSide(
+        _config(str(tiny_checkpoint), False),
+        AlgorithmConfig(),
+        model_path=str(tiny_checkpoint),
+        total_steps=STEPS,
+        max_response_len=5,
+        temperature=1.0,
+        env={},
+    )
+    batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
+    ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
+    ref = single.state_dict_for_sync()
     for p in procs:
         p.join(240)
     assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
@@ -120,18 +133,6 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
             assert sharded and local0 < full, f"{name} is not sharded"
     assert r1["weights"] == {}  # full weights are gathered to rank 0 only
 
-    single = TrainSide(
-        _config(str(tiny_checkpoint), False),
-        AlgorithmConfig(),
-        model_path=str(tiny_checkpoint),
-        total_steps=STEPS,
-        max_response_len=5,
-        temperature=1.0,
-        env={},
-    )
-    batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
-    ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
-    ref = single.state_dict_for_sync()
     assert r0["weights"].keys() == ref.keys()
     for k, v in ref.items():
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
