@@ -76,6 +76,7 @@ def test_smollm2_chat_template_rollouts_training_and_weight_sync(smollm2_dir, tm
     for r in steps:
         assert r["train/logprob_mismatch"] < 5e-3, r
         assert r["rollout/response_length_mean"] > 0
+    assert steps[-1]["train/sample_weight_version_min"] == 1.0  # generated after the first sync
     events = [json.loads(line) for line in (run / "lifecycle.jsonl").read_text().splitlines()]
     assert sum(e["kind"] == "attempt_end" for e in events) == 2 * 2 * 4
     assert any("eval/add/reward_mean" in r for r in rows)

@@ -77,6 +77,39 @@ def test_verst_train_writes_a_complete_run_directory(tmp_path, small_eval, capsy
     assert 0.0 <= summary["initial_eval_reward"] <= 1.0 and "phase_seconds" in summary
     assert set(summary["phase_seconds"]) >= {"rollout", "train", "sync", "eval"}
 
+    # `verst eval` on the run directory evaluates its newest checkpoint: the same number the run logged last
+    code = main(
+        [
+            "eval",
+            str(EXAMPLE / "config.toml"),
+            str(run),
+            "--set",
+            f'rollout.eval.datasets.heldout.path="{small_eval}"',
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    result = json.loads(out[out.index("{") :])
+    assert result["model"].endswith("step_3/model")
+    assert result["eval/heldout/reward_mean"] == pytest.approx(summary["final_eval_reward"], abs=1e-6)
+
+
+def test_verst_sft_trains_on_response_tokens_and_saves(tmp_path, capsys):
+    sft_rows = (EXAMPLE / "data" / "sft.jsonl").read_text().splitlines()[:64]
+    (tmp_path / "sft.jsonl").write_text("\n".join(sft_rows) + "\n")
+    (tmp_path / "sft.toml").write_text(
+        f'[sft]\nmodel_path = "{EXAMPLE / "model" / "init"}"\ndata_path = "sft.jsonl"\n'
+        'output_dir = "out"\nsteps = 4\nbatch_size = 16\nlog_every = 2\n'
+    )
+    assert main(["sft", str(tmp_path / "sft.toml"), "lr=1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "sft step 2/4" in out and "sft finished" in out
+    assert (tmp_path / "out" / "model.safetensors").exists() and (
+        tmp_path / "out" / "tokenizer.json"
+    ).exists()
+    assert main(["sft", str(tmp_path / "sft.toml"), "stepz=3"]) == 2
+    assert "did you mean 'steps'?" in capsys.readouterr().err
+
 
 def test_bad_data_is_a_user_error_without_traceback(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
