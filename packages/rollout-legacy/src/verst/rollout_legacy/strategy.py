@@ -124,10 +124,18 @@ class LegacyRolloutStrategy:
         self.last_rollout_id = state["last_rollout_id"]
 
     async def close(self) -> None:
-        """Stop an in-flight rollout (its unfinished samples go back to the data source)."""
+        """Stop an in-flight rollout (its unfinished samples go back to the data source) and
+        close the generate functions it loaded that have a `close`."""
         self._closed = True
         if self._in_flight is not None:
             await self._stop_rollout(self._in_flight)
+        for fn in self.runtime.generate_fn_cache.values():
+            close = getattr(fn, "close", None)
+            if close is not None:
+                out = close()
+                if asyncio.iscoroutine(out):
+                    await out
+        self.runtime.generate_fn_cache.clear()
 
     async def _stop_rollout(self, call: asyncio.Future[Any]) -> None:
         """Set the running rollout's abort flag, abort its engine requests, wait for it to end."""
