@@ -154,6 +154,9 @@ def resolve_paths(cfg: Any, config_path: Path) -> Any:
     data.path = fix(data.path)
     for ds in cfg.rollout.eval.datasets.values():
         ds.path = fix(ds.path)
+    for teacher in cfg.opd.teachers.values():  # on-policy distillation teachers
+        teacher.model_path = fix(teacher.model_path)
+        teacher.engine.model_path = fix(teacher.engine.model_path)
     return cfg
 
 
