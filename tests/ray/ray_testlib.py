@@ -1,0 +1,57 @@
+"""Helpers of the Ray placement tests: a prompt file, a reward module, a run config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+REWARD_MODULE = '''
+def digit_fraction(sample):
+    """Fraction of digit characters in the response: varies across samples of a tiny model."""
+    text = sample.response
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+'''
+
+
+def write_prompts(path: Path, n: int = 16) -> Path:
+    """A JSONL file of n addition prompts with labels."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"prompt": f"{i}+{i + 1}=", "label": str(2 * i + 1)}) + "\n")
+    return path
+
+
+def install_reward_module(tmp_path: Path, monkeypatch: Any) -> str:
+    """Write a reward module into `tmp_path` and put it on the driver's sys.path (actors get the
+    driver's import path); returns its import path."""
+    (tmp_path / "g2_ray_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "g2_ray_rewards:digit_fraction"
+
+
+def run_dict(model: Path, data: Path, reward: str, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A 2-step run on the tiny checkpoint; `sections` update each table."""
+    base: dict[str, Any] = {
+        "run": {"num_steps": 2, "seed": 0, "save_interval": 1},
+        "engine": {"type": "embedded", "device": "cpu", "max_batch_size": 64, "num_threads": 1},
+        "train": {"model_path": str(model), "lr": 1e-3, "micro_batch_size": 4, "num_threads": 1},
+        "rollout": {
+            "batch_size": 2,
+            "n_samples_per_prompt": 4,
+            "max_response_len": 6,
+            "seed": 7,
+            "data": {"path": str(data), "seed": 3},
+            "reward": {"type": reward},
+        },
+        "algorithm": {},
+    }
+    for name, update in sections.items():
+        base.setdefault(name, {}).update(update)
+    return base
+
+
+def ray_run(**ray: Any) -> dict[str, Any]:
+    """A `run` table update for placement='ray' on CPU bundles."""
+    return {"placement": "ray", "ray": {"device": "cpu", **ray}}
