@@ -121,6 +121,22 @@ async def test_sibling_cancellation_closes_every_attempt():
     assert {by_index[i]["error"] for i in (0, 1, 3)} == {"CancelledError"}
 
 
+class _Interrupt(BaseException):
+    """Stands in for KeyboardInterrupt / a test runner's timeout: not an `Exception`."""
+
+
+async def test_base_exceptions_in_a_group_are_not_retried_as_group_failures():
+    def fail(req):
+        return _Interrupt() if req.rid.startswith("r0-1-") else None
+
+    ctx = make_context(ToyEngine(length=lambda r: 50, token_delay_s=0.001, fail=fail))
+    with pytest.raises(BaseExceptionGroup) as info:
+        await generate_and_rm_group(make_state(ctx), [prompt_sample(i) for i in range(3)], SamplingParams())
+    assert not isinstance(info.value, GroupGenerationError)
+    assert info.value.subgroup(_Interrupt) is not None
+    assert_attempts_closed(ctx.sink)
+
+
 async def test_outer_cancellation_also_closes_attempts():
     ctx = make_context(ToyEngine(length=lambda r: 1000, token_delay_s=0.01))
     task = asyncio.create_task(

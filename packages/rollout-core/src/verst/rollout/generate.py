@@ -324,7 +324,7 @@ async def generate_and_rm_group(
             results = [t.result() for t in tasks]
     except asyncio.CancelledError:
         raise
-    except BaseExceptionGroup as eg:
+    except ExceptionGroup as eg:  # a KeyboardInterrupt/SystemExit group propagates
         cause = _first_leaf(eg)
         raise GroupGenerationError(group, cause) from cause
     except Exception as exc:
