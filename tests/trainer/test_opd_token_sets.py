@@ -132,3 +132,51 @@ def test_sampled_token_advantage():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     got = sampled_token_opd_advantage(adv, s, t, mask, coef=0.5)
     torch.testing.assert_close(got, torch.tensor([[1.0 - 0.25, 1.0, 0.0]]))
+
+
+def _topk_gap(logits, k):
+    """Smallest gap between the k-th and (k+1)-th largest value over rows (inf when k = V)."""
+    if k >= logits.shape[-1]:
+        return float("inf")
+    top = torch.topk(logits, k + 1).values
+    return float((top[:, k - 1] - top[:, k]).min())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    positions=st.integers(1, 5),
+    vocab=st.integers(2, 300),
+    hidden=st.integers(2, 12),
+    k_frac=st.floats(0.0, 1.0),
+    chunk=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+    strategy=st.sampled_from(sorted(TOKEN_SET_STRATEGIES)),
+    weighting=st.sampled_from(sorted(WEIGHTINGS)),
+)
+def test_sides_from_the_chunked_kernels_match_reference(
+    positions, vocab, hidden, k_frac, chunk, seed, strategy, weighting
+):
+    """The trainer's construction (`verst.kernels` top-k from hidden states, in token chunks; the
+    teacher's top-k and its log-probs of the student's ids) vs the float64 full distributions."""
+    from hypothesis import assume
+
+    from verst.kernels import linear_topk_logprobs, topk_logprobs
+
+    k = max(1, min(vocab, round(k_frac * vocab)))
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(positions, hidden, generator=g)  # [P, H]
+    w = torch.randn(vocab, hidden, generator=g)  # [V, H]
+    teacher = torch.randn(positions, vocab, generator=g) * 2  # [P, V]
+    student64 = h.double() @ w.double().T  # [P, V]
+    assume(_topk_gap(student64, k) > 1e-3 and _topk_gap(teacher.double(), k) > 1e-3)
+    s_top = linear_topk_logprobs(h, w, k, chunk_size=chunk)
+    t_top = topk_logprobs(teacher, k, token_ids=s_top.indices)
+    cand = torch.cat([s_top.indices, t_top.indices], dim=-1)  # [P, 2k]
+    both = linear_topk_logprobs(h, w, 1, token_ids=cand, chunk_size=chunk).token_logprobs
+    sides = TopKSides(
+        s_top.indices, both[:, :k], t_top.indices, t_top.values, both[:, k:], t_top.token_logprobs
+    )
+    got = topk_opd_kl(sides, strategy, weighting)
+    want = reference_kl(student64, teacher.double(), k, strategy, weighting)
+    bad = (got.double() - want).abs() > 1e-4 * (1 + want.abs())
+    assert not bad.any(), f"{got} vs {want}"
