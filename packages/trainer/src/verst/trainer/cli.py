@@ -137,14 +137,18 @@ def _set(cfg: BaseModel, dotted: str, value: Any) -> None:
 
 
 def resolve_paths(cfg: Any, config_path: Path) -> Any:
-    """Make relative model/data paths absolute against the config's folder when they exist there."""
+    """Make relative model/data paths absolute: against the config's folder when they exist
+    there, else against the current directory when they exist there; otherwise leave them
+    (a Hub model id like `Qwen/Qwen2.5-0.5B-Instruct`, or a file validation will report)."""
     base = config_path.resolve().parent
 
     def fix(value: str | None) -> str | None:
-        if not value or Path(value).is_absolute() or Path(value).exists():
+        if not value or Path(value).is_absolute():
             return value
-        candidate = base / value
-        return str(candidate) if candidate.exists() else value
+        for candidate in (base / value, Path.cwd() / value):
+            if candidate.exists():
+                return str(candidate)
+        return value
 
     for dotted in PATH_FIELDS:
         value = _get(cfg, dotted)
