@@ -1,7 +1,8 @@
 """FSDP on CPU: 2 processes over gloo really shard, and train like 1 process.
 
 accelerate ignores its FSDP plugin on CPU; verst shards with FSDP2 `fully_shard` directly. The
-workers are real processes (spawn), one torch thread each, rendezvous over TCP on loopback.
+workers are real processes (forked, so they inherit the imported modules instead of spending
+seconds re-importing transformers), one torch thread each, rendezvous over TCP on loopback.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _worker(rank: int, port: int, model: str, out: str) -> None:
 def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_checkpoint):
     torch.set_num_threads(1)
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # children inherit the imported modules (a spawn re-imports transformers)
     procs = [
         ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in range(2)
     ]
@@ -121,6 +122,10 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
     ref = single.state_dict_for_sync()
     for p in procs:
         p.join(240)
+    for p in procs:
+        if p.is_alive():  # a hung worker fails the test instead of hanging the suite
+            p.kill()
+            p.join()
     assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
     r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
 
