@@ -55,3 +55,16 @@ def run_dict(model: Path, data: Path, reward: str, **sections: dict[str, Any]) -
 def ray_run(**ray: Any) -> dict[str, Any]:
     """A `run` table update for placement='ray' on CPU bundles."""
     return {"placement": "ray", "ray": {"device": "cpu", **ray}}
+
+
+def run_actors_left(ray: Any, timeout_s: float = 30.0) -> list[str]:
+    """Names of verst actors still alive once `ray.kill` has had up to `timeout_s` to land."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        left = [n for n in left if n.startswith("verst-")]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from ray_testlib import install_reward_module, ray_run, run_dict, write_prompts
+from ray_testlib import install_reward_module, ray_run, run_actors_left, run_dict, write_prompts
 from safetensors.torch import load_file
 
 from verst.trainer.checkpoint import latest_checkpoint, read_meta
@@ -71,6 +71,4 @@ def test_ray_placement_matches_local_run(ray_cluster, tmp_path, tiny_checkpoint,
         log = (tmp_path / "ray" / "logs" / "actors" / f"{name}.log").read_text()
         assert f"{name} started" in log
     # nothing of the run is left on the cluster
-    assert not [
-        a for a in ray_cluster.util.list_named_actors(all_namespaces=True) if a["name"].startswith("verst-")
-    ]
+    assert run_actors_left(ray_cluster) == []

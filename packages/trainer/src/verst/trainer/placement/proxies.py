@@ -128,7 +128,11 @@ class RayPlacement:
         """Connect, reserve the bundles, start and build every actor (torn down on any failure)."""
         ray = require_ray()
         rc = config.run.ray
-        conn = connect(config.run.ray_address, namespace=rc.namespace)
+        cpu_plan = plan_placement(rc, "cpu")  # CPU reservations do not depend on the device
+        need = sum(b["CPU"] for b in cpu_plan.bundles) + (
+            cpu_plan.rollout.num_cpus if cpu_plan.rollout.bundle is None else 0.0
+        )
+        conn = connect(config.run.ray_address, namespace=rc.namespace, min_cpus=need)
         device = resolve_device(rc, conn.cluster_gpus())
         if config.train.fsdp and device == "cpu" and rc.num_train_actors < 2:
             conn.close()

@@ -123,15 +123,23 @@ class RayConnection:
             self.started_here = False
 
 
-def connect(address: str | None, *, namespace: str) -> RayConnection:
-    """Join the cluster at `address`, or start a local one; reuse an existing connection."""
+def connect(address: str | None, *, namespace: str, min_cpus: float = 0.0) -> RayConnection:
+    """Join the cluster at `address`, or start a local one; reuse an existing connection.
+
+    A local cluster gets at least `min_cpus` logical CPUs (the plan's reservations) even on a
+    machine with fewer cores: Ray's CPUs are scheduling units, and most actors mostly wait.
+    """
+    import math
+    import os
+
     ray = require_ray()
     if ray.is_initialized():
         return RayConnection(address=None, started_here=False)
     if address:
         ray.init(address=address, namespace=namespace)
     else:
-        ray.init(namespace=namespace, include_dashboard=False)
+        num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
+        ray.init(namespace=namespace, include_dashboard=False, num_cpus=num_cpus)
     return RayConnection(address=address, started_here=True)
 
 
