@@ -71,9 +71,13 @@ class TrainConfig(Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="Attention kernel: 'auto' = flash_attention_2 when installed on CUDA, else sdpa."
     )
-    packing: bool = Field(
-        True,
-        description="Pack a micro-batch's sequences into one row (padding-free, block-diagonal attention).",
+    packing: bool | None = Field(
+        None,
+        description=(
+            "Pack a micro-batch's sequences into one row (padding-free). None = auto: packed with "
+            "flash_attention_2 (varlen kernels), right-padded otherwise (SDPA/eager attend over the "
+            "whole packed row with a block-diagonal mask, slower for many short sequences)."
+        ),
     )
     fsdp: bool = Field(
         False,

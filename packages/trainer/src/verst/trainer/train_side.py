@@ -23,7 +23,7 @@ from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, clip_grad_norm, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
-from verst.trainer.model import build_policy, build_reference
+from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdStepInputs, OpdTrainer
 
@@ -62,6 +62,13 @@ class TrainSide:
         if self.algo.needs_reference:
             self.ref = build_reference(cfg, cfg.ref_model_path or model_path, self.dist)
         self.optimizer_steps = 0
+        self.packing = (
+            cfg.packing
+            if cfg.packing is not None
+            else resolve_attn_implementation(cfg.attn_implementation, cuda=torch.cuda.is_available())
+            == "flash_attention_2"
+        )
+        """Sequences packed into one row (padding-free) rather than right-padded."""
         self.opd: OpdTrainer | None = None
         """On-policy distillation (`[opd]`), when enabled."""
         if opd is not None and opd.enabled:
@@ -69,7 +76,7 @@ class TrainSide:
                 opd,
                 temperature=self.temperature,
                 chunk_size=cfg.logprob_chunk_size,
-                packing=cfg.packing,
+                packing=self.packing,
                 micro_batch_size=cfg.micro_batch_size,
                 teacher_loader=lambda path, dtype: build_reference(
                     cfg.model_copy(update={"dtype": dtype}), path, self.dist
@@ -95,7 +102,7 @@ class TrainSide:
         inputs = pack_sequences(
             [batch.tokens[i] for i in rows],
             [batch.response_lengths[i] for i in rows],
-            packing=self.cfg.packing,
+            packing=self.packing,
         )
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
