@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def test_folder_without_meta_is_ignored_and_pruning_keeps_newest(tmp_path):
         save_checkpoint(root, step, _write_files(1), {}, keep=2)
     (root / "step_99").mkdir()  # no meta.json: incomplete
     assert [s for s, _ in list_checkpoints(root)] == [2, 10]
+    (root / "step_11.tmp").mkdir()  # a crash leftover: pruned by the next save
+    save_checkpoint(root, 12, _write_files(1), {}, keep=2)
+    assert [s for s, _ in list_checkpoints(root)] == [10, 12] and not (root / "step_11.tmp").exists()
+    shutil.rmtree(root / "step_12")
     assert latest_checkpoint(root) == root / "step_10"
     assert latest_checkpoint(tmp_path / "nothing") is None
 

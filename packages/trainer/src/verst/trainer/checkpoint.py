@@ -107,6 +107,8 @@ def prune_checkpoints(root: str | Path, keep: int) -> None:
     found = list_checkpoints(root)
     for _step, path in found[: max(0, len(found) - keep)]:
         shutil.rmtree(path, ignore_errors=True)
+    for stale in Path(root).glob("step_*.tmp"):  # left by a crash; this process writes one at a time
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def capture_rng() -> dict[str, Any]:

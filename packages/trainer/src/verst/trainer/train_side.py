@@ -287,7 +287,8 @@ class TrainSide:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.bundle.hf_model.save_pretrained(path, state_dict=sd)
-        for name in Path(self.model_path).iterdir():
+        source = Path(self.model_path)
+        for name in source.iterdir() if source.is_dir() else ():
             wanted = "token" in name.name or name.name == "generation_config.json"
             if name.is_file() and wanted and not (path / name.name).exists():
                 shutil.copy2(name, path / name.name)
