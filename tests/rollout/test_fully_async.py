@@ -107,7 +107,7 @@ async def test_stale_groups_are_retried_or_dropped_and_counted(policy):
     if policy == "retry":
         assert m["rollout/stale_retried"] == 4 and m["rollout/stale_dropped"] == 0
         # the stale prompts were regenerated first (the data source serves hand-backs first)
-        assert sorted(pid(g) for g in r1.groups) == buffered[:2] or set(map(pid, r1.groups)) <= set(buffered)
+        assert set(map(pid, r1.groups)) <= set(buffered)
     else:
         assert m["rollout/stale_dropped"] == 4 and m["rollout/stale_retried"] == 0
         assert sorted(pid(g) for g in strategy.last_dropped_groups) == buffered
