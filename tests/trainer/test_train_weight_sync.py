@@ -1,6 +1,7 @@
 """Weight sync round trip: after a train step, the embedded engine (in-process tensors) and a
-`verst serve` engine (HTTP, from disk through the SGLang client) both generate with the new
-weights — the version is checked and their log-probs match the trainer's."""
+`verst serve` engine (HTTP, from disk — and from serialized tensors — through the SGLang
+client) both generate with the new weights; the version is checked and their log-probs match
+the trainer's."""
 
 from __future__ import annotations
 
@@ -121,6 +122,19 @@ def test_sync_to_embedded_and_verst_serve(tmp_path, tiny_checkpoint, setup):
             assert [p.name for p in (tmp_path / "w_served").iterdir()] == ["v1"]
             train.train_step(build_train_batch(_sample_batch(served, 1)))
             assert syncs[1].push() == 2 and not (tmp_path / "w_served" / "v1").exists()
+
+            # SGLang's from-tensor contract over HTTP (CPU tensors serialized by value)
+            train.train_step(build_train_batch(_sample_batch(served, 2)))
+            by_tensor = WeightSync(
+                train,
+                served,
+                mode="tensors",
+                staging_dir=tmp_path / "x",
+                dist_info=DistInfo(),
+                weight_version=2,
+            )
+            assert by_tensor.push() == 3 and served.weight_version() == 3
+            assert _max_mismatch(train, _sample_batch(served, 3)) < 1e-4
 
             # an engine that reports another version than the one pushed is an error
             embedded.update_weights_from_tensors(train.state_dict_for_sync(), 7)
