@@ -34,7 +34,7 @@ from verst.trainer.checkpoint import (
     save_checkpoint,
 )
 from verst.trainer.config import RunConfig, resolved_model_path, validate_run_config
-from verst.trainer.fsdp import DistInfo, broadcast_object
+from verst.trainer.fsdp import DistInfo, broadcast_object, collective_device
 from verst.trainer.rollout_side import RolloutSide
 from verst.trainer.signals import StopRequest
 from verst.trainer.train_side import TrainSide
@@ -276,7 +276,7 @@ class Trainer:
         if self.dist.distributed:
             import torch.distributed as dist
 
-            flag = torch.tensor([1.0 if self.stop.requested else 0.0])
+            flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() and not self.stop.requested:
                 self.stop.request("another rank was asked to stop")

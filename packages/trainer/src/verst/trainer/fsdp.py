@@ -61,12 +61,23 @@ def ensure_process_group(dist_info: DistInfo, *, cuda: bool) -> None:
 
     if not dist_info.distributed or dist.is_initialized():
         return
+    if cuda:
+        torch.cuda.set_device(dist_info.local_rank)
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
         init_method=f"tcp://{dist_info.master_addr}:{dist_info.master_port}",
         rank=dist_info.rank,
         world_size=dist_info.world_size,
     )
+
+
+def collective_device() -> torch.device:
+    """Where tensors for collectives must live: CUDA for NCCL, CPU for gloo."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -140,13 +151,17 @@ def reduce_metrics(
         keys = sorted({k for ks in gathered for k in ks or []})
         maxima = [k for k in keys if k.endswith("_max")]
         rest = [k for k in keys if not k.endswith("_max")]
+        dev = collective_device()
         t = torch.tensor(
-            [sums.get(k, 0.0) for k in rest] + [weights.get(k, 0.0) for k in rest], dtype=torch.float64
+            [sums.get(k, 0.0) for k in rest] + [weights.get(k, 0.0) for k in rest],
+            dtype=torch.float64,
+            device=dev,
         )
         dist.all_reduce(t)
-        m = torch.tensor([sums.get(k, float("-inf")) for k in maxima], dtype=torch.float64)
+        m = torch.tensor([sums.get(k, float("-inf")) for k in maxima], dtype=torch.float64, device=dev)
         if maxima:
             dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        t, m = t.cpu(), m.cpu()
         n = len(rest)
         sums = {**dict(zip(rest, t[:n].tolist(), strict=True)), **dict(zip(maxima, m.tolist(), strict=True))}
         weights = dict(zip(rest, t[n:].tolist(), strict=True))

@@ -21,7 +21,7 @@ import torch
 from verst.trainer.algorithms import AlgorithmConfig, LossNorm, build_algorithm
 from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
-from verst.trainer.fsdp import DistInfo, clip_grad_norm, reduce_metrics
+from verst.trainer.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.opd.config import OpdConfig
@@ -124,7 +124,9 @@ class TrainSide:
         if self.dist.distributed:
             import torch.distributed as dist
 
-            dist.all_reduce(out)  # each row is filled on exactly one rank
+            reduced = out.to(collective_device())
+            dist.all_reduce(reduced)  # each row is filled on exactly one rank
+            out = reduced.cpu()
         return out
 
     def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
