@@ -5,6 +5,7 @@ against a float64 full-distribution reference, sampled-token advantages, and who
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 
 import pytest
@@ -64,11 +65,16 @@ def _groups(vocab: int, teacher: str | None = None) -> list[list[Sample]]:
     return groups
 
 
-def _full_logp64(path, tokens: list[int], r: int) -> torch.Tensor:
-    """float64 log-softmax over the vocabulary at the r response positions: [r, V]."""
+@functools.cache
+def _model64(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).double().eval()
+    return AutoModelForCausalLM.from_pretrained(path).double().eval()
+
+
+def _full_logp64(path, tokens: list[int], r: int) -> torch.Tensor:
+    """float64 log-softmax over the vocabulary at the r response positions: [r, V]."""
+    model = _model64(path)
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0]  # [L, V]
     n = len(tokens)
