@@ -156,3 +156,70 @@ def test_fsdp_on_cpu_with_one_process_is_refused(tiny_checkpoint):
         build_policy(
             _config(str(tiny_checkpoint), True), str(tiny_checkpoint), total_steps=1, dist_info=DistInfo()
         )
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+import torch
+torch.set_num_threads(1)
+from pathlib import Path
+sys.path.insert(0, {testdir!r})
+sys.path.insert(0, {rewarddir!r})
+from train_testlib import run_dict
+from verst.rollout.selection import resolve_extra_env_vars
+from verst.trainer.config import run_config_from_dict
+from verst.trainer.controller import run_training
+cfg = run_config_from_dict(run_dict(
+    Path({model!r}), Path({data!r}),
+    run={{"num_steps": int(sys.argv[2]), "save_interval": 2}},
+    train={{"fsdp": True}},
+    rollout={{"reward": {{"type": {reward!r}}}}},
+))
+summary = run_training(cfg, sys.argv[1], env=resolve_extra_env_vars(cfg.run.env))
+print("RANK", os.environ["RANK"], "steps", summary.steps_done, "version", summary.weight_version, flush=True)
+import torch.distributed as dist
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_training_run_and_resume(tmp_path, tiny_checkpoint, monkeypatch):
+    """The whole loop under torchrun (2 CPU ranks, FSDP2): rank 0 rolls out, both train, resume."""
+    import subprocess
+    import sys
+
+    from train_testlib import install_reward_module, write_prompts
+
+    reward = install_reward_module(tmp_path, monkeypatch)
+    data = write_prompts(tmp_path / "p.jsonl", n=5)
+    script = tmp_path / "run.py"
+    script.write_text(
+        TORCHRUN_SCRIPT.format(
+            testdir=str(Path(__file__).parent),
+            rewarddir=str(tmp_path),
+            model=str(tiny_checkpoint),
+            data=str(data),
+            reward=reward,
+        )
+    )
+    run_dir = tmp_path / "run"
+    for steps in (2, 3):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            str(run_dir),
+            str(steps),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"RANK 0 steps {steps} version {steps}" in out.stdout
+        assert f"RANK 1 steps {steps} version {steps}" in out.stdout
+    assert (run_dir / "checkpoints" / "step_3" / "meta.json").is_file()
+    assert "step_2" in (run_dir / "resume.log").read_text()
