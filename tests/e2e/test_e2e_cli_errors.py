@@ -107,3 +107,19 @@ def test_train_help_lists_every_section_and_field(capsys):
 def test_top_level_help_and_no_command(capsys):
     assert main([]) == 2
     assert "train" in capsys.readouterr().out
+
+
+def test_serve_delegates_to_the_engine_server(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and "--port" in out
+
+
+def test_sft_help_lists_its_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    for field in ("model_path", "data_path", "output_dir", "steps", "batch_size", "lr"):
+        assert f"  {field} = " in out
