@@ -68,3 +68,36 @@ def run_actors_left(ray: Any, timeout_s: float = 30.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
+
+
+class KillDuringStep:
+    """A metrics logger that `ray.kill`s the actor whose name ends with `suffix` when the
+    `at`-th `phase` begins (the driver is then about to call it for that step)."""
+
+    def __init__(self, ray: Any, suffix: str, at: int, phase: str) -> None:
+        from verst.trainer.controller import InMemoryLogger
+
+        self._inner = InMemoryLogger()
+        self.records = self._inner.records
+        """(step, metrics) logged before the kill."""
+        self.ray, self.suffix, self.at, self.phase_name = ray, suffix, at, phase
+        self.seen = 0
+        self.killed: str | None = None
+        """The Ray name of the killed actor."""
+
+    def log(self, step: int, metrics: Any) -> None:
+        self._inner.log(step, metrics)
+
+    def phase(self, name: str) -> None:
+        self._inner.phase(name)
+        if name != self.phase_name:
+            return
+        self.seen += 1
+        if self.seen == self.at:
+            named = self.ray.util.list_named_actors(all_namespaces=True)
+            (target,) = [a for a in named if a["name"].endswith(self.suffix)]
+            self.ray.kill(self.ray.get_actor(target["name"], namespace=target["namespace"]))
+            self.killed = target["name"]
+
+    def close(self) -> None:
+        pass

@@ -1,19 +1,36 @@
-"""A 2-step run with run.placement='ray' (2 FSDP train actors on CPU bundles + the rollout
-manager) produces what the same run does in one process: the same metrics, checkpoints and
-lifecycle events, the same rewards, and the same trained weights."""
+"""A run with run.placement='ray' (2 FSDP train actors on CPU bundles + the rollout manager):
+
+1. rank 1 is `ray.kill`ed as step 2 enters its train phase — rank 0 is then blocked in a
+   collective waiting for it, so the call must fail on rank 1's death (not hang): the error names
+   the actor and quotes its last log lines, and nothing of the run is left on the cluster;
+2. running again resumes from the step-1 checkpoint and finishes;
+3. the result is what the same run gives in one process: the same prompts, metrics, rewards,
+   checkpoints and trained weights (the Ray run and the resume are both checked against it).
+
+One test covers the three, so the suite starts each actor process once.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
-from ray_testlib import install_reward_module, ray_run, run_actors_left, run_dict, write_prompts
+from ray_testlib import (
+    KillDuringStep,
+    install_reward_module,
+    ray_run,
+    run_actors_left,
+    run_dict,
+    write_prompts,
+)
 from safetensors.torch import load_file
 
 from verst.trainer.checkpoint import latest_checkpoint, read_meta
 from verst.trainer.config import run_config_from_dict
 from verst.trainer.controller import InMemoryLogger, run_training
+from verst.trainer.placement.proxies import ActorDiedError
 
 
 def _volatile(key: str) -> bool:
@@ -28,7 +45,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_ray_placement_matches_local_run(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch):
+def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch):
     torch.set_num_threads(1)
     reward = install_reward_module(tmp_path, monkeypatch)
     data = write_prompts(tmp_path / "prompts.jsonl")
@@ -42,33 +59,49 @@ def test_ray_placement_matches_local_run(ray_cluster, tmp_path, tiny_checkpoint,
             train={"fsdp": True},
         )
     )
-    local_log, ray_log = InMemoryLogger(), InMemoryLogger()
+    local_log = InMemoryLogger()
     local = run_training(local_cfg, tmp_path / "local", env={}, logger=local_log)
-    remote = run_training(ray_cfg, tmp_path / "ray", env={}, logger=ray_log)
+    assert local.steps_done == 2
 
-    assert remote.steps_done == local.steps_done == 2
-    assert remote.weight_version == local.weight_version == 2
-    assert remote.prompts == local.prompts
-    # the same metrics, step by step; rewards equal (same seeds, same weights at each rollout)
-    assert [s for s, _ in ray_log.records] == [s for s, _ in local_log.records]
-    for (_, lm), (_, rm) in zip(local_log.records, ray_log.records, strict=True):
+    # 1. a train rank dies during step 2
+    run_dir = tmp_path / "ray"
+    killer = KillDuringStep(ray_cluster, "-train-1", at=2, phase="train")
+    with pytest.raises(ActorDiedError) as info:
+        run_training(ray_cfg, run_dir, env={}, logger=killer)
+    err = info.value
+    message = str(err)
+    assert killer.killed and err.actor == "train-1" and err.method == "train_step"
+    assert "'train-1'" in message and "died during train_step" in message and killer.killed in message
+    assert "train rank 1 of 2" in message
+    assert err.log_lines and any("train_step" in line for line in err.log_lines)  # step 1's work
+    assert all(line in message for line in err.log_lines)
+    assert "step_1" in message  # the checkpoint to resume from
+    assert run_actors_left(ray_cluster) == []  # every actor of the run was ended
+    assert [s for s, m in killer.records if "train/loss" in m] == [1]
+
+    # 2. running again resumes from step 1
+    resumed_log = InMemoryLogger()
+    resumed = run_training(ray_cfg, run_dir, env={}, logger=resumed_log)
+    assert resumed.start_step == 1 and resumed.steps_done == 2 and resumed.weight_version == 2
+    assert "resumed_from" in (run_dir / "resume.log").read_text()
+    assert read_meta(resumed.checkpoint)["step"] == 2 and read_meta(resumed.checkpoint)["weight_version"] == 2
+    assert run_actors_left(ray_cluster) == []
+
+    # 3. ... and equals the one-process run
+    assert resumed.prompts == local.prompts[1:]
+    ray_records = killer.records + resumed_log.records
+    assert [s for s, _ in ray_records] == [s for s, _ in local_log.records]
+    for (_, lm), (_, rm) in zip(local_log.records, ray_records, strict=True):
         assert set(rm) == set(lm)
         for key in lm:
-            if _volatile(key):
-                continue
-            assert abs(rm[key] - lm[key]) <= 1e-4 * max(1.0, abs(lm[key])), key
-    assert ray_log.phases == local_log.phases
-    # the same checkpoints (the ray one written by train rank 0 and the driver)
-    assert read_meta(remote.checkpoint)["step"] == 2 and read_meta(remote.checkpoint)["weight_version"] == 2
-    w_local, w_ray = _weights(tmp_path / "local"), _weights(tmp_path / "ray")
+            if not _volatile(key):
+                assert abs(rm[key] - lm[key]) <= 1e-4 * max(1.0, abs(lm[key])), key
+    w_local, w_ray = _weights(tmp_path / "local"), _weights(run_dir)
     assert w_local.keys() == w_ray.keys()
     for k in w_local:
         torch.testing.assert_close(w_ray[k], w_local[k], rtol=1e-4, atol=1e-5)
-    # lifecycle events came from the rollout manager; each actor left its log in the run dir
-    events = [json.loads(line) for line in (tmp_path / "ray" / "lifecycle.jsonl").read_text().splitlines()]
-    assert events and {e["kind"] for e in events} >= {"attempt_start", "attempt_end"}
+    # lifecycle events came from the rollout manager; each actor kept its log in the run dir
+    events = [json.loads(line) for line in (run_dir / "lifecycle.jsonl").read_text().splitlines()]
+    assert {e["kind"] for e in events} >= {"attempt_start", "attempt_end"}
     for name in ("train-0", "train-1", "rollout"):
-        log = (tmp_path / "ray" / "logs" / "actors" / f"{name}.log").read_text()
-        assert f"{name} started" in log
-    # nothing of the run is left on the cluster
-    assert run_actors_left(ray_cluster) == []
+        assert f"{name} started" in (run_dir / "logs" / "actors" / f"{name}.log").read_text()
