@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verst.rollout.errors import ConfigError
+from verst.rollout.selection import LEGACY_FLAG, resolve_extra_env_vars
 from verst.trainer.config import run_config_from_dict, validate_run_config
 from verst.trainer.placement import RaySection, plan_placement, resolve_device
+from verst.trainer.placement.ray_cluster import MACHINE_LOCAL_PREFIXES, MACHINE_LOCAL_VARS, actor_env_vars
 
 
 @given(
@@ -103,3 +105,28 @@ def test_gpu_layout_checks():
         }
     )
     assert "run.ray.layout" in [p.key for p in problems]
+
+
+_names = st.sampled_from(
+    ["PATH", "HOME", "CUDA_VISIBLE_DEVICES", "RANK", "RAY_ADDRESS", "HF_HOME", "MY_FLAG", LEGACY_FLAG]
+)
+
+
+@given(
+    ambient=st.dictionaries(_names, st.sampled_from(["0", "1", "x"])),
+    explicit=st.dictionaries(_names, st.sampled_from(["0", "1", "y"])),
+)
+def test_actor_env_vars_properties(ambient, explicit):
+    env = resolve_extra_env_vars(explicit, environ=ambient)  # the entry point's one mapping
+    sent = actor_env_vars(env, explicit)
+    for key, value in explicit.items():
+        assert sent[key] == value  # the config's variables always reach the actors
+    for key in sent:
+        assert (
+            key in explicit
+            or key == LEGACY_FLAG
+            or (key not in MACHINE_LOCAL_VARS and not key.startswith(MACHINE_LOCAL_PREFIXES))
+        )
+    assert sent[LEGACY_FLAG] == env.get(LEGACY_FLAG, "0")  # pinned, never inherited from a node
+    for key in ("HF_HOME", "MY_FLAG"):
+        assert sent.get(key) == env.get(key)  # ordinary variables pass through

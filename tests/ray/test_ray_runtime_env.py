@@ -59,12 +59,3 @@ def test_legacy_flag_reaches_every_actor(ray_cluster, tmp_path, tiny_checkpoint,
     finally:
         placement.close()
     assert placement.closed
-
-
-def test_unset_flag_is_pinned_to_default_in_actors(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch):
-    """No flag anywhere: every actor is pinned to "0", whatever the shell that started Ray had."""
-    from verst.trainer.placement.ray_cluster import actor_env_vars
-
-    env = resolve_extra_env_vars({}, environ={"PATH": "/bin", "RAY_ADDRESS": "x", "MY_FLAG": "1"})
-    assert actor_env_vars(env) == {"MY_FLAG": "1", LEGACY_FLAG: "0"}
-    assert actor_env_vars(env, {"PATH": "/opt/bin"})["PATH"] == "/opt/bin"  # config wins, always sent
