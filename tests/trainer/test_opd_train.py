@@ -176,7 +176,8 @@ def test_topk_kl_and_grad_through_trainer_match_reference(
 
 
 def _differentiable_reference(s_logits, t_logp, k, strategy, weighting):
-    """float64 KL per position with gradients through the student's full log-softmax."""
+    """float64 `sum_S w * (log p_s - log p_t)^2 / 2` per position (weights constant): its gradient is
+    the documented top-k OPD gradient `sum_S w * (log p_s - log p_t) * grad log p_s`."""
     s_full = torch.log_softmax(s_logits, -1)
     out = []
     for pos in range(s_full.shape[0]):
@@ -193,7 +194,7 @@ def _differentiable_reference(s_logits, t_logp, k, strategy, weighting):
         for v in sorted(chosen):
             ls, lt = s_full[pos, v], t_logp[pos, v]
             w = {"student": ls.detach().exp(), "teacher": lt.exp(), "uniform": torch.ones_like(ls)}[weighting]
-            total = total + w * (ls - lt)
+            total = total + w.detach() * 0.5 * (ls - lt) ** 2
         out.append(total)
     return torch.stack(out)
 

@@ -9,6 +9,17 @@ tokens. A *token-set strategy* picks which of those tokens the KL is summed over
 with `w = p_s(v)` (student-weighted: the top-k estimate of the reverse KL KL(s || t)),
 `w = p_t(v)` (teacher-weighted), or `w = 1` (uniform). An empty set contributes 0.
 
+Gradient. The value above is what is reported and aggregated; its gradient is defined as
+
+    grad loss(pos) = sum_{v in S(pos)} w(v) * (log p_s(v) - log p_t(v)) * grad log p_s(v)
+
+(weights and log-ratios held constant): every candidate's student log-prob moves towards the
+teacher's, in proportion to its weight. For student weights and the full vocabulary this is
+exactly grad KL(s || t) (the `sum_v grad p_s(v)` term of the exact gradient vanishes there). The
+plain gradient of the value would not do: over a *subset* that term is `grad P_s(S)`, so
+minimising it pushes the student's mass out of its own top-k (towards a uniform distribution),
+and with teacher or uniform weights it would even push the student away from the teacher.
+
 Only `[positions, k]` tensors are involved: the candidate tokens are the student's top-k ids
 followed by the teacher's top-k ids (`[positions, 2k]`), so neither side needs a full-vocabulary
 tensor. For each candidate we need both log-probs: the student's (its top-k values, and its
@@ -94,8 +105,10 @@ def topk_opd_kl(sides: TopKSides, strategy: str, weighting: str) -> Tensor:
 
     s_logp = torch.cat([sides.student_logp, sides.student_logp_on_teacher_ids], dim=-1).float()
     t_logp = torch.cat([teacher_on_student, sides.teacher_logp], dim=-1).float()
-    weight = WEIGHTINGS[weighting](s_logp, t_logp)
-    terms = weight * (s_logp - t_logp)  # [P, 2k]
+    weight = WEIGHTINGS[weighting](s_logp, t_logp).detach()
+    ratio = (s_logp - t_logp).detach()
+    # value w * ratio; gradient w * ratio * grad(log p_s) (see the module doc)
+    terms = weight * ratio * (1.0 + s_logp - s_logp.detach())  # [P, 2k]
     return torch.where(selected, terms, torch.zeros_like(terms)).sum(-1)
 
 
