@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from ray_testlib import install_reward_module, ray_run, run_dict, write_prompts
+from ray_testlib import install_reward_module, ray_run, run_actors_left, run_dict, write_prompts
 
 from verst.rollout.selection import (
     LEGACY_FLAG,
@@ -18,6 +18,12 @@ from verst.rollout.selection import (
 )
 from verst.trainer.config import run_config_from_dict, validate_run_config
 from verst.trainer.placement import build_ray_placement
+from verst.trainer.placement.proxies import ActorDiedError
+
+
+def _fail(actor) -> None:
+    """Runs inside an actor: a failure like a collective losing its peer."""
+    raise RuntimeError("Connection closed by peer")
 
 
 def _flag_in_process(actor, flag: str) -> str | None:
@@ -56,6 +62,14 @@ def test_legacy_flag_reaches_every_actor(ray_cluster, tmp_path, tiny_checkpoint,
         # and it generates through the legacy path inside the actor
         result = placement.rollout.rollout(0, 0)
         assert len(result.groups) == cfg.rollout.batch_size
+        # fault: one actor dies while its peer's call fails (as a rank does when a collective
+        # loses its peer); the error names the dead actor, the cause, whichever arrives first
+        train, rollout = actors
+        ray_cluster.kill(rollout.handle)
+        with pytest.raises(ActorDiedError) as info:
+            placement.call_each([(train, "apply", (_fail,)), (rollout, "apply", (_flag_in_process, "X"))])
+        assert info.value.actor == "rollout" and "rollout manager" in str(info.value)
+        assert placement.closed and run_actors_left(ray_cluster) == []
     finally:
         placement.close()
     assert placement.closed

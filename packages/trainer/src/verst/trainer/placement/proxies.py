@@ -42,6 +42,8 @@ PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for the cluster to grant the train placement group."""
 CLOSE_TIMEOUT_S = 60.0
 """How long a polite close of the actors may take before they are killed."""
+PEER_DEATH_WAIT_S = 5.0
+"""After an error on one actor, how long to wait for news of a dead peer (the likelier cause)."""
 
 
 class ActorDiedError(RuntimeError):
@@ -253,12 +255,32 @@ class RayPlacement:
                     self.abort()
                     raise self._died(actor, method, exc) from None
                 except Exception as exc:
+                    # a peer's death often shows first as a collective error on a live rank:
+                    # report the dead actor (the cause) when there is one
+                    dead = self._find_dead(ray, pending)
                     self.abort()
                     exc.add_note(
                         f"raised in Ray actor '{actor.name}' ({actor.role}, {actor.where}) during {method}"
                     )
+                    if dead is not None:
+                        (dead_actor, dead_method), died = dead
+                        raise self._died(dead_actor, dead_method, died) from exc
                     raise
         return ray.get(results) if fetch else results
+
+    def _find_dead(self, ray: Any, pending: dict[Any, tuple[ActorInfo, str]]) -> Any:
+        """Among the calls still pending, one whose actor died (waiting up to PEER_DEATH_WAIT_S)."""
+        if not pending:
+            return None
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_DEATH_WAIT_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as died:
+                return pending[ref], died
+            except Exception:
+                continue
+        return None
 
     def _died(self, actor: ActorInfo, method: str, exc: BaseException) -> ActorDiedError:
         n = self.config.run.ray.log_tail_lines
