@@ -15,9 +15,9 @@ x 8 samples per step, the same seeds and data order) and the same number of step
 and reads `eval/heldout/reward_mean` (greedy, 300 held-out prompts) from each run's
 `metrics.jsonl`.
 
-Run (CPU, ~10-20 min on 2 shared cores):
+Run (CPU, ~2-10 min on 2 shared cores):
   uv run python benchmarks/opd_vs_grpo.py
-  uv run python benchmarks/opd_vs_grpo.py --steps 60 --variants grpo opd opd_topk
+  uv run python benchmarks/opd_vs_grpo.py --variants grpo opd opd_topk
 
 Last line: `opd_minus_grpo_eval=<mean over eval points after step 0 of (opd - grpo)>` (> 0: OPD
 rises faster).
@@ -74,8 +74,8 @@ def run(variant: str, args: argparse.Namespace) -> tuple[dict[int, float], float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=["grpo", "opd"], choices=sorted(VARIANTS))
     p.add_argument("--output-dir", default="runs/opd_vs_grpo")
     args = p.parse_args()

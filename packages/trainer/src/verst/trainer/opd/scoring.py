@@ -36,8 +36,6 @@ TEACHER_TOPK_IDS_KEY = "teacher_topk_ids"
 TEACHER_TOPK_LOGPROBS_KEY = "teacher_topk_logprobs"
 """Metadata key: `[R][k]` the teacher's top-k log-probs per response position."""
 
-_SCORED = (Status.COMPLETED, Status.TRUNCATED)
-
 
 def select_teacher(sample: Sample, opd: OpdConfig) -> str:
     """The teacher named by `sample.metadata[opd.teacher_key]`, else the default teacher."""
@@ -100,7 +98,7 @@ class TeacherScorer:
         self.temperature = temperature
 
     async def score(self, groups: Sequence[Sequence[Sample]], *, rid_prefix: str = "opd") -> dict[str, float]:
-        """Score every finished sample of `groups` in place; returns `opd/*` metrics."""
+        """Score every sample of `groups` in place (FAILED ones are only named); returns `opd/*` metrics."""
         sem = asyncio.Semaphore(self.opd.score_concurrency)
         counts: dict[str, int] = {}
 
@@ -109,7 +107,7 @@ class TeacherScorer:
             s.metadata[TEACHER_NAME_KEY] = name
             counts[name] = counts.get(name, 0) + 1
             engine = self.engines.get(name)
-            if engine is None or s.status not in _SCORED:
+            if engine is None or s.status == Status.FAILED or not s.tokens:
                 return
             async with sem:
                 await score_sample(
