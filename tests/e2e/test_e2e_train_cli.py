@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import tomllib
 from pathlib import Path
 
@@ -115,6 +116,7 @@ def test_bad_data_is_a_user_error_without_traceback(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "12="}\n[1, 2]\n')
     shutil.copy(EXAMPLE / "reverse_digits_reward.py", tmp_path / "reverse_digits_reward.py")
+    loops_before = {t for t in threading.enumerate() if t.name == "verst-rollout-loop"}
     code = main(
         [
             "train",
@@ -127,3 +129,8 @@ def test_bad_data_is_a_user_error_without_traceback(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "bad.jsonl:2" in err and "Traceback" not in err
+    # the half-built rollout side stopped its event-loop thread
+    leaked = {
+        t for t in threading.enumerate() if t.name == "verst-rollout-loop" and t.is_alive()
+    } - loops_before
+    assert not leaked

@@ -58,11 +58,31 @@ class RolloutSide:
         is built from `config.engine`. `teacher_engines` likewise replaces the engines of
         `[opd.teachers]` of type 'engine' (by name).
         """
-        from transformers import AutoTokenizer
-
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verst-rollout-loop", daemon=True)
         self._thread.start()
+        self.engine: InferenceEngine | None = None
+        try:
+            self._build(config, model_path, env, sink, engine, tokenizer, teacher_engines)
+        except BaseException:
+            # A bad dataset or config must not leave the loop thread (or a built engine) running.
+            if engine is None and self.engine is not None:
+                self._run(self.engine.close())
+            self._stop_loop()
+            raise
+
+    def _build(
+        self,
+        config: RunConfig,
+        model_path: str,
+        env: Mapping[str, str],
+        sink: LifecycleSink | None,
+        engine: InferenceEngine | None,
+        tokenizer: Any,
+        teacher_engines: Mapping[str, InferenceEngine] | None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
         self.engine = (
             engine if engine is not None else self._run(build_engine_from_config(config, model_path))
@@ -176,7 +196,11 @@ class RolloutSide:
             if self.teacher_scorer is not None and self._owns_teachers:
                 self._run(self.teacher_scorer.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        """Stop the background loop and its thread."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
