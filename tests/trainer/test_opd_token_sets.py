@@ -216,3 +216,69 @@ def test_minimising_moves_the_student_to_the_teacher(strategy, weighting):
     assert after < before - 0.1, f"full reverse KL {before:.3f} -> {after:.3f}"
     if (strategy, weighting) == ("union", "student"):
         assert after < 0.5 * before
+
+
+@pytest.mark.parametrize("weighting", sorted(WEIGHTINGS))
+@pytest.mark.parametrize("strategy", sorted(TOKEN_SET_STRATEGIES))
+def test_tail_term_matches_reference(strategy, weighting):
+    """tail=True adds w(tail) * (log(1 - P_s(S)) - log(1 - P_t(S))) per position; 0 on empty sets."""
+    student = distinct_logits(5, 30, 1, 30.0)
+    teacher = distinct_logits(5, 30, 2, 30.0)
+    k = 4
+    sides = sides_from_logits(student, teacher, k)
+    got = topk_opd_kl(sides, strategy, weighting, tail=True).double()
+    base = reference_kl(student, teacher, k, strategy, weighting)
+    s_full, t_full = torch.log_softmax(student.double(), -1), torch.log_softmax(teacher.double(), -1)
+    want = []
+    for pos in range(5):
+        s_top = set(torch.topk(s_full[pos], k).indices.tolist())
+        t_top = set(torch.topk(t_full[pos], k).indices.tolist())
+        chosen = {
+            "only_student": s_top,
+            "only_teacher": t_top,
+            "intersection": s_top & t_top,
+            "union": s_top | t_top,
+            "xor": s_top ^ t_top,
+        }[strategy]
+        ids = torch.tensor(sorted(chosen), dtype=torch.long)
+        ls = torch.log1p(-s_full[pos, ids].exp().sum())
+        lt = torch.log1p(-t_full[pos, ids].exp().sum())
+        w = {"student": ls.exp(), "teacher": lt.exp(), "uniform": torch.ones(())}[weighting]
+        want.append(base[pos] + w * (ls - lt))
+    torch.testing.assert_close(got, torch.stack(want), atol=2e-4, rtol=1e-3)
+
+
+def test_tail_term_keeps_the_student_from_flattening():
+    """On the setting of the descent test, union + student weights with the tail term also drop the
+    full KL, and the student's entropy stays near the teacher's instead of growing."""
+    g = torch.Generator().manual_seed(0)
+    V, P, k = 50, 6, 5
+    teacher = torch.log_softmax(torch.randn(P, V, generator=g) * 3, -1)  # [P, V]
+    results = {}
+    for tail in (False, True):
+        logits = (torch.randn(P, V, generator=torch.Generator().manual_seed(1)) * 3).requires_grad_()
+        opt = torch.optim.SGD([logits], lr=1.0)
+        for _ in range(100):
+            s_full = torch.log_softmax(logits, -1)
+            _, s_ids = torch.topk(s_full.detach(), k)
+            t_val, t_ids = torch.topk(teacher, k)
+            sides = TopKSides(
+                s_ids,
+                s_full.gather(-1, s_ids),
+                t_ids,
+                t_val,
+                s_full.gather(-1, t_ids),
+                teacher.gather(-1, s_ids),
+            )
+            loss = topk_opd_kl(sides, "union", "student", tail=tail).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        s = torch.log_softmax(logits.detach(), -1)
+        results[tail] = (
+            float((s.exp() * (s - teacher)).sum(-1).mean()),
+            float(-(s.exp() * s).sum(-1).mean()),
+        )
+    t_entropy = float(-(teacher.exp() * teacher).sum(-1).mean())
+    assert results[True][0] < results[False][0]
+    assert abs(results[True][1] - t_entropy) < abs(results[False][1] - t_entropy)

@@ -122,6 +122,13 @@ class OpdConfig(Section):
             "Top-k OPD: weight of each token — student (p_s: the reverse-KL estimate), teacher (p_t), uniform (1)."
         ),
     )
+    topk_tail: bool = Field(
+        False,
+        description=(
+            "Top-k OPD: add a term for the probability mass outside the token set (as one extra token), "
+            "so the student's mass cannot drift out of the set."
+        ),
+    )
     teachers: dict[str, TeacherConfig] = Field(
         default_factory=dict, description="Teachers by name; a sample picks one through teacher_key."
     )

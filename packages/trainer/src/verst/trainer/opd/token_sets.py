@@ -73,8 +73,13 @@ class TopKSides:
     """[P, k] the teacher's log-probs of `student_ids`; None if the teacher only gave its top-k."""
 
 
-def topk_opd_kl(sides: TopKSides, strategy: str, weighting: str) -> Tensor:
-    """Per-position weighted KL over the selected token set → `[P]` (float32, differentiable)."""
+def topk_opd_kl(sides: TopKSides, strategy: str, weighting: str, *, tail: bool = False) -> Tensor:
+    """Per-position weighted KL over the selected token set → `[P]` (float32, differentiable).
+
+    `tail=True` adds one more term per position for the mass *outside* the set, as if it were
+    one token: `log p(tail) = log(1 - sum_{v in S} p(v))` on each side, weighted like the others.
+    Without it nothing in the loss sees the student's mass outside the set, which can grow.
+    """
     if strategy not in TOKEN_SET_STRATEGIES:
         raise ValueError(
             f"unknown token-set strategy {strategy!r}; choose from {sorted(TOKEN_SET_STRATEGIES)}"
@@ -109,7 +114,16 @@ def topk_opd_kl(sides: TopKSides, strategy: str, weighting: str) -> Tensor:
     ratio = (s_logp - t_logp).detach()
     # value w * ratio; gradient w * ratio * grad(log p_s) (see the module doc)
     terms = weight * ratio * (1.0 + s_logp - s_logp.detach())  # [P, 2k]
-    return torch.where(selected, terms, torch.zeros_like(terms)).sum(-1)
+    out = torch.where(selected, terms, torch.zeros_like(terms)).sum(-1)  # [P]
+    if tail:
+        zero = torch.zeros_like(s_logp)
+        mass_s = torch.where(selected, s_logp.exp(), zero).sum(-1)  # [P], grad flows
+        mass_t = torch.where(selected, t_logp.exp(), zero).sum(-1).detach()  # [P]
+        tail_s = torch.log1p(-mass_s.clamp(max=1.0 - 1e-6))  # [P] log p_s(tail)
+        tail_t = torch.log1p(-mass_t.clamp(max=1.0 - 1e-6))  # [P] log p_t(tail)
+        w_tail = WEIGHTINGS[weighting](tail_s, tail_t).detach()
+        out = out + w_tail * (tail_s - tail_t).detach() * (1.0 + tail_s - tail_s.detach())
+    return out
 
 
 def sampled_token_opd_advantage(

@@ -276,6 +276,6 @@ class OpdTrainer:
             if t_on_s is not None
             else None,
         )
-        kl = topk_opd_kl(sides, self.opd.token_set, self.opd.weighting)  # [N]
+        kl = topk_opd_kl(sides, self.opd.token_set, self.opd.weighting, tail=self.opd.topk_tail)  # [N]
         kl = unflatten(kl, lengths, R) * inputs.distilled[rows].to(device)  # [b, R]
         return unflatten(lp, lengths, R), unflatten(ent, lengths, R) if ent is not None else None, kl
