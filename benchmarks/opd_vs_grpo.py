@@ -11,13 +11,14 @@ x 8 samples per step, the same seeds and data order) and the same number of step
   opd       sampled-token OPD + task reward, the teacher scored by the embedded engine
   opd_topk  top-k OPD (k = 8, union, student-weighted) + task reward, the teacher in the trainer
             (only with --variants ... opd_topk)
+  opd_topk_tail  the same with `opd.topk_tail = true` (the mass outside the set as one more token)
 
 and reads `eval/heldout/reward_mean` (greedy, 300 held-out prompts) from each run's
 `metrics.jsonl`.
 
 Run (CPU, ~2-10 min on 2 shared cores):
   uv run python benchmarks/opd_vs_grpo.py
-  uv run python benchmarks/opd_vs_grpo.py --variants grpo opd opd_topk
+  uv run python benchmarks/opd_vs_grpo.py --variants grpo opd opd_topk opd_topk_tail
 
 Last line: `opd_minus_grpo_eval=<mean over eval points after step 0 of (opd - grpo)>` (> 0: OPD
 rises faster).
@@ -42,6 +43,13 @@ VARIANTS = {
         "opd.log_prob_top_k=8",
         "opd.token_set=union",
         "opd.teachers.reverse.type=trainer",
+    ],
+    "opd_topk_tail": [
+        "opd.enabled=true",
+        "opd.log_prob_top_k=8",
+        "opd.token_set=union",
+        "opd.teachers.reverse.type=trainer",
+        "opd.topk_tail=true",
     ],
 }
 """Variant → `verst train` overrides on top of the example config."""
