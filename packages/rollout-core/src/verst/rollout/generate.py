@@ -13,6 +13,7 @@ the abort flag, the per-sample generate override, the reward, and the lifecycle 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Any
 
 from verst.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
@@ -118,11 +119,32 @@ def prompt_token_ids(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> 
 class SingleTurnGenerate:
     """The default `GenerateFn`: one engine request per sample, resuming partial samples."""
 
+    prompt_cache_size: int = 4096
+    """Text prompts whose token ids are remembered (a group's samples share one prompt)."""
+
+    def _token_ids(self, tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
+        """`prompt_token_ids`, memoised for text prompts (per tokenizer object, LRU)."""
+        if not isinstance(prompt, str) or tokenizer is None:
+            return prompt_token_ids(tokenizer, prompt, apply_chat_template)
+        cache: OrderedDict[tuple[str, bool], list[int]] | None = self.__dict__.get("_prompt_ids")
+        if cache is None or self.__dict__.get("_prompt_tokenizer") is not tokenizer:
+            cache = self._prompt_ids = OrderedDict()  # subclasses need not call an __init__
+            self._prompt_tokenizer = tokenizer
+        key = (prompt, apply_chat_template)
+        ids = cache.get(key)
+        if ids is None:
+            ids = cache[key] = prompt_token_ids(tokenizer, prompt, apply_chat_template)
+            if len(cache) > self.prompt_cache_size:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        return list(ids)
+
     async def __call__(self, inp: GenerateInput) -> Sample:
         state, sample, params = inp.state, inp.sample, inp.sampling_params
         config = state.config
         if not sample.tokens:
-            sample.tokens = prompt_token_ids(state.tokenizer, sample.prompt, config.data.apply_chat_template)
+            sample.tokens = self._token_ids(state.tokenizer, sample.prompt, config.data.apply_chat_template)
             sample.response_length = 0
         previous_len = sample.response_length
         max_new = params.max_new_tokens - previous_len

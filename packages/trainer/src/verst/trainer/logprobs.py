@@ -90,12 +90,16 @@ def pack_sequences(
 
 def unflatten(flat: torch.Tensor, response_lengths: Sequence[int], width: int) -> torch.Tensor:
     """`[sum(R)]` → right-padded `[num_seqs, width]` (zeros past each response)."""
+    if response_lengths and max(response_lengths) > width:
+        raise ValueError(f"a response of {max(response_lengths)} tokens does not fit width {width}")
+    lengths = torch.tensor(list(response_lengths), dtype=torch.long, device=flat.device)  # [num_seqs]
+    keep = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]  # [num_seqs, width]
     out = flat.new_zeros((len(response_lengths), width))
-    offset = 0
-    for row, r in enumerate(response_lengths):
-        out[row, :r] = flat[offset : offset + r]
-        offset += r
-    return out
+    return out.masked_scatter(keep, flat[: int(lengths.sum())])
+
+
+DIRECT_MAX_LOGITS = 1 << 20
+"""`backend='auto'` computes log-probs without chunking when `N * V` is at most this (4 MiB float32)."""
 
 
 def hidden_logprobs(
@@ -108,11 +112,19 @@ def hidden_logprobs(
     backend: str = "auto",
     chunk_size: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(hidden @ weight.T / T)`."""
-    if backend == "naive":
+    """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(hidden @ weight.T / T)`.
+
+    `auto` computes small problems (`N * V <= DIRECT_MAX_LOGITS`, e.g. a tiny vocabulary) with
+    one direct matmul: their full logits are smaller than one chunk of a real vocabulary, and
+    the chunked kernel's per-chunk work and backward recompute would cost more than they save.
+    """
+    direct = backend == "auto" and hidden.shape[0] * weight.shape[0] <= DIRECT_MAX_LOGITS
+    if backend == "naive" or direct:
         logp = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)  # [N, V]
-        lp = logp.gather(-1, target_ids[:, None]).squeeze(-1)
+        lp = logp.gather(-1, target_ids[:, None])[:, 0]
         ent = -(logp.exp() * logp).sum(-1) if return_entropy else None
+        if direct:  # clones: see below (FSDP2 and views)
+            return lp.clone(), (ent.clone() if ent is not None else None)
         return lp, ent
     from verst.kernels import linear_token_logprobs
 

@@ -86,34 +86,47 @@ def _growing_layer_class() -> type:
     """`DynamicLayer` that writes each step's keys/values into spare capacity.
 
     transformers' `DynamicLayer.update` concatenates, copying the whole cache every decode step;
-    this subclass keeps `keys`/`values` as prefix views of a buffer with `CHUNK` spare columns.
-    Whenever the batch edits the tensors (merge, row selection, trim), the next update sees
-    they are no longer views of the buffer and re-adopts them.
+    this subclass keeps `keys`/`values` as column views of a buffer with spare columns (`spare`,
+    set by the batch to what its rows can still generate, at most `CHUNK`). Row selection
+    (finished rows leaving) selects from the buffer, keeping the spare room; trimming leading
+    columns keeps the view. Whenever the batch replaces the tensors otherwise (merge), the next
+    update sees they are no longer views of the buffer and re-adopts them.
     """
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
         CHUNK = 64
+        spare = CHUNK
+        """Spare columns allocated past the current length (the batch lowers it to what it needs)."""
 
         def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
             b, h, t, d = keys.shape
-            cap = t + extra + self.CHUNK
+            cap = t + extra + max(1, min(self.spare, self.CHUNK))
             self._kbuf = keys.new_empty((b, h, cap, d))  # [batch, heads, capacity, head_dim]
             self._vbuf = values.new_empty((b, h, cap, values.shape[-1]))
             self._kbuf[:, :, :t] = keys
             self._vbuf[:, :, :t] = values
             self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
 
-        def _is_view(self) -> bool:
-            buf = getattr(self, "_kbuf", None)
-            return (
-                buf is not None
-                and self.keys.data_ptr() == buf.data_ptr()
-                and self.keys.shape[0] == buf.shape[0]
-                and self.keys.stride() == buf.stride()
-                and self.values.data_ptr() == self._vbuf.data_ptr()
-                and self.values.stride() == self._vbuf.stride()
-            )
+        def _start(self) -> int | None:
+            """The buffer column where `keys`/`values` start when they are views of the buffers."""
+            kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+            k, v = self.keys, self.values
+            if kb is None or vb is None or k is None or v is None:
+                return None
+            if k.shape[:2] != kb.shape[:2] or v.shape[:2] != vb.shape[:2]:
+                return None
+            if k.stride() != kb.stride() or v.stride() != vb.stride():
+                return None
+            # a view's offset into a buffer we still hold can only come from slicing that buffer
+            dk = (k.data_ptr() - kb.data_ptr()) // k.element_size()
+            dv = (v.data_ptr() - vb.data_ptr()) // v.element_size()
+            if dk < 0 or dk % kb.stride(2) or dv < 0 or dv % vb.stride(2):
+                return None
+            start = dk // kb.stride(2)
+            if start != dv // vb.stride(2) or start + k.shape[2] > kb.shape[2]:
+                return None
+            return start
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -124,12 +137,26 @@ def _growing_layer_class() -> type:
                 self._adopt(key_states, value_states, 0)
                 return self.keys, self.values
             t, n = self.keys.shape[-2], key_states.shape[-2]
-            if not self._is_view() or t + n > self._kbuf.shape[-2]:
+            start = self._start()
+            if start is None or start + t + n > self._kbuf.shape[-2]:
                 self._adopt(self.keys, self.values, n)
-            self._kbuf[:, :, t : t + n] = key_states
-            self._vbuf[:, :, t : t + n] = value_states
-            self.keys, self.values = self._kbuf[:, :, : t + n], self._vbuf[:, :, : t + n]
+                start = 0
+            end = start + t + n
+            self._kbuf[:, :, start + t : end] = key_states
+            self._vbuf[:, :, start + t : end] = value_states
+            self.keys, self.values = self._kbuf[:, :, start:end], self._vbuf[:, :, start:end]
             return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the `indices` rows: one copy of their live columns plus the spare room."""
+            start = self._start()
+            if start is None or self.keys.numel() == 0:
+                super().batch_select_indices(indices)
+                return
+            t = self.keys.shape[-2]
+            self._kbuf = self._kbuf[:, :, start:].index_select(0, indices)
+            self._vbuf = self._vbuf[:, :, start:].index_select(0, indices)
+            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
 
     return GrowingLayer
 
@@ -153,6 +180,19 @@ def prompt_scores(row: Row, logits: torch.Tensor, inv_temp: float) -> None:
         row.input_top = [None, *top_logprobs(lp, req.top_logprobs_num)]
     if req.token_ids_logprob:
         row.input_ids_lp = [None, *ids_logprobs(lp, req.token_ids_logprob)]
+
+
+def _set_spare(cache: Any, rows: list[Row]) -> None:
+    """Size the cache's spare columns to the most tokens any of `rows` may still feed."""
+    left = max(
+        min(
+            r.request.sampling.max_new_tokens - len(r.output_ids),
+            r.context_len - r.prompt_len - len(r.output_ids),
+        )
+        for r in rows
+    )
+    for layer in cache.layers:
+        layer.spare = max(1, left)
 
 
 def _wants_input(row: Row) -> bool:
@@ -201,6 +241,7 @@ class DecodeBatch:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # [new, width]
         cache = growing_cache(self.model.config)
+        _set_spare(cache, rows)
         full = any(_wants_input(r) for r in rows)
         out = self.model(
             input_ids=ids,
@@ -240,6 +281,7 @@ class DecodeBatch:
         self.next_pos = torch.cat([self.next_pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows = self.rows + rows
+        _set_spare(self.cache, self.rows)
         self._resample()
 
     def _resample(self) -> None:

@@ -50,6 +50,24 @@ def _deliver(handle: _Handle, out: GenerateOutput, *, final: bool) -> None:
         handle.loop.call_soon_threadsafe(put)
 
 
+def _deliver_final(items: list[tuple[_Handle, GenerateOutput]]) -> None:
+    """Deliver finished outputs with one wake-up per caller loop (not one per request)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, GenerateOutput]]] = {}
+    for handle, out in items:
+        by_loop.setdefault(handle.loop, []).append((handle, out))
+
+    def put(batch: list[tuple[_Handle, GenerateOutput]]) -> None:
+        for handle, out in batch:
+            if handle.stream is not None:
+                handle.stream.put_nowait((out, True))
+            if not handle.future.done():
+                handle.future.set_result(out)
+
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            loop.call_soon_threadsafe(put, batch)
+
+
 def _fail(handle: _Handle, exc: BaseException) -> None:
     def put() -> None:
         if not handle.future.done():
@@ -375,6 +393,10 @@ class EmbeddedEngine:
     def _emit(self, r: Any) -> None:
         _deliver(r.handle, self._output(r), final=True)
 
+    def _emit_all(self, rows: list[Any]) -> None:
+        if rows:
+            _deliver_final([(r.handle, self._output(r)) for r in rows])
+
     def _has_work(self) -> bool:
         return bool(
             self._commands or self._aborts or (not self._paused and (self._pending or len(self._batch)))
@@ -412,23 +434,20 @@ class EmbeddedEngine:
                         fut.set_result(fn())
                     except Exception as exc:
                         fut.set_exception(exc)
-                for r in self._batch.pop_finished():
-                    self._emit(r)
+                self._emit_all(self._batch.pop_finished())
                 for _, ack in aborts:
                     ack.set_result(None)
                 if self._paused:
                     continue
                 self._admit(self._take_new())
-                for r in self._batch.pop_finished():
-                    self._emit(r)
+                self._emit_all(self._batch.pop_finished())
                 if len(self._batch):
                     self.peak_batch = max(self.peak_batch, len(self._batch))
                     self._guarded(self._batch.step, self._batch.rows)
                 for r in self._batch.rows:
                     if r.handle.stream is not None and r.finish is None:
                         _deliver(r.handle, self._output(r), final=False)
-                for r in self._batch.pop_finished():
-                    self._emit(r)
+                self._emit_all(self._batch.pop_finished())
         self._shutdown()
 
     def _admit(self, new: list[Any]) -> None:
