@@ -94,12 +94,12 @@ def main() -> None:
         curve, seconds = run(variant, args)
         curves[variant] = curve
         print(
-            f"{variant:9s} {seconds:6.0f} s  " + "  ".join(f"{s}:{r:.3f}" for s, r in sorted(curve.items()))
+            f"{variant:13s} {seconds:6.0f} s  " + "  ".join(f"{s}:{r:.3f}" for s, r in sorted(curve.items()))
         )
     steps = sorted(set.intersection(*(set(c) for c in curves.values())))
-    print("step      " + "".join(f"{s:>7d}" for s in steps))
+    print("step          " + "".join(f"{s:>7d}" for s in steps))
     for variant, curve in curves.items():
-        print(f"{variant:9s} " + "".join(f"{curve[s]:7.3f}" for s in steps))
+        print(f"{variant:13s} " + "".join(f"{curve[s]:7.3f}" for s in steps))
     later = [s for s in steps if s > 0]
     gain = sum(curves["opd"][s] - curves["grpo"][s] for s in later) / max(len(later), 1)
     print(f"opd_minus_grpo_eval={gain:.3f}")
