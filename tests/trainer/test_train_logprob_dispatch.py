@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.trainer import logprobs
-from verst.trainer.logprobs import hidden_logprobs, unflatten
+from verst.trainer.logprobs import hidden_logprobs, pack_sequences, unflatten
 
 
 def grads(backend: str, n: int, v: int, temperature: float, seed: int = 0):
@@ -77,3 +77,21 @@ def test_unflatten_right_pads_each_response(lengths, slack):
 def test_unflatten_refuses_a_response_wider_than_the_batch():
     with pytest.raises(ValueError, match="does not fit"):
         unflatten(torch.zeros(5), [5], 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 9), st.integers(0, 1)), min_size=1, max_size=6), st.integers(0, 3))
+def test_padded_layout_puts_each_sequence_left_aligned(specs, pad_id):
+    tokens = [[10 + (7 * i + j) % 40 for j in range(n)] for i, (n, _) in enumerate(specs)]
+    resp = [min(n - 1, 1 + extra) for n, extra in specs]
+    out = pack_sequences(tokens, resp, packing=False, pad_id=pad_id)
+    width = max(map(len, tokens))
+    gather, targets = [], []
+    for row, (seq, r) in enumerate(zip(tokens, resp, strict=True)):
+        n = len(seq)
+        assert out.input_ids[row].tolist() == seq + [pad_id] * (width - n)
+        assert out.attention_mask[row].tolist() == [1] * n + [0] * (width - n)
+        assert out.position_ids[row].tolist() == list(range(n)) + [n - 1] * (width - n)
+        gather += range(row * width + n - r - 1, row * width + n - 1)
+        targets += seq[n - r :]
+    assert out.gather_index.tolist() == gather and out.target_ids.tolist() == targets

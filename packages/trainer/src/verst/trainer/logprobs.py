@@ -69,14 +69,16 @@ def pack_sequences(
             response_lengths=list(response_lengths),
         )
     width = max(len(t) for t in tokens)
-    ids_t = torch.full((len(tokens), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(tokens), width), dtype=torch.long)
+    padded, lengths = [], []
     for row, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
         n = len(seq)
-        ids_t[row, :n] = torch.tensor(seq, dtype=torch.long)
-        mask[row, :n] = 1
+        padded.append([*seq, *([pad_id] * (width - n))])
+        lengths.append(n)
         gather.extend(range(row * width + n - r - 1, row * width + n - 1))
         targets.extend(seq[n - r :])
+    ids_t = torch.tensor(padded, dtype=torch.long)  # [rows, width]
+    cols = torch.arange(width)[None, :]  # [1, width]
+    mask = (cols < torch.tensor(lengths)[:, None]).long()  # [rows, width]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return PackedInputs(
         input_ids=ids_t,
