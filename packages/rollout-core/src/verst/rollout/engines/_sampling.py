@@ -12,7 +12,7 @@ fixed-size noise vector per row and step: a seeded request draws its noise from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,10 @@ class BatchSampling:
     """No row samples."""
     truncate: bool
     """Some row uses top-k or top-p."""
+    noise: torch.Tensor | None = None  # [batch, vocab] float32
+    """The noise buffer, refilled every step (None when no row samples)."""
+    seeded: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
+    """(row of `noise`, generator) of every seeded row, built once per batch layout."""
 
     @classmethod
     def build(cls, rows: list[RowSampling], vocab_size: int, device: Any) -> BatchSampling:
@@ -61,7 +65,13 @@ class BatchSampling:
         top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
         sampling = [r for r in rows if r.temperature > 0]
         truncate = any(r.top_p < 1.0 or 0 < r.top_k < vocab_size for r in sampling)
-        return cls(rows, inv_temp, greedy, top_k, top_p, not sampling, truncate)
+        noise = torch.empty((len(rows), vocab_size), device=device) if sampling else None
+        seeded = _seeded_rows(noise, rows) if noise is not None else []
+        return cls(rows, inv_temp, greedy, top_k, top_p, not sampling, truncate, noise, seeded)
+
+
+def _seeded_rows(noise: torch.Tensor, rows: list[RowSampling]) -> list[tuple[torch.Tensor, Any]]:
+    return [(noise[i], r.generator) for i, r in enumerate(rows) if r.generator is not None]
 
 
 def logprobs_of(logits: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
@@ -92,12 +102,14 @@ def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.
     if s.all_greedy:
         return logprobs.argmax(dim=-1), logprobs
     scores = _truncate(logprobs, s) if s.truncate else logprobs
-    noise = torch.empty_like(scores)  # [batch, vocab]
-    seeded = [i for i, r in enumerate(s.rows) if r.generator is not None]
+    noise, seeded = s.noise, s.seeded  # [batch, vocab]; the same draws as a fresh tensor
+    if noise is None or noise.shape != scores.shape or noise.dtype != scores.dtype:
+        noise = torch.empty_like(scores)
+        seeded = _seeded_rows(noise, s.rows)
     if len(seeded) < len(s.rows):
         noise.exponential_()
-    for i in seeded:
-        noise[i].exponential_(generator=s.rows[i].generator)
+    for row, generator in seeded:
+        row.exponential_(generator=generator)
     tokens = (scores - noise.log()).argmax(dim=-1)  # [batch]
     if s.greedy.any():
         tokens = torch.where(s.greedy, logprobs.argmax(dim=-1), tokens)
