@@ -90,6 +90,9 @@ def _resolve_device(device: str) -> str:
 class EmbeddedEngine:
     """An `InferenceEngine` running a causal LM in this process (CPU or GPU)."""
 
+    BATCH_WAIT_CAP = 10
+    """An idle engine collects companions of a first request for at most this × `batch_wait_s`."""
+
     def __init__(
         self,
         model: Any,
@@ -105,7 +108,8 @@ class EmbeddedEngine:
 
         `tokenizer` is needed for stop strings and output text; `max_batch_size` caps the rows
         decoded together (more requests wait in the queue); `batch_wait_s` is how long an idle
-        engine waits for companions of a first request before prefilling.
+        engine waits for companions of a first request before prefilling (restarted by each new
+        arrival, at most `BATCH_WAIT_CAP` times in total).
         """
         require("torch", extra="local", feature=LOCAL_FEATURE)
         from verst.rollout.engines._batch import DecodeBatch
@@ -403,14 +407,25 @@ class EmbeddedEngine:
         )
 
     def _take_new(self) -> list[Any]:
+        """Queued requests that fit the batch; an idle engine first collects companions.
+
+        It waits until `batch_wait_s` passes without a new arrival (a rollout submitting its
+        requests one by one keeps extending the wait, so they share one prefill), the batch is
+        full, or `BATCH_WAIT_CAP × batch_wait_s` has passed in total.
+        """
         with self._cond:
             if not len(self._batch) and self._pending and self.batch_wait_s > 0:
-                deadline = time.monotonic() + self.batch_wait_s
+                now = time.monotonic()
+                deadline, cap = now + self.batch_wait_s, now + self.BATCH_WAIT_CAP * self.batch_wait_s
+                seen = len(self._pending)
                 while len(self._pending) < self.max_batch_size and not self._closed:
-                    left = deadline - time.monotonic()
+                    left = min(deadline, cap) - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
+                    if len(self._pending) > seen:  # companions still arriving
+                        seen = len(self._pending)
+                        deadline = time.monotonic() + self.batch_wait_s
             room = self.max_batch_size - len(self._batch)
             new, self._pending = self._pending[:room], self._pending[room:]
             return new
