@@ -102,3 +102,12 @@ def test_jsonl_sink_unbuffered_writes_each_line_at_once(tmp_path):
     sink.emit(event(0))
     assert len(lines(path)) == 1
     sink.close()
+
+
+def test_jsonl_sink_line_format_is_json_dumps_with_str_fallback(tmp_path):
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path)
+    ev = LifecycleEvent(EventKind.ATTEMPT_END, 2, 1, 7, 3, {"where": tmp_path, "n": 1})
+    sink.emit(ev)
+    sink.close()
+    assert path.read_text() == json.dumps(ev.to_dict(), default=str) + "\n"

@@ -94,6 +94,10 @@ class ListSink:
         pass
 
 
+_ENCODER = json.JSONEncoder(default=str)
+"""Shared by every `JsonlSink` (`json.dumps` with `default=` builds a new encoder per call)."""
+
+
 class JsonlSink:
     """Appends one JSON object per event to a file (thread-safe).
 
@@ -113,7 +117,7 @@ class JsonlSink:
         self._timer: threading.Timer | None = None
 
     def emit(self, event: LifecycleEvent) -> None:
-        line = json.dumps(event.to_dict(), default=str)
+        line = _ENCODER.encode(event.to_dict())  # = json.dumps(..., default=str), one encoder
         with self._lock:
             if self._file.closed:
                 return
