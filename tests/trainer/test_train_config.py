@@ -82,6 +82,26 @@ def test_validate_collects_trainer_algorithm_and_rollout_problems():
     assert "torchrun --nproc_per_node 2" in fsdp.fix
 
 
+def test_engine_problems_are_reported_before_anything_loads():
+    cfg = RunConfig.model_validate(
+        {
+            "engine": {"type": "sglang"},  # no servers to talk to
+            "train": {"model_path": "/m"},
+            "rollout": {"batch_size": 2, "n_samples_per_prompt": 2, "data": {"path": "/nonexistent.jsonl"}},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_run_config(cfg, {}, cuda_available=False)
+    keys = [p.key for p in info.value.problems]
+    assert "engine.urls" in keys and any(k.startswith("rollout.data") for k in keys)
+    # an embedded engine without its own model_path serves the trainer's model: no problem
+    ok = RunConfig.model_validate({"train": {"model_path": "/m"}})
+    from verst.rollout.engines.config import engine_problems
+
+    assert engine_problems(ok.engine, fallback_model_path=ok.train.model_path) == []
+    assert [p.key for p in engine_problems(ok.engine)] == ["engine.model_path"]
+
+
 def test_fsdp_on_cpu_allowed_with_two_processes(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')

@@ -333,7 +333,10 @@ def validate_run_config(
     cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
 ) -> None:
     """Every cross-section check at once; raise one `ConfigError` listing each problem with its fix."""
+    from verst.rollout.engines.config import engine_problems
+
     problems: list[Problem] = []
+    problems += engine_problems(cfg.engine, fallback_model_path=cfg.train.model_path)
     problems += list(cfg.algorithm.problems())
     try:
         from verst.rollout.validation import validate_rollout_config

@@ -77,9 +77,11 @@ class EngineConfig(Section):
     )
 
 
-def _problems(c: EngineConfig) -> list[Problem]:
+def engine_problems(c: EngineConfig, *, fallback_model_path: str | None = None) -> list[Problem]:
+    """The `[engine]` section's problems (checked before anything loads); `fallback_model_path`
+    is the model the engine gets when `engine.model_path` is unset (the trainer's)."""
     out = []
-    if c.type in ("embedded", "sglang_launch") and not c.model_path:
+    if c.type in ("embedded", "sglang_launch") and not (c.model_path or fallback_model_path):
         out.append(Problem("engine.model_path", f"type={c.type!r} needs a model", "set engine.model_path"))
     if c.type == "sglang" and not (c.urls or c.router_url):
         out.append(
@@ -92,7 +94,7 @@ async def build_engine(config: EngineConfig, *, max_concurrency: int) -> Inferen
     """Create the engine the config describes (an `EnginePool` when there are several)."""
     from verst.rollout.engines.pool import EnginePool
 
-    problems = _problems(config)
+    problems = engine_problems(config)
     if problems:
         raise ConfigError(problems)
     if config.type == "embedded":
