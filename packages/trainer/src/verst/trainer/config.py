@@ -86,12 +86,17 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
-    weight_sync: Literal["auto", "tensors", "disk"] = Field(
+    weight_sync: Literal["auto", "tensors", "disk", "distributed"] = Field(
         "auto",
         description=(
             "How weights reach the engines after a step: 'tensors' (in-process, no disk), 'disk' "
-            "(HF checkpoint + update_weights_from_disk), 'auto' = tensors for the embedded engine, else disk."
+            "(HF checkpoint + update_weights_from_disk), 'distributed' (broadcast over a dedicated "
+            "gloo/NCCL group to one HTTP engine), 'auto' = tensors for the embedded engine, else disk."
         ),
+    )
+    weight_sync_master_address: str = Field(
+        "127.0.0.1",
+        description="weight_sync='distributed': this trainer host's address as the engine reaches it.",
     )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(
@@ -310,6 +315,16 @@ def train_problems(
                 f"the rollout's {samples} samples do not split into {cfg.train.num_updates_per_rollout} "
                 "equal mini-batches",
                 "choose a divisor of rollout.batch_size * rollout.n_samples_per_prompt",
+            )
+        )
+    if cfg.train.weight_sync == "distributed" and cfg.engine.type == "embedded":
+        problems.append(
+            Problem(
+                "train.weight_sync",
+                "'distributed' broadcasts to an engine in another process; the embedded engine lives "
+                "in this process",
+                "use 'tensors' (or 'auto') with engine.type='embedded', or serve the model with "
+                "`verst serve` / SGLang and set engine.type='sglang'",
             )
         )
     if cfg.rollout.fully_async and cfg.run.placement == "local":

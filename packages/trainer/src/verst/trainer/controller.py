@@ -172,6 +172,7 @@ class Trainer:
             mode=config.train.weight_sync,
             staging_dir=self.run_dir / "weights",
             dist_info=self.dist,
+            master_address=config.train.weight_sync_master_address,
         )
         self.checkpoint_dir = self.run_dir / "checkpoints"
 
@@ -230,6 +231,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close the rollout side (and its engine if built here), the sink and the logger."""
+        self.sync.close()
         if self.rollout is not None:
             self.rollout.close(close_engine=self._owns_engine)
         self.sink.close()

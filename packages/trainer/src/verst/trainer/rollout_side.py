@@ -11,6 +11,7 @@ the fully-async producer — keeps generating while the trainer trains.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
@@ -121,6 +122,11 @@ class RolloutSide:
                 "RolloutSide methods are synchronous; do not call them from its own event loop"
             )
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the side's loop without waiting (e.g. an engine call that must run
+        while this thread broadcasts weights); `.result()` on the returned future waits."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     @property
     def in_process_engine(self) -> bool:

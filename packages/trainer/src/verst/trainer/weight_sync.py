@@ -8,6 +8,12 @@ Modes (`train.weight_sync`):
   pause → flush → update → continue sequence) loads it (`update_weights_from_disk`). The default
   for out-of-process engines. The previous version's folder is deleted once the new one loads.
 
+- `distributed`: the trainer (rank 0 of a dedicated weight-update group, never torch.distributed's
+  default group, so FSDP's is untouched; see `verst.rollout.engines.weight_group`) broadcasts each
+  parameter while the engine receives it (`init_weights_update_group` once, then
+  `update_weights_from_distributed` per push). gloo on CPU, NCCL on CUDA (NCCL unverified
+  without a GPU). Only with an HTTP engine (one `verst serve` / SGLang server).
+
 The engine must report exactly the version it was asked for; anything else is an error (a
 silent mismatch would train on samples labelled with the wrong policy).
 
@@ -18,12 +24,14 @@ talks to the engine, and the new version is broadcast back.
 from __future__ import annotations
 
 import shutil
+import socket
+import uuid
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from verst.trainer.fsdp import DistInfo, broadcast_object
 
-SyncMode = Literal["auto", "tensors", "disk"]
+SyncMode = Literal["auto", "tensors", "disk", "distributed"]
 
 
 class WeightSyncError(RuntimeError):
@@ -37,6 +45,9 @@ class _TrainSurface(Protocol):
 
 class _RolloutSurface(Protocol):
     in_process_engine: bool
+    engine: Any
+
+    def submit(self, coro: Any) -> Any: ...
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int: ...
     def update_weights_from_disk(self, path: str, weight_version: int) -> int: ...
@@ -54,8 +65,15 @@ class WeightSync:
         staging_dir: str | Path,
         dist_info: DistInfo,
         weight_version: int = 0,
+        master_address: str = "127.0.0.1",
+        backend: str | None = None,
+        group_timeout_s: float = 120.0,
     ) -> None:
-        """`rollout` is None on ranks other than 0 (they only join the gather)."""
+        """`rollout` is None on ranks other than 0 (they only join the gather).
+
+        For `distributed`: `master_address` is this host's address as the engine sees it (the
+        group's store listens on a free port there); `backend` defaults to nccl with CUDA, else gloo.
+        """
         self.train = train
         self.rollout = rollout
         self.staging_dir = Path(staging_dir)
@@ -67,8 +85,30 @@ class WeightSync:
                 rollout.in_process_engine if rollout is not None else None, dist_info
             )
             mode = "tensors" if in_process else "disk"
+        if mode == "distributed" and rollout is not None and rollout.in_process_engine:
+            from verst.rollout.errors import ConfigError, Problem
+
+            raise ConfigError(
+                [
+                    Problem(
+                        "train.weight_sync",
+                        "'distributed' needs an engine in another process (it receives a broadcast "
+                        "over HTTP-initiated collectives); the embedded engine lives in this process",
+                        "use train.weight_sync='tensors' (or 'auto') with engine.type='embedded', or "
+                        "serve the model with `verst serve` / SGLang and set engine.type='sglang'",
+                    )
+                ]
+            )
         self.mode: SyncMode = mode
-        """The resolved mode: tensors or disk."""
+        """The resolved mode: tensors, disk or distributed."""
+        self.master_address = master_address
+        """distributed: the address the engine reaches this process on."""
+        self.backend = backend
+        """distributed: gloo or nccl (None = nccl with CUDA, else gloo)."""
+        self.group_timeout_s = group_timeout_s
+        """distributed: seconds to wait for the group's rendezvous and each broadcast."""
+        self.group: Any = None
+        """distributed: this process's member (rank 0) of the weight-update group, once joined."""
         self._last_dir: Path | None = None
 
     def push(self, version: int | None = None) -> int:
@@ -79,6 +119,8 @@ class WeightSync:
         if self.dist.is_main and self.rollout is not None:
             if self.mode == "tensors":
                 got = self.rollout.update_weights_from_tensors(state, target)
+            elif self.mode == "distributed":
+                got = self._push_distributed(state, target)
             else:
                 path = self.staging_dir / f"v{target}"
                 if path.exists():
@@ -95,3 +137,68 @@ class WeightSync:
                 )
         self.weight_version = int(broadcast_object(got, self.dist) if self.dist.distributed else target)
         return self.weight_version
+
+    # ---- distributed -------------------------------------------------------------------------
+    def _ensure_group(self) -> Any:
+        """Join the weight-update group as rank 0 while the engine joins as rank 1."""
+        if self.group is not None:
+            return self.group
+        import torch
+
+        from verst.rollout.engines.weight_group import join_weight_group
+
+        assert self.rollout is not None
+        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        port = _free_port(self.master_address)
+        name = f"verst-refit-{uuid.uuid4().hex[:8]}"
+        call = self.rollout.submit(
+            self.rollout.engine.init_weights_update_group(
+                self.master_address, port, 1, 2, name, backend=backend
+            )
+        )
+        try:
+            group = join_weight_group(
+                self.master_address, port, 0, 2, name, backend, timeout_s=self.group_timeout_s
+            )
+        except BaseException:
+            call.cancel()
+            raise
+        call.result(timeout=self.group_timeout_s)  # the engine's answer (raises its error)
+        self.group = group
+        return group
+
+    def _push_distributed(self, state: dict, target: int) -> int:
+        from verst.rollout.engines.weight_group import dtype_name
+
+        group = self._ensure_group()
+        assert self.rollout is not None
+        names = list(state)
+        call = self.rollout.submit(
+            self.rollout.engine.update_weights_from_distributed(
+                names,
+                [dtype_name(state[n].dtype) for n in names],
+                [list(state[n].shape) for n in names],
+                group.name,
+                weight_version=target,
+            )
+        )
+        try:
+            for n in names:
+                group.broadcast(state[n].detach().to(group.device).contiguous(), src=0)
+        except BaseException:
+            call.cancel()
+            raise
+        return int(call.result(timeout=self.group_timeout_s))
+
+    def close(self) -> None:
+        """Leave the weight-update group (distributed mode); safe to call more than once."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _free_port(host: str) -> int:
+    """A port free right now on `host` (for the group's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

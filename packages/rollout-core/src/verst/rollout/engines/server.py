@@ -5,7 +5,9 @@
 
 Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /health_generate,
 /model_info, /server_info (+ get_ aliases), /flush_cache, /pause_generation,
-/continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads.
+/continue_generation, /update_weights_from_disk, /update_weights_from_tensor,
+/init_weights_update_group, /update_weights_from_distributed (gloo on CPU, NCCL on CUDA; a
+standalone group, see `weight_group`), /v1/loads.
 Bad requests get a 4xx with `{"error": ...}`; the server never dies on one.
 
 `--inject-latency-ms MEAN --inject-latency-fraction F` delays a seeded random fraction F of
@@ -32,6 +34,7 @@ from aiohttp import web
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import WireItem, output_json, parse_generate
+from verst.rollout.engines.weight_group import DistributedRefit
 
 log = logging.getLogger("verst.serve")
 VERSION = "verst-serve 0.1 (SGLang native API subset)"
@@ -68,6 +71,7 @@ class _State:
 
 
 STATE = web.AppKey("verst_state", _State)
+REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -282,6 +286,52 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
 
 
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's weight-refit group (the trainer, rank 0, joins at the same time)."""
+    body = await _body(request)
+    keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+    if not isinstance(body, dict) or any(k not in body for k in keys):
+        raise InvalidRequest(f"init_weights_update_group takes {{{', '.join(keys)}, 'backend'?}}")
+    try:
+        await request.app[REFIT].init_group(
+            str(body["master_address"]),
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            str(body["group_name"]),
+            str(body.get("backend", "nccl")),
+        )
+    except InvalidRequest as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    except (RuntimeError, TimeoutError) as exc:  # rendezvous failed / timed out
+        return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=500)
+    return web.json_response({"success": True, "message": "joined the weight update group"})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """Receive every tensor by broadcast from rank 0, then apply them between decode steps."""
+    state = request.app[STATE]
+    body = await _body(request)
+    ok = isinstance(body, dict) and all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes"))
+    if not ok or not isinstance(body.get("group_name"), str):
+        raise InvalidRequest(
+            "update_weights_from_distributed takes {'names': [...], 'dtypes': [...], 'shapes': [...], "
+            "'group_name': str, 'weight_version'?: str}"
+        )
+    try:
+        version = await request.app[REFIT].update(
+            state.engine,
+            body["group_name"],
+            body["names"],
+            body["dtypes"],
+            body["shapes"],
+            _version_arg(body),
+        )
+    except InvalidRequest as exc:
+        return web.json_response({"success": False, "message": str(exc)}, status=400)
+    return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+
+
 async def loads(request: web.Request) -> web.Response:
     load = request.app[STATE].engine.load()
     return web.json_response({"loads": [{**load, "dp_rank": 0}]})
@@ -298,6 +348,7 @@ def build_app(
     latency.rng = random.Random(latency.seed)
     app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
     app[STATE] = _State(engine, dict(info or {}), latency)
+    app[REFIT] = DistributedRefit()
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
@@ -311,9 +362,12 @@ def build_app(
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_get("/v1/loads", loads)
 
     async def _close(app: web.Application) -> None:
+        app[REFIT].close()
         await app[STATE].engine.close()
 
     app.on_cleanup.append(_close)

@@ -1,0 +1,81 @@
+"""Distributed weight refit end to end: a real `verst serve` subprocess joins a dedicated gloo
+group with the trainer (rank 0) on 127.0.0.1, receives every parameter by broadcast after a
+train step, and then generates at the new version with log-probs matching the trainer's. The
+default torch.distributed group is never initialised on either side. Also: 'distributed' with
+the in-process engine is a clear config problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_train_weight_sync import _max_mismatch, _sample_batch, setup  # noqa: F401 (fixture)
+from train_testlib import run_dict, write_prompts
+
+from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.errors import ConfigError
+from verst.trainer.batch import build_train_batch
+from verst.trainer.config import run_config_from_dict, validate_run_config
+from verst.trainer.fsdp import DistInfo
+from verst.trainer.rollout_side import RolloutSide
+from verst.trainer.weight_sync import WeightSync
+
+
+def test_distributed_sync_to_verst_serve(tmp_path, tiny_checkpoint, setup):  # noqa: F811
+    cfg, train = setup
+    with launch_verst_servers(tiny_checkpoint, ready_timeout_s=180, log_dir=tmp_path / "logs") as servers:
+        served = RolloutSide(
+            cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0])
+        )
+        sync = WeightSync(
+            train,
+            served,
+            mode="distributed",
+            staging_dir=tmp_path / "unused",
+            dist_info=DistInfo(),
+            group_timeout_s=60,
+        )
+        try:
+            assert sync.mode == "distributed" and sync.group is None
+            before = _sample_batch(served, 0)
+            assert _max_mismatch(train, before) < 1e-4
+            train.train_step(build_train_batch(before))
+            assert _max_mismatch(train, before) > 1e-3  # the policy moved
+
+            assert sync.push() == 1
+            assert sync.group is not None and sync.group.backend == "gloo"
+            assert not torch.distributed.is_initialized()  # the default group is untouched
+            assert served.weight_version() == 1
+            after = _sample_batch(served, 1)
+            mismatch = _max_mismatch(train, after)
+            assert mismatch < 1e-4, f"served log-probs differ from the trainer's by {mismatch}"
+
+            # a second push reuses the group
+            group = sync.group
+            train.train_step(build_train_batch(after))
+            assert sync.push() == 2 and sync.group is group
+            assert _max_mismatch(train, _sample_batch(served, 2)) < 1e-4
+            assert not (tmp_path / "unused").exists()  # nothing went through the disk
+        finally:
+            sync.close()
+            served.close()
+
+
+def test_distributed_needs_an_out_of_process_engine(tmp_path, tiny_checkpoint, setup):  # noqa: F811
+    cfg, train = setup
+    data = write_prompts(tmp_path / "q.jsonl", n=4)
+    bad = run_config_from_dict(run_dict(tiny_checkpoint, data, train={"weight_sync": "distributed"}))
+    assert bad.engine.type == "embedded"
+    with pytest.raises(ConfigError) as err:
+        validate_run_config(bad, {}, cuda_available=False)
+    assert any(p.key == "train.weight_sync" and "embedded" in p.fix for p in err.value.problems)
+
+    embedded = RolloutSide(
+        cfg, model_path=str(tiny_checkpoint), env={}, engine=EmbeddedEngine.from_pretrained(tiny_checkpoint)
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"train\.weight_sync"):
+            WeightSync(train, embedded, mode="distributed", staging_dir=tmp_path, dist_info=DistInfo())
+    finally:
+        embedded.close()
