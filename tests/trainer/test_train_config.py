@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from verst.rollout.errors import ConfigError
-from verst.trainer.config import RunConfig, TrainConfig, load_run_config, parse_override, validate_run_config
+from verst.trainer.config import (
+    RunConfig,
+    TrainConfig,
+    load_run_config,
+    parse_override,
+    train_problems,
+    validate_run_config,
+)
 
 TOML = """
 [run]
@@ -100,6 +107,19 @@ def test_engine_problems_are_reported_before_anything_loads():
 
     assert engine_problems(ok.engine, fallback_model_path=ok.train.model_path) == []
     assert [p.key for p in engine_problems(ok.engine)] == ["engine.model_path"]
+
+
+def test_distributed_weight_sync_needs_exactly_one_engine_process():
+    cfg = RunConfig.model_validate(
+        {
+            "engine": {"type": "sglang", "urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]},
+            "train": {"model_path": "/m", "weight_sync": "distributed"},
+        }
+    )
+    problems = [p for p in train_problems(cfg, {}, cuda_available=False) if p.key == "train.weight_sync"]
+    assert len(problems) == 1 and "several engines" in problems[0].fix
+    one = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": ["http://127.0.0.1:1"]})})
+    assert not [p for p in train_problems(one, {}, cuda_available=False) if p.key == "train.weight_sync"]
 
 
 def test_fsdp_on_cpu_allowed_with_two_processes(tmp_path):

@@ -327,8 +327,16 @@ def train_problems(
                 "`verst serve` / SGLang and set engine.type='sglang'",
             )
         )
-    if cfg.rollout.fully_async and cfg.run.placement == "local":
-        pass  # the fully-async strategy owns its checks (verst.rollout.validation)
+    several_engines = len(cfg.engine.urls) > 1 or cfg.engine.router_url or cfg.engine.num_engines > 1
+    if cfg.train.weight_sync == "distributed" and several_engines:
+        problems.append(
+            Problem(
+                "train.weight_sync",
+                "'distributed' is wired for one engine process (a weight group of world size 2); "
+                "with several engines or a router the workers would need distinct ranks",
+                "use weight_sync='disk' with several engines, or serve one engine",
+            )
+        )
     return problems
 
 
