@@ -135,6 +135,9 @@ class EmbeddedEngine:
         self._commands: list[tuple[Callable[[], int], concurrent.futures.Future[int]]] = []
         self._paused = False
         self._closed = False
+        self._device = self._batch.device
+        self.released = False
+        """Device memory is released (`release_memory`); the next request takes it back."""
         self.peak_batch = 0
         """The most rows decoded together so far (a batching statistic)."""
         self._thread = threading.Thread(target=self._run, name="verst-embedded-engine", daemon=True)
@@ -253,6 +256,43 @@ class EmbeddedEngine:
     def flush_cache(self) -> bool:
         """Nothing is cached across requests; succeeds when idle or paused (as SGLang's does)."""
         return self._paused or not (len(self._batch) or self._pending)
+
+    async def release_memory(self) -> None:
+        """Free device memory for a colocated train step: drop the KV cache (running requests end
+        with `abort`) and, on CUDA, move the weights to CPU and empty the allocator's cache. On
+        CPU only the KV cache goes (weights stay: there is no other memory to move them to).
+        Weight updates still apply while released; `resume_memory` (or the next request) takes
+        the memory back."""
+        await asyncio.wrap_future(self._command(self._release_now))
+
+    async def resume_memory(self) -> None:
+        """Take back what `release_memory` freed (weights back on the device); idempotent."""
+        await asyncio.wrap_future(self._command(self._resume_now))
+
+    async def release_memory_occupation(self) -> None:
+        """SGLang's name for `release_memory`."""
+        await self.release_memory()
+
+    async def resume_memory_occupation(self) -> None:
+        """SGLang's name for `resume_memory`."""
+        await self.resume_memory()
+
+    def _release_now(self) -> int:
+        import torch
+
+        self._emit_all(self._batch.drop_all("abort"))
+        self._batch.cache = None
+        if self._device.type == "cuda" and not self.released:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released = True
+        return self._weight_version
+
+    def _resume_now(self) -> int:
+        if self.released and self._device.type == "cuda":
+            self.model.to(self._device)
+        self.released = False
+        return self._weight_version
 
     def load(self) -> dict[str, int]:
         """Running and waiting request counts (for `/v1/loads`)."""
@@ -454,6 +494,8 @@ class EmbeddedEngine:
                     ack.set_result(None)
                 if self._paused:
                     continue
+                if self.released and self._pending:
+                    self._resume_now()
                 self._admit(self._take_new())
                 self._emit_all(self._batch.pop_finished())
                 if len(self._batch):

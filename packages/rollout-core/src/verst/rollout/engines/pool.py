@@ -81,6 +81,16 @@ class EnginePool:
         """The highest version any engine reports."""
         return max(await asyncio.gather(*(e.get_weight_version() for e in self.engines)))
 
+    async def release_memory_occupation(self) -> None:
+        """Every engine that can frees its device memory (colocated training); others are skipped."""
+        hooks = [getattr(e, "release_memory_occupation", None) for e in self.engines]
+        await self._all("release_memory_occupation", [h() for h in hooks if h is not None])
+
+    async def resume_memory_occupation(self) -> None:
+        """Every engine that can takes back what `release_memory_occupation` freed."""
+        hooks = [getattr(e, "resume_memory_occupation", None) for e in self.engines]
+        await self._all("resume_memory_occupation", [h() for h in hooks if h is not None])
+
     async def close(self) -> None:
         try:
             await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

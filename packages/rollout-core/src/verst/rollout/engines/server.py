@@ -5,9 +5,10 @@
 
 Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /health_generate,
 /model_info, /server_info (+ get_ aliases), /flush_cache, /pause_generation,
-/continue_generation, /update_weights_from_disk, /update_weights_from_tensor,
-/init_weights_update_group, /update_weights_from_distributed (gloo on CPU, NCCL on CUDA; a
-standalone group, see `weight_group`), /v1/loads.
+/continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads,
+/release_memory_occupation, /resume_memory_occupation, /init_weights_update_group,
+/update_weights_from_distributed (gloo on CPU, NCCL on CUDA; a standalone group, see
+`weight_group`).
 Bad requests get a 4xx with `{"error": ...}`; the server never dies on one.
 
 `--inject-latency-ms MEAN --inject-latency-fraction F` delays a seeded random fraction F of
@@ -232,6 +233,16 @@ async def continue_generation(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "message": "generation continued"})
 
 
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    await request.app[STATE].engine.release_memory()  # `tags` are accepted; everything is released
+    return web.json_response({"success": True, "message": "memory released"})
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    await request.app[STATE].engine.resume_memory()
+    return web.json_response({"success": True, "message": "memory resumed"})
+
+
 def _version_arg(body: dict[str, Any]) -> int | None:
     version = body.get("weight_version")
     if version is None:
@@ -360,6 +371,8 @@ def build_app(
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
+    r.add_post("/release_memory_occupation", release_memory_occupation)
+    r.add_post("/resume_memory_occupation", resume_memory_occupation)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/init_weights_update_group", init_weights_update_group)

@@ -247,6 +247,20 @@ class SGLangClient:
 
         return await self._refit("update_weights_from_tensor", weight_version, update)
 
+    async def release_memory_occupation(self) -> None:
+        """Ask every worker to free its device memory (colocated training; SGLang contract)."""
+        await self._each_worker(
+            "release_memory_occupation",
+            lambda u: self._call("POST", "/release_memory_occupation", {"tags": None}, base=u),
+        )
+
+    async def resume_memory_occupation(self) -> None:
+        """Ask every worker to take back what `release_memory_occupation` freed."""
+        await self._each_worker(
+            "resume_memory_occupation",
+            lambda u: self._call("POST", "/resume_memory_occupation", {"tags": None}, base=u),
+        )
+
     async def init_weights_update_group(
         self,
         master_address: str,

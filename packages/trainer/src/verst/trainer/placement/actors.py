@@ -216,28 +216,41 @@ class TrainActor(ActorBase):
 class RolloutManagerActor(ActorBase):
     """The rollout side in its own process: strategy, data source, reward and engines.
 
-    The engines are built from `[engine]` inside this actor: an embedded engine lives in it;
-    `sglang_launch` servers are started (and stopped) by it; `sglang` connects to running ones.
-    Colocated, it asks the engine to release its memory after each rollout and to take it back
-    before the next engine call, when the engine offers `release_memory_occupation` /
-    `resume_memory_occupation`; otherwise (the embedded engine, CPU) that is a no-op.
+    The engines are built from `[engine]` inside this actor: an embedded engine lives in it
+    (or in `run.ray.engine_actors` engine actors it talks to); `sglang_launch` servers are
+    started (and stopped) by it; `sglang` connects to running ones. Colocated, it asks the
+    engine to release its memory after each rollout and to take it back before the next engine
+    call (`release_memory_occupation` / `resume_memory_occupation`; a no-op for engines
+    without them).
     """
 
     role = "rollout"
 
-    def setup(self, model_path: str, colocated: bool) -> dict:
-        """Build the `RolloutSide` (engine, data, rewards, strategy); returns what the driver needs."""
+    def setup(self, model_path: str, colocated: bool, engine_actors: list | None = None) -> dict:
+        """Build the `RolloutSide` (engine, data, rewards, strategy); returns what the driver needs.
+
+        `engine_actors`: (handle, name) of the run's engine actors; the engine is then an
+        `EnginePool` of `ActorEngine` clients instead of one built here."""
         from verst.rollout.lifecycle import JsonlSink
         from verst.trainer.rollout_side import RolloutSide
 
+        engine = None
+        if engine_actors:
+            from verst.rollout.engines.pool import EnginePool
+            from verst.trainer.placement.engine_actors import ActorEngine
+
+            engine = EnginePool([ActorEngine(h, name) for h, name in engine_actors])
         self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl")
-        self.side = RolloutSide(self.config, model_path=model_path, env=self.env, sink=self.sink)
+        self.side = RolloutSide(
+            self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
+        )
         self.colocated = colocated
         self.released = False
         strategy = type(self.side.strategy)
         info = {
             "has_eval": self.side.has_eval,
-            "in_process_engine": self.side.in_process_engine,
+            # engine actors take tensors too (through Ray's object store)
+            "in_process_engine": self.side.in_process_engine or bool(engine_actors),
             "strategy_path": self.side.strategy_path,
             "strategy_class": f"{strategy.__module__}:{strategy.__qualname__}",
             "engine_can_release": self._hook("release_memory_occupation") is not None,

@@ -4,10 +4,13 @@ Two layouts, chosen with `run.ray.layout` and validated before anything starts:
 
 - `colocated` (default; verl's "hybrid engine", slime's `--colocate`): one placement group with
   one bundle per train actor; the rollout manager (and its engines) share bundle 0 with train
-  rank 0. Rollout and training alternate; the rollout manager asks its engine to release memory
-  after every rollout and to take it back before the next engine call (engines without such a
-  hook — the embedded engine, and every engine on CPU — keep their memory: nothing to release
-  on CPU).
+  rank 0. Rollout and training alternate; the rollout manager asks its engines to release memory
+  after every rollout and to take it back before the next engine call (the embedded engine drops
+  its KV cache and, on CUDA, moves its weights to CPU; SGLang servers get
+  `/release_memory_occupation`).
+- `run.ray.engine_actors = N` (either layout): N embedded engines as their own actors, each on
+  its own bundle of the placement group (a GPU each on GPU clusters); the rollout manager
+  load-balances over them (`engine_actors.ActorEngine` in an `EnginePool`).
 - `disaggregated`: the train actors get their own placement group; the rollout manager gets its
   own resources (`run.ray.rollout_num_gpus`), so generation can overlap training. Fully-async
   rollouts require it.
@@ -61,6 +64,16 @@ class RaySection(Section):
             "servers it launches); colocated: ignored (it shares bundle 0)."
         ),
     )
+    engine_actors: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Embedded engines as their own Ray actors (each on its own bundle: a GPU each on GPU "
+            "clusters), load-balanced by the rollout manager; 0 = the engine lives inside the "
+            "rollout manager. Needs engine.type='embedded' (engine.num_engines is then ignored)."
+        ),
+    )
+    cpus_per_engine_actor: float = Field(1.0, gt=0, description="CPUs reserved for each engine actor.")
     namespace: str = Field("verst", description="Ray namespace of the run's named actors.")
     log_tail_lines: int = Field(
         30, ge=1, description="Log lines of a failed actor quoted in the error (and kept per actor)."
@@ -121,6 +134,23 @@ def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
                 "use run.ray.layout='disaggregated' with run.ray.rollout_num_gpus, or one single-GPU engine",
             )
         )
+    if ray.engine_actors and cfg.engine.type != "embedded":
+        problems.append(
+            Problem(
+                "run.ray.engine_actors",
+                f"engine actors run the embedded engine, but engine.type is '{cfg.engine.type}'",
+                "set engine.type='embedded', or run.ray.engine_actors=0 (SGLang servers are their own processes)",
+            )
+        )
+    if ray.engine_actors and cfg.engine.num_engines > 1:
+        problems.append(
+            Problem(
+                "run.ray.engine_actors",
+                f"engine.num_engines={cfg.engine.num_engines} and run.ray.engine_actors="
+                f"{ray.engine_actors} both ask for several engines",
+                "set engine.num_engines=1 and choose the count with run.ray.engine_actors",
+            )
+        )
     engine_on_gpu = cfg.engine.type == "sglang_launch" or (
         cfg.engine.type == "embedded" and cfg.engine.device != "cpu"
     )
@@ -159,11 +189,14 @@ class PlacementPlan:
     device: Device
     """Where the train actors compute."""
     bundles: list[dict[str, float]] = field(default_factory=list)
-    """One resource dict per train actor (bundle 0 also holds the colocated rollout manager)."""
+    """One resource dict per train actor (bundle 0 also holds the colocated rollout manager),
+    then one per engine actor."""
     train: list[ActorSlot] = field(default_factory=list)
     """Slot of each train rank."""
     rollout: ActorSlot = ActorSlot(1.0, 0.0, None)
     """Slot of the rollout manager."""
+    engines: list[ActorSlot] = field(default_factory=list)
+    """Slot of each engine actor (its own bundle, after the train bundles)."""
 
 
 COLOCATED_GPU_SHARE = 0.5
@@ -174,6 +207,7 @@ counts it; both processes see the whole device)."""
 def plan_placement(ray: RaySection, device: Device) -> PlacementPlan:
     """The bundles and actor slots for `ray` on `device` (pure: property-tested)."""
     gpu = 1.0 if device == "gpu" else 0.0
+    engines: list[ActorSlot] = []
     n, cpus = ray.num_train_actors, ray.cpus_per_train_actor
     if ray.layout == "colocated":
         share = COLOCATED_GPU_SHARE if device == "gpu" else 0.0
@@ -187,7 +221,10 @@ def plan_placement(ray: RaySection, device: Device) -> PlacementPlan:
         bundles = [{"CPU": cpus, **({"GPU": gpu} if gpu else {})} for _ in range(n)]
         train = [ActorSlot(cpus, gpu, i) for i in range(n)]
         rollout = ActorSlot(ray.rollout_num_cpus, ray.rollout_num_gpus, None)
-    return PlacementPlan(ray.layout, device, bundles, train, rollout)
+    for _ in range(ray.engine_actors):
+        engines.append(ActorSlot(ray.cpus_per_engine_actor, gpu, len(bundles)))
+        bundles.append({"CPU": ray.cpus_per_engine_actor, **({"GPU": gpu} if gpu else {})})
+    return PlacementPlan(ray.layout, device, bundles, train, rollout, engines)
 
 
 def resolve_device(ray: RaySection, cluster_gpus: float) -> Device:

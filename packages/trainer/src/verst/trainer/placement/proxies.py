@@ -115,6 +115,8 @@ class RayPlacement:
         self.pg: Any = None
         self.train_actors: list[ActorInfo] = []
         self.rollout_actor: ActorInfo | None = None
+        self.engine_actors: list[ActorInfo] = []
+        """The engine actors (`run.ray.engine_actors`), owned here, used by the rollout manager."""
         self.closed = False
         self.train = TrainProxy(self)
         """The `TrainSide` surface."""
@@ -160,6 +162,7 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from verst.trainer.placement.actors import RolloutManagerActor, TrainActor
+        from verst.trainer.placement.engine_actors import EngineActor
 
         cfg, plan = self.config, self.plan
         self.pg = placement_group(plan.bundles, strategy="PACK", name=f"verst-{self.tag}-train")
@@ -211,6 +214,14 @@ class RayPlacement:
             .remote("rollout", cfg, env_vars, str(self.run_dir), **common)
         )
         self.rollout_actor = info("rollout", f"rollout manager, {plan.layout}", handle)
+        for i, slot in enumerate(plan.engines):
+            name = f"engine-{i}"
+            handle = (
+                ray.remote(EngineActor)
+                .options(**options(name, slot))
+                .remote(name, cfg, env_vars, str(self.run_dir), **common)
+            )
+            self.engine_actors.append(info(name, f"engine actor {i} of {len(plan.engines)}", handle))
         for actor, desc in zip(self.actors, self.call(self.actors, "describe"), strict=True):
             actor.where = f"pid {desc['pid']}, node {desc['node_ip']}"
         addr, port = self.call(self.train_actors[:1], "rendezvous")[0]
@@ -218,14 +229,16 @@ class RayPlacement:
             (actor, "setup", (rank, n, addr, port, model_path))
             for rank, actor in enumerate(self.train_actors)
         ]
-        calls.append((self.rollout_actor, "setup", (model_path, plan.layout == "colocated")))
+        calls += [(actor, "setup", (model_path,)) for actor in self.engine_actors]
+        handles = [(a.handle, a.name) for a in self.engine_actors]
+        calls.append((self.rollout_actor, "setup", (model_path, plan.layout == "colocated", handles)))
         *_, rollout_info = self.call_each(calls)
         self.rollout._set_info(rollout_info)
 
     @property
     def actors(self) -> list[ActorInfo]:
-        """Every live actor record (train ranks, then the rollout manager)."""
-        return self.train_actors + ([self.rollout_actor] if self.rollout_actor else [])
+        """Every live actor record (train ranks, the rollout manager, the engine actors)."""
+        return self.train_actors + ([self.rollout_actor] if self.rollout_actor else []) + self.engine_actors
 
     # ------------------------------------------------------------ calls
 
@@ -315,11 +328,15 @@ class RayPlacement:
         self._release_cluster(ray)
 
     def close_rollout(self, close_engine: bool) -> None:
-        """Politely close the rollout manager (strategy state, engines), then end it."""
+        """Politely close the rollout manager (strategy state, engines), then end it (and the
+        engine actors, when `close_engine`)."""
         if self.closed or self.rollout_actor is None:
             return
         actor, self.rollout_actor = self.rollout_actor, None
         self._close_actors([(actor, (close_engine,))])
+        if close_engine and self.engine_actors:
+            engines, self.engine_actors = self.engine_actors, []
+            self._close_actors([(a, ()) for a in engines])
 
     def close(self) -> None:
         """Politely close every remaining actor, end them, free the bundles, leave Ray."""
@@ -329,6 +346,7 @@ class RayPlacement:
         if self.rollout_actor is not None:
             calls.append((self.rollout_actor, (True,)))
         self._close_actors(calls)
+        self._close_actors([(a, ()) for a in self.engine_actors])  # after the rollout manager
         self.closed = True
         self._release_cluster(require_ray())
 

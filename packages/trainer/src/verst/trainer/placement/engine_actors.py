@@ -1,0 +1,170 @@
+"""Embedded engines as their own Ray actors (`run.ray.engine_actors = N`).
+
+`EngineActor` wraps one `verst.rollout.engines.embedded.EmbeddedEngine` in a Ray async actor
+(its methods mirror the `InferenceEngine` protocol, plus memory release/resume and `stats`);
+`ActorEngine` is the client inside the rollout manager: an `InferenceEngine` that awaits the
+actor's ObjectRefs. The rollout manager puts its N clients in an `EnginePool`, so strategies
+see one engine, exactly as with in-process engines.
+
+The driver owns the engine actors (it starts, builds and ends them with the others); closing an
+`ActorEngine` only stops using it. Like every verst actor, an engine actor answers the driver
+through `call` (result plus new log lines) and logs to `<run_dir>/logs/actors/engine-<i>.log`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from typing import Any
+
+from verst.rollout.engine import GenerateOutput, GenerateRequest
+from verst.trainer.placement.actors import ActorBase
+
+
+class EngineActor(ActorBase):
+    """One embedded engine in its own process (a Ray async actor)."""
+
+    role = "engine"
+
+    def _init_engine_state(self) -> None:
+        if not hasattr(self, "_ready"):
+            self._ready = asyncio.Event()
+            self.engine: Any = None
+            self.requests = 0
+            """`generate` calls served so far."""
+
+    async def call(self, method: str, *args: Any) -> tuple[Any, list[str]]:  # type: ignore[override]
+        """Run one method (awaited when async); returns its result and the new log lines."""
+        try:
+            result = getattr(self, method)(*args)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException:
+            self.log.exception("%s: failed", method)
+            raise
+        return result, self.handler.drain()
+
+    async def setup(self, model_path: str) -> dict[str, Any]:
+        """Load the model (off the event loop) from `[engine]`; the engine then serves."""
+        from verst.rollout.engines.embedded import EmbeddedEngine
+
+        self._init_engine_state()
+        ec = self.config.engine
+        path = ec.model_path or model_path
+        self.engine = await asyncio.to_thread(
+            EmbeddedEngine.from_pretrained,
+            path,
+            device=ec.device,
+            dtype=ec.dtype,
+            tokenizer=ec.tokenizer_path,
+            num_threads=ec.num_threads,
+            max_batch_size=ec.max_batch_size,
+        )
+        self._ready.set()
+        self.log.info("engine ready: %s on %s", path, self.engine._device)
+        return {"name": self.name, "device": str(self.engine._device)}
+
+    async def _engine(self) -> Any:
+        self._init_engine_state()
+        await self._ready.wait()
+        return self.engine
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        engine = await self._engine()
+        self.requests += 1
+        return await engine.generate(request)
+
+    async def abort(self, rid_prefix: str | None = None) -> None:
+        await (await self._engine()).abort(rid_prefix)
+
+    async def update_weights_from_tensors(
+        self, named_tensors: dict[str, Any], weight_version: int | None = None
+    ) -> int:
+        return await (await self._engine()).update_weights_from_tensors(named_tensors, weight_version)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
+        return await (await self._engine()).update_weights_from_disk(model_path, weight_version)
+
+    async def health(self) -> bool:
+        return await (await self._engine()).health()
+
+    async def get_weight_version(self) -> int:
+        return await (await self._engine()).get_weight_version()
+
+    async def release_memory(self) -> None:
+        await (await self._engine()).release_memory()
+
+    async def resume_memory(self) -> None:
+        await (await self._engine()).resume_memory()
+
+    async def stats(self) -> dict[str, Any]:
+        """Requests served, weight version, memory state, pid (diagnostics and tests)."""
+        engine = await self._engine()
+        return {
+            "name": self.name,
+            "requests": self.requests,
+            "weight_version": engine.weight_version,
+            "released": engine.released,
+            "pid": os.getpid(),
+        }
+
+    async def close(self) -> None:
+        """Stop the engine (queued requests end with `abort`)."""
+        self._init_engine_state()
+        if self.engine is not None:
+            await self.engine.close()
+        self.handler.close()
+
+
+class ActorEngine:
+    """An `InferenceEngine` whose engine is an `EngineActor` (awaits its ObjectRefs)."""
+
+    def __init__(self, handle: Any, name: str = "engine") -> None:
+        self.handle = handle
+        """The Ray actor handle."""
+        self.name = name
+        """The actor's short name (for messages)."""
+
+    async def _await(self, ref: Any) -> Any:
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            import ray
+
+            ray.cancel(ref)  # cancels the actor's coroutine: the engine aborts the request
+            raise
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        return await self._await(self.handle.generate.remote(request))
+
+    async def abort(self, rid_prefix: str | None = None) -> None:
+        await self.handle.abort.remote(rid_prefix)
+
+    async def update_weights_from_tensors(
+        self, named_tensors: dict[str, Any], weight_version: int | None = None
+    ) -> int:
+        return await self.handle.update_weights_from_tensors.remote(named_tensors, weight_version)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
+        return await self.handle.update_weights_from_disk.remote(model_path, weight_version)
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self.handle.health.remote())
+        except Exception:  # a dead actor is an unhealthy engine
+            return False
+
+    async def get_weight_version(self) -> int:
+        return await self.handle.get_weight_version.remote()
+
+    async def release_memory_occupation(self) -> None:
+        """Free the actor's device memory (colocated training)."""
+        await self.handle.release_memory.remote()
+
+    async def resume_memory_occupation(self) -> None:
+        """Take back what `release_memory_occupation` freed."""
+        await self.handle.resume_memory.remote()
+
+    async def close(self) -> None:
+        """Nothing: the driver owns (and ends) the engine actors."""
