@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-REWARD_MODULE = '''
-def digit_fraction(sample):
-    """Fraction of digit characters in the response: varies across samples of a tiny model."""
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-'''
+import run_testlib
 
 
 def write_prompts(path: Path, n: int = 16) -> Path:
     """A JSONL file of n addition prompts with labels."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"prompt": f"{i}+{i + 1}=", "label": str(2 * i + 1)}) + "\n")
-    return path
+    return run_testlib.write_prompts(path, n)
 
 
 def install_reward_module(tmp_path: Path, monkeypatch: Any) -> str:
-    """Write a reward module into `tmp_path` and put it on the driver's sys.path (actors get the
-    driver's import path); returns its import path."""
-    (tmp_path / "g2_ray_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "g2_ray_rewards:digit_fraction"
+    """The shared reward module, installed under this folder's own module name."""
+    return run_testlib.install_reward_module(tmp_path, monkeypatch, "g2_ray_rewards")
 
 
 def run_dict(model: Path, data: Path, reward: str, **sections: dict[str, Any]) -> dict[str, Any]:

@@ -5,33 +5,18 @@ background event loop (the producer generates while the trainer trains), the run
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from inference_testkit import assert_attempts_closed, make_context
+from run_testlib import install_reward_module, write_prompts
 
 from verst.rollout.errors import ConfigError
 from verst.rollout.protocols import RolloutRequest
 from verst.rollout.selection import resolve_extra_env_vars
 from verst.rollout.strategies.fully_async import FullyAsyncRollout
 from verst.rollout.validation import FULLY_ASYNC_LEGACY_MESSAGE
-
-REWARD_MODULE = """
-def digit_fraction(sample):
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-"""
-
-
-def write_prompts(path: Path, n: int = 24) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"prompt": f"{i}+{i + 1}=", "label": str(2 * i + 1)}) + "\n")
-    return path
 
 
 def run_dict(model, data, **rollout):
@@ -144,9 +129,8 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
     from verst.trainer.config import run_config_from_dict
     from verst.trainer.controller import InMemoryLogger, run_training
 
-    (tmp_path / "g1_fa_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    data = write_prompts(tmp_path / "prompts.jsonl")
+    install_reward_module(tmp_path, monkeypatch, "g1_fa_rewards")
+    data = write_prompts(tmp_path / "prompts.jsonl", 24)
     cfg = run_config_from_dict(run_dict(tiny_checkpoint, data, fully_async=True, async_buffer_groups=4))
     assert cfg.algorithm.tis
 

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-REWARD_MODULE = '''
-def digit_fraction(sample):
-    """Fraction of digit characters in the response: varies across samples of a tiny random model."""
-    text = sample.response
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-'''
+import run_testlib
 
 
 def write_prompts(path: Path, n: int = 24) -> Path:
     """A JSONL file of n addition prompts with labels."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"prompt": f"{i}+{i + 1}=", "label": str(2 * i + 1)}) + "\n")
-    return path
+    return run_testlib.write_prompts(path, n)
 
 
 def install_reward_module(tmp_path: Path, monkeypatch: Any) -> str:
-    """Write a reward module to `tmp_path`, put it on sys.path; returns its import path."""
-    (tmp_path / "e2_test_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "e2_test_rewards:digit_fraction"
+    """The shared reward module, installed under this folder's own module name."""
+    return run_testlib.install_reward_module(tmp_path, monkeypatch, "e2_test_rewards")
 
 
 def run_dict(model: Path, data: Path, **sections: dict[str, Any]) -> dict[str, Any]:
