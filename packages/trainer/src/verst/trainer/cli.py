@@ -4,6 +4,7 @@
     verst sft CONFIG.toml [key=value ...]             supervised warm start (loss on response tokens)
     verst eval CONFIG.toml [CHECKPOINT]               evaluate a checkpoint on the config's eval sets
     verst serve ...                                   serve a model over SGLang's HTTP API (embedded engine)
+    verst dashboard RUN_DIR... / verst report RUN_DIR -o report.html   view runs (verst.trainer.dashboard)
 
 This is the edge of the program: it reads the environment once
 (`resolve_extra_env_vars(config.run.env)`) and passes that mapping down, and it turns
@@ -347,7 +348,7 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verst", description="verst: reinforcement-learning post-training for LLMs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve,dashboard,report}")
     fmt = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser(
         "train",
@@ -373,6 +374,9 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     sub.add_parser(
         "serve", help="serve a model over SGLang's HTTP API (args: verst serve --help)", add_help=False
     )
+    from verst.trainer.dashboard.cli import add_subcommands as add_dashboard_commands
+
+    add_dashboard_commands(sub)  # dashboard, report (each sets args.func)
     return parser
 
 
@@ -402,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USER_ERROR
     commands = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval}
-    return _guarded(lambda: commands[args.command](args))
+    return _guarded(lambda: commands[args.command](args) if args.command in commands else args.func(args))
 
 
 def _guarded(fn: Any) -> int:

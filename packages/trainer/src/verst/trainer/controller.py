@@ -35,6 +35,7 @@ from verst.trainer.checkpoint import (
 )
 from verst.trainer.config import RunConfig, resolved_model_path, validate_run_config
 from verst.trainer.fsdp import DistInfo, broadcast_object, collective_device
+from verst.trainer.recording import RunRecorder
 from verst.trainer.rollout_side import RolloutSide
 from verst.trainer.signals import StopRequest
 from verst.trainer.train_side import TrainSide
@@ -135,6 +136,10 @@ class Trainer:
             (self.run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
         torch.manual_seed(config.run.seed)
         self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl") if self.dist.is_main else NoopSink()
+        self.recorder = (
+            RunRecorder(self.run_dir, total_steps=config.run.num_steps) if self.dist.is_main else None
+        )
+        """samples.jsonl and status.json for `verst dashboard` (main rank only)."""
         self.placement = None
         """The Ray actors and their proxies when run.placement='ray' (verst.trainer.placement)."""
         if config.run.placement == "ray":
@@ -146,7 +151,7 @@ class Trainer:
             from verst.trainer.placement import build_ray_placement
 
             self.placement = build_ray_placement(
-                config, self.run_dir, model_path=self.model_path, env=self.env
+                config, self.run_dir, model_path=self.model_path, env=self.env, sink=self.sink
             )
             self.train, self.rollout = self.placement.train, self.placement.rollout
         else:
@@ -182,6 +187,8 @@ class Trainer:
         cfg = self.config
         start = self._maybe_resume()
         summary = TrainingSummary(self.run_dir, start, start, self.sync.weight_version)
+        if self.recorder is not None:
+            self.recorder.resumed_at(start)
         if start == 0:
             self._evaluate(0, summary, log=True)
         step = start
@@ -190,6 +197,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 self._phase("rollout")
                 result = self.rollout.rollout(step, self.sync.weight_version) if self.rollout else None
+                if self.recorder is not None and result is not None:
+                    self.recorder.record_rollout(step, result)
                 groups = broadcast_object(result.groups if result else None, self.dist)
                 t1 = time.perf_counter()
                 self._phase("train")
@@ -216,6 +225,8 @@ class Trainer:
                     metrics.update(self._evaluate(step, summary, log=False))
                 if self.dist.is_main:
                     self.logger.log(step, metrics)
+                if self.recorder is not None:
+                    self.recorder.step_done(step)
                 summary.last_metrics = metrics
                 summary.steps_done = step
                 save_every = cfg.run.save_interval
@@ -227,6 +238,8 @@ class Trainer:
             self._evaluate(step, summary, log=True)  # "0 = only at start and end"; the end if not just done
         summary.stopped_early = self.stop.requested and step < cfg.run.num_steps
         summary.weight_version = self.sync.weight_version
+        if self.recorder is not None:
+            self.recorder.finish(stopped_early=summary.stopped_early)
         return summary
 
     def close(self) -> None:
@@ -235,6 +248,8 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close(close_engine=self._owns_engine)
         self.sink.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.logger.close()
         self.train.close()
 
@@ -243,12 +258,17 @@ class Trainer:
     def _phase(self, name: str) -> None:
         if self.dist.is_main:
             self.logger.phase(name)
+        if self.recorder is not None:
+            self.recorder.phase(name)
 
     def _evaluate(self, step: int, summary: TrainingSummary, *, log: bool) -> dict[str, float]:
         if self.rollout is None or not self.rollout.has_eval:
             return {}
         self._phase("eval")
-        metrics = _eval_metrics(self.rollout.evaluate(step, self.sync.weight_version))
+        result = self.rollout.evaluate(step, self.sync.weight_version)
+        if self.recorder is not None:
+            self.recorder.record_eval(step, result)
+        metrics = _eval_metrics(result)
         summary.eval_history.append((step, metrics))
         if log:
             self.logger.log(step, metrics)
@@ -323,5 +343,9 @@ def run_training(
     trainer = Trainer(config, run_dir, env=env, logger=logger, engine=engine, stop=stop)
     try:
         return trainer.run()
+    except BaseException as exc:
+        if trainer.recorder is not None:
+            trainer.recorder.fail(exc)
+        raise
     finally:
         trainer.close()

@@ -231,7 +231,7 @@ class RolloutManagerActor(ActorBase):
 
         `engine_actors`: (handle, name) of the run's engine actors; the engine is then an
         `EnginePool` of `ActorEngine` clients instead of one built here."""
-        from verst.rollout.lifecycle import JsonlSink
+        from verst.trainer.recording import BufferedSink
         from verst.trainer.rollout_side import RolloutSide
 
         engine = None
@@ -240,7 +240,7 @@ class RolloutManagerActor(ActorBase):
             from verst.trainer.placement.engine_actors import ActorEngine
 
             engine = EnginePool([ActorEngine(h, name) for h, name in engine_actors])
-        self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl")
+        self.sink = BufferedSink()  # the driver drains it into its lifecycle.jsonl (drain_events)
         self.side = RolloutSide(
             self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
         )
@@ -304,6 +304,19 @@ class RolloutManagerActor(ActorBase):
 
     def load_state_dict(self, state: dict) -> None:
         self.side.load_state_dict(state)
+
+    def drain_events(self) -> list:
+        """The lifecycle events emitted since the last drain (the driver writes them)."""
+        sink = getattr(self, "sink", None)
+        return sink.drain() if sink is not None else []
+
+    def close_side(self, close_engine: bool) -> list:
+        """Close the rollout side (strategy, engine) and return its last lifecycle events."""
+        side = getattr(self, "side", None)
+        if side is not None:
+            self._resume()
+            side.close(close_engine=close_engine)
+        return self.drain_events()
 
     def close(self, close_engine: bool) -> None:
         """Close the strategy (unfinished samples go back to the data source), the engine, the sink."""
