@@ -25,42 +25,22 @@ The last line is `first_render_s=<s> step_switch_s=<s>`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from verst.trainer.dashboard.server import load_runs, start_server
+from verst.trainer.dashboard.server import BackgroundServer
 from verst.trainer.dashboard.synthetic import write_synthetic_run
 
 
-def serve_in_thread(run_dir: Path) -> int:
-    """Start a dashboard server for `run_dir` on a free port in a daemon thread; returns the port."""
-    ready: list[int] = []
-
-    def main() -> None:
-        async def run() -> None:
-            _, port = await start_server(load_runs([run_dir]), port=0)
-            ready.append(port)
-            await asyncio.Event().wait()
-
-        asyncio.run(run())
-
-    threading.Thread(target=main, daemon=True).start()
-    while not ready:
-        time.sleep(0.01)
-    return ready[0]
-
-
 def measure(browser, run_dir: Path, steps: int) -> tuple[float, float]:
-    port = serve_in_thread(run_dir)
+    server = BackgroundServer([run_dir])
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     t0 = time.perf_counter()
-    page.goto(f"http://127.0.0.1:{port}/#timeline")
+    page.goto(server.url + "#timeline")
     page.wait_for_selector(f"body[data-ready='1'][data-timeline-step='{steps}']", timeout=60_000)
     first = time.perf_counter() - t0
     switches = []
@@ -71,6 +51,7 @@ def measure(browser, run_dir: Path, steps: int) -> tuple[float, float]:
         page.wait_for_selector(f"body[data-timeline-step='{target}']", timeout=30_000)
         switches.append(time.perf_counter() - t1)
     page.close()
+    server.close()
     return first, statistics.median(switches)
 
 

@@ -13,6 +13,7 @@ Steps: the rollout with `rollout_id = r` trains step `r + 1`, the step `metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -295,10 +296,8 @@ class RunData:
     def _newest_mtime(self) -> float:
         times = []
         for name in ("metrics.jsonl", "lifecycle.jsonl", "samples.jsonl", "status.json"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 times.append((self.root / name).stat().st_mtime)
-            except FileNotFoundError:
-                pass
         return max(times, default=0.0)
 
     def _metric_phases(self) -> dict[str, float]:
@@ -464,7 +463,7 @@ def _event(record: dict[str, Any]) -> Event | None:
         kind,
         group if isinstance(group, int) else None,
         sample if isinstance(sample, int) else None,
-        attempt if isinstance(attempt, int) else 0,
+        attempt if isinstance(attempt, int) else None,
         detail,
     )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,35 @@ def serve(
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+class BackgroundServer:
+    """A dashboard server on its own event loop in a daemon thread (tests, benchmarks, notebooks).
+
+    `with BackgroundServer([run_dir]) as srv: srv.url` — stopped on exit."""
+
+    def __init__(self, paths: Sequence[str | Path], *, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self.runs = load_runs(paths)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="verst-dashboard", daemon=True)
+        self._thread.start()
+        self.runner, self.port = asyncio.run_coroutine_threadsafe(
+            start_server(self.runs, host=host, port=port), self._loop
+        ).result(timeout=30)
+        self.url = f"http://{host}:{self.port}/"
+        """The page's address."""
+
+    def close(self) -> None:
+        """Stop serving and end the thread."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,6 +11,7 @@ within one rollout. Its spans:
   present, else innermost-first; an `_end` without its start but with `detail.duration_s` spans
   the `duration_s` before it.
 
+Events that do not carry `detail.attempt` (`gen_end`) belong to the sample's latest attempt.
 The final status is `attempt_end`'s `detail.status`; an attempt without an `attempt_end` is
 `unfinished` (`running` while the run is live). Retries of a sample within the step are linked
 (`retry_of` names the previous attempt's row).
@@ -36,7 +37,8 @@ class Event:
     kind: str
     group: int | None
     sample: int | None
-    attempt: int
+    attempt: int | None
+    """`detail.attempt`; None when the event does not say (`gen_end` does not)."""
     detail: dict[str, Any]
 
 
@@ -77,11 +79,16 @@ def _label(prefix: str, detail: dict[str, Any]) -> str:
 def build_attempts(events: Iterable[Event]) -> list[Attempt]:
     """The attempts of one rollout's events, ordered by start time."""
     attempts: dict[tuple[Any, Any, int], Attempt] = {}
+    current: dict[tuple[Any, Any], int] = {}  # the sample's latest attempt, for events without one
     for ev in sorted(events, key=lambda e: e.ts):
-        key = (ev.group, ev.sample, ev.attempt)
+        sample_key = (ev.group, ev.sample)
+        attempt = ev.attempt if ev.attempt is not None else current.get(sample_key, 0)
+        if ev.attempt is not None:
+            current[sample_key] = max(current.get(sample_key, ev.attempt), ev.attempt)
+        key = (ev.group, ev.sample, attempt)
         at = attempts.get(key)
         if at is None:
-            at = attempts[key] = Attempt(ev.group, ev.sample, ev.attempt)
+            at = attempts[key] = Attempt(ev.group, ev.sample, attempt)
         at.first_ts = min(at.first_ts, ev.ts)
         at.last_ts = max(at.last_ts, ev.ts)
         kind = ev.kind

@@ -5,7 +5,7 @@
 
 const POLL_MS = 2000;
 const PAGE = 50;
-const MAX_ROW_LABELS = 60;
+const MAX_ROW_LABELS = 80;
 const STATUS_COLORS = {
   completed: "#2ca02c", truncated: "#ff7f0e", aborted: "#8c8c8c", failed: "#d62728",
   cancelled: "#9467bd", unfinished: "#e377c2", running: "#17becf",
