@@ -266,3 +266,28 @@ def test_tail_reads_each_complete_line_once_whatever_the_write_boundaries(tmp_pa
         done = point
         got.extend(tail.records())
     assert got == records and tail.malformed == 0 and not tail.partial
+
+
+def test_cli_serves_the_given_runs_and_refuses_missing_ones(agentic_run, tmp_path, capsys):
+    import subprocess
+    import sys
+    import urllib.request
+
+    from verst.trainer.cli import main
+
+    assert main(["dashboard", str(tmp_path / "nope")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verst.trainer.cli", "dashboard", str(agentic_run), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("verst dashboard: http://127.0.0.1:"), line
+        url = line.split()[2]
+        with urllib.request.urlopen(url + "api/runs/0/overview", timeout=30) as resp:
+            assert json.loads(resp.read())["status"]["step"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
