@@ -370,6 +370,7 @@ async function poll() {
     await loadSteps();
     const changed = state.steps.all.join(",") !== before;
     if (state.tab === "overview" || state.tab === "curves" || changed || state.followLatest) await renderTab();
+    else if (state.tab === "timeline") drawStepsChart();  // summaries still being computed come in
     $("#live-note").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
     $("#live-note").textContent = `update failed: ${err.message}`;
