@@ -100,6 +100,7 @@ def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, t
     assert w_local.keys() == w_ray.keys()
     for k in w_local:
         torch.testing.assert_close(w_ray[k], w_local[k], rtol=1e-4, atol=1e-5)
+
     # lifecycle events came from the rollout manager, relayed by the driver into its run dir
     # (the same events as the local run's; step 2's rollout ran twice: before the kill and after);
     # samples.jsonl (written by the driver) holds the same samples and rewards
@@ -112,7 +113,9 @@ def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, t
     def event_key(e):
         return (e["rollout_id"], e["kind"], e["group_index"], e["sample_index"])
 
-    assert {event_key(e) for e in events} == {event_key(e) for e in lines(tmp_path / "local", "lifecycle.jsonl")}
+    assert {event_key(e) for e in events} == {
+        event_key(e) for e in lines(tmp_path / "local", "lifecycle.jsonl")
+    }
 
     def sample_key(s):
         return (s["step"], s["split"], s["sample_index"], s["status"], round(s["reward"], 6))

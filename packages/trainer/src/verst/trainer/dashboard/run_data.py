@@ -378,6 +378,7 @@ class RunData:
             "sample_steps": sample_steps,
             "splits": splits,
             "summaries_pending": pending,
+            "live": self.live,
         }
 
     def timeline(self, step: int, *, offset: int = 0, limit: int = 2000) -> dict[str, Any]:

@@ -369,7 +369,8 @@ async function poll() {
     const before = state.steps ? state.steps.all.join(",") : "";
     await loadSteps();
     const changed = state.steps.all.join(",") !== before;
-    if (state.tab === "overview" || state.tab === "curves" || changed || state.followLatest) await renderTab();
+    const live = state.steps.live;
+    if (state.tab === "overview" || (state.tab === "curves" && live) || changed || (state.followLatest && live)) await renderTab();
     else if (state.tab === "timeline") drawStepsChart();  // summaries still being computed come in
     $("#live-note").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
