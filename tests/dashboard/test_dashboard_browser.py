@@ -202,3 +202,33 @@ def test_report_opens_offline_with_the_same_views(browser, finished_run, tmp_pat
     assert int(page.locator("#samples-count").get_attribute("data-total")) == 64
     assert requests == []
     context.close()
+
+
+@pytest.mark.timeout(120)
+def test_curves_overlay_runs_and_smooth(browser, tmp_path):
+    from verst.trainer.dashboard.synthetic import write_synthetic_run
+
+    runs = [
+        write_synthetic_run(tmp_path / name, steps=6, samples_per_step=8, seed=i)
+        for i, name in enumerate("ab")
+    ]
+    with BackgroundServer(runs) as server:
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.goto(server.url + "#curves")
+        page.wait_for_function("document.body.dataset.curves === 'rollout/reward_mean,train/loss'")
+        chart = "document.querySelector(\"[data-key='curve-rollout/reward_mean']\")"
+        names = page.evaluate(f"{chart}.data.map(t => t.name)")
+        assert names == ["a", "b"]  # both runs overlaid
+        ys = page.evaluate(f"{chart}.data[0].y")
+        expected = [m["rollout/reward_mean"] for m in _lines(runs[0] / "metrics.jsonl")]
+        assert ys == pytest.approx(expected)
+        page.evaluate("document.querySelector('#smoothing').value = '0.9'")
+        page.dispatch_event("#smoothing", "input")
+        page.wait_for_function(f"{chart}.data.length === 4")  # raw (faint) + smoothed per run
+        smoothed = page.evaluate(f"{chart}.data[1].y")
+        acc, want = 0.0, []
+        for n, y in enumerate(expected, 1):
+            acc = 0.9 * acc + 0.1 * y
+            want.append(acc / (1 - 0.9**n))
+        assert smoothed == pytest.approx(want)
+        page.close()
