@@ -163,6 +163,9 @@ async def start_server(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    loop = asyncio.get_running_loop()
+    for run in runs:  # index the files now, while the browser is still loading the page
+        loop.run_in_executor(None, lambda r=run: r.refresh(force=True))
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, bound
