@@ -62,10 +62,25 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
+    """(type name, config model) of each built-in variant of a variant-table field, else []."""
+    from verst.rollout.variants import variant_table_of
+
+    table = variant_table_of(field)
+    return list(table.builtins.items()) if table is not None else []
+
+
 def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
-    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`."""
+    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`.
+    A variant field (e.g. `[engine]`) documents each built-in variant's fields."""
     nested: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
+        variants = _variants(field)
+        if variants:
+            for type_name, sub in variants:
+                doc = f'type = "{type_name}": {sub.__doc__ or ""}'.strip()
+                nested.append((name, sub, doc))
+            continue
         sub = _nested_model(field.annotation)
         if sub is not None:
             nested.append((name, sub, field.description or ""))
@@ -91,11 +106,18 @@ def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
         yield from describe_model(sub, key)
 
 
-def markdown_reference(model: type[BaseModel], section: str) -> str:
-    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections."""
-    rows = [f"### `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+def markdown_reference(model: type[BaseModel], section: str, variant: str | None = None) -> str:
+    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections;
+    `variant` names the variant `model` is (its `type`), shown in the heading."""
+    title = f"### `[{section}]`" + (f' — `type = "{variant}"`' if variant else "")
+    rows = [title, "", *([model.__doc__.strip(), ""] if variant and model.__doc__ else [])]
+    rows += ["| key | type | default | meaning |", "|---|---|---|---|"]
     subs: list[str] = []
     for name, field in model.model_fields.items():
+        variants = _variants(field)
+        if variants:
+            subs += [markdown_reference(m, f"{section}.{name}", t) for t, m in variants]
+            continue
         sub = _nested_model(field.annotation)
         if sub is not None:
             subs.append(markdown_reference(sub, f"{section}.{name}"))
@@ -107,6 +129,15 @@ def markdown_reference(model: type[BaseModel], section: str) -> str:
             f"| `{name}` | `{_type_name(field.annotation).replace('|', chr(92) + '|')}` | {shown} | {doc} |"
         )
     return "\n\n".join(["\n".join(rows), *subs])
+
+
+def markdown_section(model: type[BaseModel], name: str) -> str:
+    """The markdown tables of `model`'s field `name` (every variant of a variant field)."""
+    field = model.model_fields[name]
+    variants = _variants(field)
+    if variants:
+        return "\n\n".join(markdown_reference(m, name, t) for t, m in variants)
+    return markdown_reference(field.annotation, name)
 
 
 def config_reference() -> str:
@@ -177,9 +208,9 @@ def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dic
     from verst.rollout.selection import resolve_extra_env_vars
     from verst.trainer.config import load_run_config, validate_run_config
 
+    add_config_dir_to_path(Path(config))  # before loading: an engine `type` may be an import path
     cfg = load_run_config(config, list(overrides))
     cfg = resolve_paths(cfg, Path(config))
-    add_config_dir_to_path(Path(config))
     env = resolve_extra_env_vars(cfg.run.env)
     validate_run_config(cfg, env)
     return cfg, env

@@ -17,7 +17,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verst.rollout.data import PromptDataSource, build_eval_datasets
-from verst.rollout.engine import InferenceEngine
+from verst.rollout.engine import EngineCapabilities, InferenceEngine, engine_capabilities
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
 from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResult
@@ -33,9 +33,7 @@ async def build_engine_from_config(config: RunConfig, model_path: str) -> Infere
     """The engine the `[engine]` section describes; its model defaults to the trainer's."""
     from verst.rollout.engines.config import build_engine
 
-    engine_cfg = config.engine
-    if engine_cfg.model_path is None and engine_cfg.type != "sglang":
-        engine_cfg = engine_cfg.model_copy(update={"model_path": model_path})
+    engine_cfg = config.engine.with_model_path(model_path)
     return await build_engine(engine_cfg, max_concurrency=config.rollout.max_concurrency)
 
 
@@ -88,6 +86,10 @@ class RolloutSide:
         self.engine = (
             engine if engine is not None else self._run(build_engine_from_config(config, model_path))
         )
+        self.engine_capabilities: EngineCapabilities = (
+            engine_capabilities(engine) if engine is not None else config.engine.capabilities()
+        )
+        """What the engine can do: the config's declaration, or a given engine's own."""
         rc = config.rollout
         self.data_source = PromptDataSource(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
         reward_fn, group_reward_fn = build_reward_fns(rc)
@@ -127,13 +129,6 @@ class RolloutSide:
         """Start `coro` on the side's loop without waiting (e.g. an engine call that must run
         while this thread broadcasts weights); `.result()` on the returned future waits."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    @property
-    def in_process_engine(self) -> bool:
-        """True when the engine lives in this process (weights can be pushed as tensors)."""
-        from verst.rollout.engines.embedded import EmbeddedEngine
-
-        return isinstance(self.engine, EmbeddedEngine)
 
     def rollout(self, rollout_id: int, weight_version: int) -> RolloutResult:
         """One training rollout."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines._common import InvalidRequest, new_rid, require
 
 LOCAL_FEATURE = "the embedded engine"
@@ -142,6 +142,18 @@ class EmbeddedEngine:
         """The most rows decoded together so far (a batching statistic)."""
         self._thread = threading.Thread(target=self._run, name="verst-embedded-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """In this process (weights go over as tensors), on its device, memory releasable."""
+        return EngineCapabilities(
+            in_process=True,
+            uses_gpu=self._device.type == "cuda",
+            needs_model_path=True,
+            weight_sync=("tensors", "disk"),
+            release_memory=True,
+            ray_engine_actors=True,
+        )
 
     @classmethod
     def from_pretrained(

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from verst.rollout.config import Section
-from verst.rollout.engines.config import EngineConfig
+from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection
 from verst.rollout.errors import Problem
 from verst.rollout.protocols import Capability
 from verst.trainer.opd.token_sets import (
@@ -66,7 +66,7 @@ class TeacherConfig(Section):
         ),
     )
     engine: EngineConfig = Field(
-        default_factory=EngineConfig,
+        default_factory=ENGINES.build_default,
         description=(
             "type='engine': the teacher's engine, an [engine]-like table (type='sglang' with urls for "
             "a served teacher; type='embedded' runs it in this process)."
@@ -76,17 +76,16 @@ class TeacherConfig(Section):
         "float32", description="type='trainer': parameter dtype of the teacher model."
     )
 
-    def resolved_engine(self) -> EngineConfig:
+    def resolved_engine(self) -> EngineSection:
         """The engine config with `model_path` filled in from the teacher's."""
-        if self.engine.model_path is None and self.model_path is not None:
-            return self.engine.model_copy(update={"model_path": self.model_path})
-        return self.engine
+        return self.engine.with_model_path(self.model_path)
 
     def model_dir(self) -> str | None:
-        """The teacher's local model directory, when known."""
-        if self.type == "trainer":
+        """The teacher's local model directory, when known (an engine that loads no model
+        itself, e.g. SGLang servers, leaves it to the teacher's `model_path`)."""
+        if self.type == "trainer" or not self.engine.capabilities().needs_model_path:
             return self.model_path
-        return self.resolved_engine().model_path if self.engine.type != "sglang" else self.model_path
+        return self.resolved_engine().model_path
 
 
 class OpdConfig(Section):
@@ -255,7 +254,7 @@ def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: i
         )
     if t.type == "engine":
         e = t.resolved_engine()
-        if e.type in ("embedded", "sglang_launch") and not e.model_path:
+        if e.capabilities().needs_model_path and not e.model_path:
             out.append(
                 Problem(
                     f"{key}.model_path",
@@ -263,14 +262,7 @@ def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: i
                     f"set {key}.model_path (or {key}.engine.model_path)",
                 )
             )
-        if e.type == "sglang" and not (e.urls or e.router_url):
-            out.append(
-                Problem(
-                    f"{key}.engine.urls",
-                    "an SGLang teacher needs its servers",
-                    f"set {key}.engine.urls (e.g. ['http://127.0.0.1:30000']) or {key}.engine.router_url",
-                )
-            )
+        out += e.problems(f"{key}.engine")
         if o.top_k and o.token_set in STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS:
             out.append(
                 Problem(

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from verst.rollout.engine import MemoryReleasable
 from verst.rollout.selection import LEGACY_FLAG, resolve_strategy_path
 from verst.trainer.config import RunConfig
 
@@ -249,29 +250,30 @@ class RolloutManagerActor(ActorBase):
         strategy = type(self.side.strategy)
         info = {
             "has_eval": self.side.has_eval,
-            # engine actors take tensors too (through Ray's object store)
-            "in_process_engine": self.side.in_process_engine or bool(engine_actors),
+            # engine actors take tensors too (through Ray's object store): their capabilities say so
+            "engine_capabilities": self.side.engine_capabilities,
             "strategy_path": self.side.strategy_path,
             "strategy_class": f"{strategy.__module__}:{strategy.__qualname__}",
-            "engine_can_release": self._hook("release_memory_occupation") is not None,
+            "engine_can_release": isinstance(self.side.engine, MemoryReleasable),
         }
         self.log.info("rollout side ready: %s", info)
         return info
 
-    def _hook(self, name: str) -> Callable[[], Any] | None:
-        return getattr(self.side.engine, name, None)
+    def _releasable(self) -> MemoryReleasable | None:
+        engine = self.side.engine
+        return engine if isinstance(engine, MemoryReleasable) else None
 
     def _release(self) -> None:
-        hook = self._hook("release_memory_occupation")
-        if self.colocated and hook is not None and not self.released:
-            self.side._run(hook())
+        engine = self._releasable()
+        if self.colocated and engine is not None and not self.released:
+            self.side._run(engine.release_memory_occupation())
             self.released = True
             self.log.info("engine memory released for training")
 
     def _resume(self) -> None:
-        hook = self._hook("resume_memory_occupation")
-        if self.released and hook is not None:
-            self.side._run(hook())
+        engine = self._releasable()
+        if self.released and engine is not None:
+            self.side._run(engine.resume_memory_occupation())
             self.released = False
             self.log.info("engine memory resumed")
 

@@ -1,6 +1,7 @@
 """Embedded engines as their own Ray actors (`run.ray.engine_actors = N`).
 
-`EngineActor` wraps one `verst.rollout.engines.embedded.EmbeddedEngine` in a Ray async actor
+`EngineActor` wraps one engine built from `[engine]` (one whose capabilities allow engine
+actors: the embedded engine) in a Ray async actor
 (its methods mirror the `InferenceEngine` protocol, plus memory release/resume and `stats`);
 `ActorEngine` is the client inside the rollout manager: an `InferenceEngine` that awaits the
 actor's ObjectRefs. The rollout manager puts its N clients in an `EnginePool`, so strategies
@@ -18,7 +19,7 @@ import inspect
 import os
 from typing import Any
 
-from verst.rollout.engine import GenerateOutput, GenerateRequest
+from verst.rollout.engine import EngineCapabilities, GenerateOutput, GenerateRequest, engine_capabilities
 from verst.trainer.placement.actors import ActorBase
 
 
@@ -46,24 +47,15 @@ class EngineActor(ActorBase):
         return result, self.handler.drain()
 
     async def setup(self, model_path: str) -> dict[str, Any]:
-        """Load the model (off the event loop) from `[engine]`; the engine then serves."""
-        from verst.rollout.engines.embedded import EmbeddedEngine
-
+        """Build one engine from `[engine]` (validated to be one that runs as an engine actor,
+        with one copy); the engine then serves."""
         self._init_engine_state()
-        ec = self.config.engine
-        path = ec.model_path or model_path
-        self.engine = await asyncio.to_thread(
-            EmbeddedEngine.from_pretrained,
-            path,
-            device=ec.device,
-            dtype=ec.dtype,
-            tokenizer=ec.tokenizer_path,
-            num_threads=ec.num_threads,
-            max_batch_size=ec.max_batch_size,
-        )
+        ec = self.config.engine.with_model_path(model_path)
+        self.engine = await ec.build(max_concurrency=self.config.rollout.max_concurrency)
+        device = "gpu" if engine_capabilities(self.engine).uses_gpu else "cpu"
         self._ready.set()
-        self.log.info("engine ready: %s on %s", path, self.engine._device)
-        return {"name": self.name, "device": str(self.engine._device)}
+        self.log.info("engine ready: %s on %s", ec.model_path, device)
+        return {"name": self.name, "device": device}
 
     async def _engine(self) -> Any:
         self._init_engine_state()
@@ -119,6 +111,9 @@ class EngineActor(ActorBase):
 
 class ActorEngine:
     """An `InferenceEngine` whose engine is an `EngineActor` (awaits its ObjectRefs)."""
+
+    capabilities = EngineCapabilities(weight_sync=("tensors", "disk"), release_memory=True)
+    """Out of process, but weights go over as tensors (through Ray's object store)."""
 
     def __init__(self, handle: Any, name: str = "engine") -> None:
         self.handle = handle

@@ -70,7 +70,7 @@ class RaySection(Section):
         description=(
             "Embedded engines as their own Ray actors (each on its own bundle: a GPU each on GPU "
             "clusters), load-balanced by the rollout manager; 0 = the engine lives inside the "
-            "rollout manager. Needs engine.type='embedded' (engine.num_engines is then ignored)."
+            "rollout manager. Needs an engine that can run as one (the embedded engine), with one copy."
         ),
     )
     cpus_per_engine_actor: float = Field(1.0, gt=0, description="CPUs reserved for each engine actor.")
@@ -124,37 +124,44 @@ def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
                 "set run.ray.num_train_actors=2 (or more), or train.fsdp=false",
             )
         )
-    engines = cfg.engine.num_engines * cfg.engine.tp_size
-    if ray.layout == "colocated" and cfg.engine.type == "sglang_launch" and engines > 1:
+    problems += engine_placement_problems(cfg)
+    return problems
+
+
+def engine_placement_problems(cfg: RunConfig) -> list[Problem]:
+    """The engine's capabilities against the Ray layout (devices, engine actors)."""
+    ray = cfg.run.ray
+    caps = cfg.engine.capabilities()
+    kind = f"engine.type={cfg.engine.type!r}"
+    problems: list[Problem] = []
+    if ray.layout == "colocated" and caps.launched_gpus > 1:
         problems.append(
             Problem(
                 "run.ray.layout",
                 f"a colocated rollout manager shares train bundle 0 (one device), but engine asks for "
-                f"{engines} GPUs (num_engines x tp_size)",
+                f"{caps.launched_gpus} GPUs (num_engines x tp_size)",
                 "use run.ray.layout='disaggregated' with run.ray.rollout_num_gpus, or one single-GPU engine",
             )
         )
-    if ray.engine_actors and cfg.engine.type != "embedded":
+    if ray.engine_actors and not caps.ray_engine_actors:
         problems.append(
             Problem(
                 "run.ray.engine_actors",
-                f"engine actors run the embedded engine, but engine.type is '{cfg.engine.type}'",
-                "set engine.type='embedded', or run.ray.engine_actors=0 (SGLang servers are their own processes)",
+                f"engine actors run an engine inside each actor, and {kind} cannot run as one "
+                "(e.g. SGLang servers are their own processes)",
+                "set engine.type='embedded', or run.ray.engine_actors=0",
             )
         )
-    if ray.engine_actors and cfg.engine.num_engines > 1:
+    elif ray.engine_actors and caps.engine_count != 1:
         problems.append(
             Problem(
                 "run.ray.engine_actors",
-                f"engine.num_engines={cfg.engine.num_engines} and run.ray.engine_actors="
+                f"engine.num_engines={caps.engine_count} and run.ray.engine_actors="
                 f"{ray.engine_actors} both ask for several engines",
                 "set engine.num_engines=1 and choose the count with run.ray.engine_actors",
             )
         )
-    engine_on_gpu = cfg.engine.type == "sglang_launch" or (
-        cfg.engine.type == "embedded" and cfg.engine.device != "cpu"
-    )
-    if ray.layout == "disaggregated" and ray.device == "gpu" and ray.rollout_num_gpus == 0 and engine_on_gpu:
+    if ray.layout == "disaggregated" and ray.device == "gpu" and ray.rollout_num_gpus == 0 and caps.uses_gpu:
         problems.append(
             Problem(
                 "run.ray.rollout_num_gpus",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verst.rollout.engine import EngineCapabilities
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.lifecycle import LifecycleSink
 from verst.trainer.checkpoint import latest_checkpoint
@@ -421,8 +422,9 @@ class RolloutProxy:
         self._p = placement
         self.has_eval = False
         """Eval datasets are configured."""
-        self.in_process_engine = False
-        """The engine lives in the rollout manager (weights go as tensors through the object store)."""
+        self.engine_capabilities = EngineCapabilities()
+        """What the rollout manager's engine can do (e.g. take weights as tensors, which then go
+        through Ray's object store)."""
         self.strategy_path = ""
         """The strategy the rollout manager resolved from its environment."""
         self.info: dict[str, Any] = {}
@@ -433,7 +435,7 @@ class RolloutProxy:
     def _set_info(self, info: dict[str, Any]) -> None:
         self.info = dict(info)
         self.has_eval = bool(info["has_eval"])
-        self.in_process_engine = bool(info["in_process_engine"])
+        self.engine_capabilities = info["engine_capabilities"]
         self.strategy_path = str(info["strategy_path"])
 
     def _call(self, method: str, *args: Any) -> Any:
