@@ -66,7 +66,10 @@ class VariantTable(Generic[C]):
         return cls  # type: ignore[return-value]
 
     def parse(self, value: Any) -> Any:
-        """Validate a table (mapping) with the config model its `type` selects."""
+        """Validate a table (mapping) — or just a name, for a variant with its defaults — with
+        the config model its `type` selects."""
+        if isinstance(value, str):
+            value = {"type": value}
         if isinstance(value, self.base) or not isinstance(value, Mapping):
             return value  # an instance passes; anything else fails the base model's check
         data = dict(value)

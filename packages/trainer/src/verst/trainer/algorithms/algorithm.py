@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from verst.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from verst.trainer.algorithms.advantages import AdvantageEstimator
 from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, LossNorm
 from verst.trainer.algorithms.config import AlgorithmConfig
 from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
-from verst.trainer.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
+from verst.trainer.algorithms.policy_losses import PolicyLoss
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +180,7 @@ class Algorithm:
         total = pg_loss
         metrics["pg_loss"] = pg_loss
         metrics["clip_frac"] = _masked_mean(terms.clipped.to(mask.dtype), mask)
-        if c.dual_clip_c is not None:
+        if terms.dual_clipped is not None:
             metrics["dual_clip_frac"] = _masked_mean(terms.dual_clipped.to(mask.dtype), mask)
         metrics["ratio_mean"] = _masked_mean(terms.ratio, mask)
         metrics["ratio_max"] = torch.where(mask > 0, terms.ratio, torch.zeros_like(terms.ratio)).max()
@@ -212,8 +212,8 @@ def build_algorithm(config: AlgorithmConfig) -> Algorithm:
     loss_agg = config.resolved_loss_agg()
     return Algorithm(
         config=config,
-        estimator=ADVANTAGE_ESTIMATORS[config.advantage].from_config(config),
-        policy_loss=POLICY_LOSSES[config.policy_loss].from_config(config),
+        estimator=config.advantage.build(),
+        policy_loss=config.policy_loss.build(),
         aggregate=AGGREGATIONS[loss_agg],
         kl_estimator=KL_ESTIMATORS[config.kl_estimator],
         loss_agg=loss_agg,
