@@ -182,3 +182,16 @@ def test_its_fields_are_validated_like_any_section(tmp_path, tiny_checkpoint):
     assert problem.key == "engine.type" and "sglang_launch" in problem.why and "import path" in problem.why
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
         load_run_config(path, [f'engine.type="{__name__}:Nope"'])
+
+
+def test_its_path_fields_resolve_against_the_config_folder(tmp_path, tiny_checkpoint, monkeypatch):
+    from verst.trainer.cli import resolve_paths
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_checkpoint)
+    path = _write_config(tmp_path, tiny_checkpoint)
+    monkeypatch.chdir(tiny_checkpoint.parent)  # somewhere else
+    relative = ['engine.model_path="models/tiny"', 'rollout.data.path="p.jsonl"']
+    cfg = resolve_paths(load_run_config(path, relative), path)
+    assert cfg.engine.model_path == str(tmp_path / "models" / "tiny")  # a variant's own config
+    assert cfg.rollout.data.path == str(tmp_path / "p.jsonl")

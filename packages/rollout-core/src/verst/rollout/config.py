@@ -7,7 +7,7 @@ reports every problem in one `ConfigError`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,10 +18,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+CONFIG_PATH = "config_path"
+"""`json_schema_extra` flag of a field holding a file or folder path: relative paths resolve
+against the config file's folder (`verst.trainer.cli.resolve_paths` walks every section)."""
+
+
+def path_field(default: Any = None, *, description: str) -> Any:
+    """A `Field` holding a path that resolves against the config file's folder."""
+    return Field(default, description=description, json_schema_extra={CONFIG_PATH: True})
+
+
+def is_path_field(field: Any) -> bool:
+    """True for a field declared with `path_field`."""
+    extra = getattr(field, "json_schema_extra", None)
+    return isinstance(extra, dict) and bool(extra.get(CONFIG_PATH))
+
+
 class DataConfig(Section):
     """A prompt dataset (JSONL or Parquet)."""
 
-    path: str | None = Field(None, description="JSONL or Parquet file of prompts.")
+    path: str | None = path_field(description="JSONL or Parquet file of prompts.")
     input_key: str = Field("prompt", description="Row key holding the prompt (text or chat messages).")
     label_key: str | None = Field(
         "label", description="Row key holding the reference answer (None = no label)."

@@ -28,16 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from verst.rollout.config import is_path_field
 from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
 
 EXIT_USER_ERROR = 2
 """Exit code of a bad config, bad data or a missing optional package."""
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C."""
-
-PATH_FIELDS = ("train.model_path", "train.ref_model_path", "engine.model_path", "engine.tokenizer_path")
-"""Dotted config keys holding file paths that resolve against the config file's folder."""
-
 
 # ---------------------------------------------------------------- help generated from the schema
 
@@ -152,29 +149,14 @@ def config_reference() -> str:
 # ---------------------------------------------------------------- config loading
 
 
-def _get(data: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = getattr(data, part, None)
-        if data is None:
-            return None
-    return data
-
-
-def _set(cfg: BaseModel, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node: Any = cfg
-    for part in parents:
-        node = getattr(node, part)
-    setattr(node, last, value)
-
-
 def resolve_paths(cfg: Any, config_path: Path) -> Any:
-    """Make relative model/data paths absolute: against the config's folder when they exist
-    there, else against the current directory when they exist there; otherwise leave them
-    (a Hub model id like `Qwen/Qwen2.5-0.5B-Instruct`, or a file validation will report)."""
+    """Make relative paths absolute — every field declared with `path_field`, in every section
+    and variant: against the config's folder when they exist there, else against the current
+    directory when they exist there; otherwise leave them (a Hub model id like
+    `Qwen/Qwen2.5-0.5B-Instruct`, or a file validation will report)."""
     base = config_path.resolve().parent
 
-    def fix(value: str | None) -> str | None:
+    def fix(value: str) -> str:
         if not value or Path(value).is_absolute():
             return value
         for candidate in (base / value, Path.cwd() / value):
@@ -182,17 +164,22 @@ def resolve_paths(cfg: Any, config_path: Path) -> Any:
                 return str(candidate)
         return value
 
-    for dotted in PATH_FIELDS:
-        value = _get(cfg, dotted)
-        if isinstance(value, str) and hasattr(_get(cfg, dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1]):
-            _set(cfg, dotted, fix(value))
-    data = cfg.rollout.data
-    data.path = fix(data.path)
-    for ds in cfg.rollout.eval.datasets.values():
-        ds.path = fix(ds.path)
-    for teacher in cfg.opd.teachers.values():  # on-policy distillation teachers
-        teacher.model_path = fix(teacher.model_path)
-        teacher.engine.model_path = fix(teacher.engine.model_path)
+    def walk(node: Any) -> None:
+        if isinstance(node, BaseModel):
+            for name, field in type(node).model_fields.items():
+                value = getattr(node, name)
+                if is_path_field(field) and isinstance(value, str):
+                    setattr(node, name, fix(value))
+                else:
+                    walk(value)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                walk(value)
+
+    walk(cfg)
     return cfg
 
 

@@ -17,23 +17,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from verst.rollout.config import RolloutConfig, Section
+from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.opd.config import OpdConfig
-from verst.trainer.placement.layout import RaySection
+from verst.trainer.opd.config import OpdConfig, opd_problems
+from verst.trainer.placement.layout import RaySection, placement_problems
 
 
 class TrainConfig(Section):
     """The policy model, its optimizer and how a step is computed."""
 
-    model_path: str | None = Field(
-        None,
-        description="Hugging Face model directory loaded with from_pretrained (None = the engine's model).",
+    model_path: str | None = path_field(
+        description="Hugging Face model directory loaded with from_pretrained (None = the engine's model)."
     )
-    ref_model_path: str | None = Field(
-        None, description="Frozen reference model for KL (None = the initial policy, model_path)."
+    ref_model_path: str | None = path_field(
+        description="Frozen reference model for KL (None = the initial policy, model_path)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the trained model (float32 on CPU)."
@@ -406,12 +405,10 @@ def validate_run_config(
         validate_rollout_config(cfg.rollout, env, extra_requests=cfg.opd.capability_requests())
     except ConfigError as exc:
         problems += exc.problems
-    from verst.trainer.opd.config import opd_problems
-
-    problems += opd_problems(cfg)
+    problems += opd_problems(
+        cfg.opd, student_model_path=cfg.train.model_path or cfg.engine.model_path, fsdp=cfg.train.fsdp
+    )
     problems += train_problems(cfg, env, cuda_available=cuda_available)
-    from verst.trainer.placement.layout import placement_problems
-
     problems += placement_problems(cfg, env)
     if problems:
         raise ConfigError(problems)

@@ -44,7 +44,8 @@ from verst.trainer.weight_sync import WeightSync
 
 @runtime_checkable
 class MetricsLogger(Protocol):
-    """Where metrics and progress go (helper F's logger writes metrics.jsonl, TensorBoard, a display)."""
+    """Where metrics and progress go (`verst.trainer.metrics.RunLogger` writes metrics.jsonl,
+    TensorBoard and a display)."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record the metrics of one step."""

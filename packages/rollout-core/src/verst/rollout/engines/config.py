@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section
+from verst.rollout.config import Section, path_field
 from verst.rollout.engine import EngineCapabilities, InferenceEngine
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.variants import VariantTable
@@ -35,8 +35,8 @@ class EngineSection(Section):
             "or an import path 'pkg.module:Engine' (a class with a nested Config)."
         ),
     )
-    model_path: str | None = Field(
-        None, description="Model directory (HF layout); None = the trainer's model."
+    model_path: str | None = path_field(
+        description="Model directory (HF layout); None = the trainer's model."
     )
 
     def capabilities(self) -> EngineCapabilities:
@@ -63,7 +63,7 @@ class EmbeddedEngineConfig(EngineSection):
     """The embedded engine: a Hugging Face causal LM in this process (extra `local`)."""
 
     type: Literal["embedded"] = Field("embedded", description="The in-process engine.")
-    tokenizer_path: str | None = Field(None, description="Tokenizer directory (None = model_path).")
+    tokenizer_path: str | None = path_field(description="Tokenizer directory (None = model_path).")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Device (auto = cuda if available).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight dtype (log-probs are always computed in float32)."

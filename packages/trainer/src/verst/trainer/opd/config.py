@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section
+from verst.rollout.config import Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection
 from verst.rollout.errors import Problem
 from verst.rollout.protocols import Capability
@@ -42,9 +42,6 @@ from verst.trainer.opd.token_sets import (
     TOKEN_SET_STRATEGIES,
     WEIGHTINGS,
 )
-
-if TYPE_CHECKING:
-    from verst.trainer.config import RunConfig
 
 
 class TeacherConfig(Section):
@@ -58,8 +55,7 @@ class TeacherConfig(Section):
             "trainer process and run with the chunked kernels (supports every token set)."
         ),
     )
-    model_path: str | None = Field(
-        None,
+    model_path: str | None = path_field(
         description=(
             "Hugging Face directory of the teacher. type='trainer': required. type='engine': the "
             "embedded engine's model when engine.model_path is unset."
@@ -177,9 +173,9 @@ def read_vocab_size(model_dir: str | None) -> int | None:
     return int(vocab) if isinstance(vocab, int) else None
 
 
-def opd_problems(cfg: RunConfig) -> list[Problem]:
-    """Every problem of the `[opd]` section in the context of the run (empty when OPD is off)."""
-    o = cfg.opd
+def opd_problems(o: OpdConfig, *, student_model_path: str | None, fsdp: bool) -> list[Problem]:
+    """Every problem of the `[opd]` section in the context of the run (empty when OPD is off):
+    `student_model_path` is the trained model's directory, `fsdp` whether the trainer shards."""
     if not o.enabled:
         return []
     out: list[Problem] = []
@@ -221,8 +217,7 @@ def opd_problems(cfg: RunConfig) -> list[Problem]:
                 "set opd.coef > 0, or opd.with_task_reward = true",
             )
         )
-    student_dir = cfg.train.model_path or cfg.engine.model_path
-    student_vocab = read_vocab_size(student_dir)
+    student_vocab = read_vocab_size(student_model_path)
     if o.top_k and student_vocab is not None and o.log_prob_top_k > student_vocab:
         out.append(
             Problem(
@@ -234,7 +229,7 @@ def opd_problems(cfg: RunConfig) -> list[Problem]:
     for name, t in o.teachers.items():
         key = f"opd.teachers.{name}"
         out += _teacher_problems(key, t, o, student_vocab)
-        if t.type == "trainer" and cfg.train.fsdp:
+        if t.type == "trainer" and fsdp:
             out.append(
                 Problem(
                     f"{key}.type",

@@ -238,7 +238,7 @@ class RolloutManagerActor(ActorBase):
         engine = None
         if engine_actors:
             from verst.rollout.engines.pool import EnginePool
-            from verst.trainer.placement.engine_actors import ActorEngine
+            from verst.trainer.placement.actor_engine import ActorEngine
 
             engine = EnginePool([ActorEngine(h, name) for h, name in engine_actors])
         self.sink = BufferedSink()  # the driver drains it into its lifecycle.jsonl (drain_events)

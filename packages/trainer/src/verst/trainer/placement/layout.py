@@ -10,7 +10,7 @@ Two layouts, chosen with `run.ray.layout` and validated before anything starts:
   `/release_memory_occupation`).
 - `run.ray.engine_actors = N` (either layout): N embedded engines as their own actors, each on
   its own bundle of the placement group (a GPU each on GPU clusters); the rollout manager
-  load-balances over them (`engine_actors.ActorEngine` in an `EnginePool`).
+  load-balances over them (`actor_engine.ActorEngine` in an `EnginePool`).
 - `disaggregated`: the train actors get their own placement group; the rollout manager gets its
   own resources (`run.ray.rollout_num_gpus`), so generation can overlap training. Fully-async
   rollouts require it.
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import Field
 
-from verst.rollout.config import Section
+from verst.rollout.config import RolloutConfig, Section
+from verst.rollout.engines.config import EngineSection
 from verst.rollout.errors import Problem
-
-if TYPE_CHECKING:
-    from verst.trainer.config import RunConfig
 
 Layout = Literal["colocated", "disaggregated"]
 Device = Literal["cpu", "gpu"]
@@ -83,7 +81,21 @@ class RaySection(Section):
 # ---------------------------------------------------------------- validation
 
 
-def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
+class RunSections(Protocol):
+    """The sections the placement checks read: a `verst.trainer.config.RunConfig` (typed
+    structurally, so this module does not import the run config that embeds `RaySection`)."""
+
+    @property
+    def run(self) -> Any: ...  # RunSection: placement, ray_address, ray
+    @property
+    def train(self) -> Any: ...  # TrainConfig: fsdp
+    @property
+    def engine(self) -> EngineSection: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+
+
+def placement_problems(cfg: RunSections, env: Mapping[str, str]) -> list[Problem]:
     """Up-front checks of `run.placement`, `run.ray_address` and `run.ray` (no Ray import)."""
     run = cfg.run
     ray = run.ray
@@ -128,7 +140,7 @@ def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
     return problems
 
 
-def engine_placement_problems(cfg: RunConfig) -> list[Problem]:
+def engine_placement_problems(cfg: RunSections) -> list[Problem]:
     """The engine's capabilities against the Ray layout (devices, engine actors)."""
     ray = cfg.run.ray
     caps = cfg.engine.capabilities()
