@@ -113,6 +113,13 @@ class RolloutConfig(Section):
         None,
         description="Import path of a custom strategy class or v1 rollout function; overrides the default.",
     )
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Options of the selected strategy, validated up front against its `Options` model (a "
+            "custom strategy declares its own typed options; see strategy_options())."
+        ),
+    )
     dynamic_filters: list[str] = Field(
         default_factory=list,
         description="Group filters applied while over-sampling: nonzero_std, no_aborted, or import paths.",

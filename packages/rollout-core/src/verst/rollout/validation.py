@@ -23,10 +23,12 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from verst.rollout.config import DataConfig, RolloutConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.importing import ImportPathError, import_object, split_import_path
-from verst.rollout.protocols import Capability
+from verst.rollout.protocols import Capability, strategy_options_model
 from verst.rollout.rewards.registry import BUILTIN_REWARDS, REMOTE, is_import_path, valid_reward_types
 from verst.rollout.selection import (
     LEGACY_FLAG,
@@ -395,6 +397,7 @@ def _strategy_problems(
             "give the class `capabilities: ClassVar[frozenset[Capability]] = frozenset({...})`",
         )
         return
+    yield from strategy_option_problems(obj, path, config.strategy_options)
     fixes = {f.capability: f.fix for f in FEATURE_CAPABILITIES}
     supported = sorted(c.value for c in caps)
     for cap, req_key in requests.items():
@@ -404,6 +407,26 @@ def _strategy_problems(
                 f"the selected strategy {path!r} does not support {cap.value} (it supports: {supported})",
                 fixes.get(cap, f"turn off {req_key}, or select a strategy that supports {cap.value}"),
             )
+
+
+def strategy_option_problems(strategy: Any, path: str, options: Mapping[str, Any]) -> Iterator[Problem]:
+    """`rollout.strategy_options` against the strategy's `Options` model (none = no options)."""
+    model = strategy_options_model(strategy)
+    if model is None:
+        if options:
+            yield Problem(
+                "rollout.strategy_options",
+                f"strategy {path!r} takes no options (it declares no `Options` model)",
+                "remove rollout.strategy_options, or give the strategy class an `Options` pydantic model",
+            )
+        return
+    try:
+        model.model_validate(dict(options))
+    except ValidationError as exc:
+        for err in exc.errors():
+            key = ".".join(["rollout.strategy_options", *map(str, err["loc"])])
+            fields = ", ".join(sorted(model.model_fields))
+            yield Problem(key, f"{err['msg']} (got {err.get('input')!r})", f"{path} options: {fields}")
 
 
 def validate_rollout_config(
