@@ -184,7 +184,8 @@ def _classify(
     unused: list[list[Sample]],
     tally: Counter[str],
 ) -> None:
-    """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+    """A generated group: hand it back if unfinished, else keep it or drop it (counted per
+    reason). Dynamic filters only ever see finished groups."""
     tally["finished_groups"] += 1
     tally["generated_tokens"] += sum(s.response_length for s in group)
     reward_errors = sum(s.status is Status.FAILED for s in group)
@@ -192,13 +193,14 @@ def _classify(
         tally["reward_errors"] += reward_errors
         tally["dropped/reward_error"] += 1
         return
+    if not all(s.status.is_finished for s in group):
+        unused.append(group)  # aborted: handed back; filters only ever see finished groups
+        return
     outcome = apply_filters(filters, group)
     if not outcome.keep:
         tally[f"dropped/{outcome.reason or 'filtered'}"] += 1
-    elif all(s.status.is_finished for s in group):
-        kept.append(group)
     else:
-        unused.append(group)
+        kept.append(group)
 
 
 async def _group_with_retries(

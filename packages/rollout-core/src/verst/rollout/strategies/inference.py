@@ -293,7 +293,8 @@ class InferenceRollout:
     def _classify(
         self, samples: list[Sample], kept: list[list[Sample]], unused: list[list[Sample]], tally: _Tally
     ) -> None:
-        """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+        """A generated group: hand it back if unfinished (some sample aborted), else keep it or
+        drop it (counted per reason). Dynamic filters only ever see finished groups."""
         tally.finished_groups += 1
         tally.generated_tokens += sum(s.response_length for s in samples)
         reward_errors = sum(s.status is Status.FAILED for s in samples)
@@ -301,15 +302,15 @@ class InferenceRollout:
             tally.reward_errors += reward_errors
             tally.dropped["reward_error"] = tally.dropped.get("reward_error", 0) + 1
             return
+        if not all(s.status.is_finished for s in samples):
+            unused.append(samples)  # aborted: handed back; filters only ever see finished groups
+            return
         outcome = apply_filters(self.filters, samples)
         if not outcome.keep:
             reason = outcome.reason or "filtered"
             tally.dropped[reason] = tally.dropped.get(reason, 0) + 1
             return
-        if all(s.status.is_finished for s in samples):
-            kept.append(samples)
-        else:
-            unused.append(samples)
+        kept.append(samples)
 
     async def _drain(
         self, state: GenerateState, in_flight: dict[asyncio.Task[list[Sample]], list[Sample]]
