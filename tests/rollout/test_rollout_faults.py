@@ -6,14 +6,12 @@ variants that simulate one fault each (an engine that aborts some requests, one 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from inference_testkit import ToyEngine, make_context
 
 from verst.rollout.engine import GenerateOutput, GenerateRequest
 from verst.rollout.protocols import RolloutRequest
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import Sample
 from verst.rollout.strategies.fully_async import FullyAsyncRollout
 from verst.rollout.strategies.inference import InferenceRollout
 
@@ -25,18 +23,16 @@ def prompt_text(request: GenerateRequest) -> str:
 
 
 class AbortingEngine(ToyEngine):
-    """Simulates an engine that aborts the first request of each sample of some prompts."""
+    """Simulates an engine that aborts the first `times` requests of some prompts."""
 
-    def __init__(self, abort_prompts: set[str], **kw) -> None:
+    def __init__(self, abort_prompts: set[str], times: int = 2, **kw) -> None:
         super().__init__(**kw)
-        self.abort_prompts = abort_prompts
-        self.seen: set[str] = set()
+        self.left = dict.fromkeys(abort_prompts, times)
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         text = prompt_text(request)
-        sample = request.rid.rsplit("-", 2)[-2]
-        if text in self.abort_prompts and (text, sample) not in self.seen:
-            self.seen.add((text, sample))
+        if self.left.get(text, 0) > 0:
+            self.left[text] -= 1
             self.requests.append(request)
             return GenerateOutput(
                 output_ids=[70],
@@ -81,3 +77,67 @@ async def test_fully_async_aborted_groups_are_retried_never_dropped_by_filters()
         assert not any(k.startswith("rollout/dropped/") for k in result.metrics), result.metrics
     await strategy.close()
     assert {0, 1} <= set(seen), "the aborted prompts were regenerated and trained on"
+
+
+class RefitAbortEngine(ToyEngine):
+    """Simulates an engine whose weight update aborts the requests running on it: each
+    prompt's first request returns one token and `abort`, and the update lands right after."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.first: set[str] = set()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        text = prompt_text(request).rstrip("F")  # the prompt, without a resumed partial response
+        if text not in self.first:
+            self.first.add(text)
+            self.requests.append(request)
+            out = GenerateOutput(
+                output_ids=[70],
+                output_logprobs=[-0.1],
+                finish_reason="abort",
+                weight_version=self.weight_version,
+                prompt_tokens=len(request.input_ids),
+            )
+            self.weight_version += 1  # the refit that aborted it
+            return out
+        return await super().generate(request)
+
+
+async def test_offpolicy_mask_follows_token_versions_not_rollout_ids():
+    ctx = make_context(
+        RefitAbortEngine(length=lambda r: 4),
+        fully_async=True,
+        async_buffer_groups=2,
+        batch_size=1,
+        n_samples_per_prompt=1,
+        partial_rollout=True,
+        mask_offpolicy_in_partial_rollout=True,
+        max_weight_staleness=10,
+    )
+    strategy = FullyAsyncRollout(ctx)
+    result = await strategy(RolloutRequest(rollout_id=0, weight_version=0))
+    await strategy.close()
+    (sample,) = result.groups[0]
+    assert len(sample.weight_versions) == 2 and sample.weight_versions[0] < sample.weight_versions[1]
+    assert sample.loss_mask == [0] + [1] * (sample.response_length - 1), "the old-weights prefix is masked"
+    assert sample.token_versions == [sample.weight_versions[0]] + [sample.weight_versions[1]] * 3
+    sample.validate()
+
+
+async def test_partial_resume_under_unchanged_weights_is_not_masked():
+    ctx = make_context(
+        RefitAbortEngine(length=lambda r: 4),
+        batch_size=1,
+        n_samples_per_prompt=1,
+        partial_rollout=True,
+        mask_offpolicy_in_partial_rollout=True,
+    )
+    engine = ctx.engine
+    strategy = InferenceRollout(ctx)
+    await strategy(RolloutRequest(rollout_id=0))  # prompt 0 aborted (handed back), prompt 1 kept
+    engine.weight_version = 0  # the "refit" never happened: same weights next rollout
+    result = await strategy(RolloutRequest(rollout_id=1))
+    resumed = [s for g in result.groups for s in g if s.metadata["prompt_id"] == 0]
+    assert resumed and resumed[0].weight_versions == [0, 0]
+    assert resumed[0].loss_mask is None, "tokens of the same weights stay trained on"

@@ -60,7 +60,15 @@ class Sample:
     status: Status = Status.PENDING
     """Lifecycle status; see `Status`."""
     weight_versions: list[int] = field(default_factory=list)
-    """Engine weight versions this sample was generated with (several for partial rollouts)."""
+    """Engine weight versions this sample was generated with, one per engine call (several for
+    resumed partial samples and multi-turn trajectories)."""
+    token_versions: list[int] | None = None
+    """Per response token, the weight version of the engine call that produced it (None = not
+    tracked). Tokens an engine call did not produce (tool/environment output in a multi-turn
+    trajectory) carry the version of the call before them. With
+    `mask_offpolicy_in_partial_rollout` every response token whose version is older than the
+    newest is loss-masked (`offpolicy_loss_mask`), whatever the rollout id; a generate function
+    that appends a segment extends it with `[version] * len(segment)`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (dataset fields, `start_rollout_id`, errors, teacher ids...)."""
     generate_function_path: str | None = None
@@ -114,6 +122,10 @@ class Sample:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != self.response_length:
             problems.append(
                 f"len(rollout_logprobs)={len(self.rollout_logprobs)} != response_length={self.response_length}"
+            )
+        if self.token_versions is not None and len(self.token_versions) != self.response_length:
+            problems.append(
+                f"len(token_versions)={len(self.token_versions)} != response_length={self.response_length}"
             )
         if problems:
             raise SampleInvariantError(f"sample {self.sample_index}: " + "; ".join(problems))
