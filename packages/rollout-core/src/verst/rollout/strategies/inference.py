@@ -10,8 +10,16 @@ One training rollout:
    `rollout/dropped/<reason>`). A group whose generation raised (`GroupGenerationError`) is
    logged and resubmitted up to `max_group_retries` times, then its samples are marked FAILED
    with the error in their metadata and counted (`rollout/failed_groups`) — never trained on,
-   never silently dropped.
-3. Once `batch_size` groups are kept: set `state.aborted`, abort this rollout's engine requests
+   never silently dropped. A group whose cause is not retryable (`EngineError.retryable` False:
+   a 4xx such as a prompt longer than the context) is marked FAILED at once. When more groups
+   fail in a row (FAILED, or dropped for a reward error) than one batch holds, the rollout raises
+   `RolloutFailedError` naming the engine, the functions and the last error — and hands every
+   group in play back to the data source.
+3. At most `max_waves_per_rollout` waves are pulled (default 10 × the waves one batch needs):
+   when every group is filtered (e.g. `nonzero_std` on a solved task) the rollout returns the
+   groups it kept (`rollout/wave_limit_hit = 1`), or raises `RolloutStalledError` naming the
+   drop reasons when it kept none — never cycling the dataset forever.
+4. Once `batch_size` groups are kept: set `state.aborted`, abort this rollout's engine requests
    by their id prefix, wait for the groups in flight, and hand every unused group back to the
    data source — with `partial_rollout` as they are (ABORTED samples keep their partial tokens
    and `start_rollout_id`), otherwise reset to fresh prompts. None is lost.
@@ -31,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from verst.rollout.engine import SamplingParams
+from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
     GroupGenerationError,
     SingleTurnGenerate,
@@ -77,6 +86,24 @@ class _Tally:
     """Response tokens of every finished group (kept or dropped)."""
     finished_groups: int = 0
     """Groups that finished generating (kept, dropped or unfinished)."""
+    waves: int = 0
+    """Waves of groups pulled from the data source."""
+    wave_limit_hit: bool = False
+    """The rollout stopped pulling at `max_waves_per_rollout` without a full batch."""
+    failure_streak: list[list[Sample]] = field(default_factory=list)
+    """Groups that failed (FAILED after retries, or a reward error) since the last good group."""
+
+
+class RolloutStalledError(RolloutError):
+    """A rollout pulled `max_waves_per_rollout` waves and kept no group (all were dropped)."""
+
+
+def max_waves(config: Any) -> int:
+    """Waves one training rollout may pull: `max_waves_per_rollout`, or 10 × the waves a batch needs."""
+    if config.max_waves_per_rollout is not None:
+        return int(config.max_waves_per_rollout)
+    wave = config.effective_over_sampling_batch_size
+    return 10 * -(-config.batch_size // wave)
 
 
 def _scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
@@ -174,6 +201,34 @@ class InferenceRollout:
             generate_fn_cache=self._generate_fn_cache,
         )
 
+    def failure_source(self) -> str:
+        """What a failing group may have failed in: the engine and the user functions."""
+        config = self.context.config
+        parts = [f"engine: {self.context.engine!r}"]
+        parts.append(f"generate function: {config.generate_function_path or 'SingleTurnGenerate (default)'}")
+        parts.append(f"reward: {config.reward.type}")
+        return "; ".join(parts)
+
+    def _check_failures(self, tally: _Tally, rollout_id: int) -> None:
+        """Raise `RolloutFailedError` once more groups failed in a row than one batch holds."""
+        if len(tally.failure_streak) > self.context.config.batch_size:
+            errors = [g[0].metadata.get("error", "") for g in tally.failure_streak if g]
+            raise RolloutFailedError(rollout_id, errors, source=self.failure_source())
+
+    def _stall_error(
+        self, rollout_id: int, kept: int, tally: _Tally, unfinished: int = 0
+    ) -> RolloutStalledError:
+        config = self.context.config
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(tally.dropped.items())) or "none"
+        return RolloutStalledError(
+            f"rollout {rollout_id}: pulled {tally.waves} waves ({tally.finished_groups} groups finished) and "
+            f"kept {kept} of {config.batch_size} groups — the others were dropped ({reasons}) or came "
+            f"back unfinished ({unfinished}, aborted by the engine). "
+            f"With nonzero_std this means the task is solved (all rewards in a group equal); fix: stop "
+            f"training, remove the filter from rollout.dynamic_filters, or raise "
+            f"rollout.max_waves_per_rollout (now {max_waves(config)})"
+        )
+
     def _log_group_failure(self, err: GroupGenerationError, retry: bool) -> None:
         first = err.group[0] if err.group else None
         logger.warning(
@@ -218,6 +273,7 @@ class InferenceRollout:
         retries: dict[int, int] = {}
         next_group = next_sample = 0
         exhausted = False
+        wave_limit = max_waves(config)
 
         finished: asyncio.Queue[asyncio.Task[list[Sample]]] = asyncio.Queue()
 
@@ -230,6 +286,17 @@ class InferenceRollout:
         try:
             while len(kept) < target:
                 while not exhausted and len(kept) + len(in_flight) < target:
+                    if tally.waves >= wave_limit:
+                        exhausted = tally.wave_limit_hit = True
+                        logger.warning(
+                            "rollout %d: %d waves pulled, %d of %d groups kept; stopping (max_waves_per_rollout)",
+                            request.rollout_id,
+                            tally.waves,
+                            len(kept),
+                            target,
+                        )
+                        break
+                    tally.waves += 1
                     groups = self.context.data_source.get_samples(wave)
                     if not groups:
                         exhausted = True
@@ -254,7 +321,7 @@ class InferenceRollout:
                     error = task.exception()
                     if isinstance(error, GroupGenerationError):
                         used = retries.get(group[0].group_index, 0)
-                        retry = used < config.max_group_retries
+                        retry = used < config.max_group_retries and _retryable(error)
                         self._log_group_failure(error, retry)
                         if retry:
                             retries[group[0].group_index] = used + 1
@@ -262,12 +329,24 @@ class InferenceRollout:
                             submit([reset_sample(s, keep_attempt=True) for s in group])
                         else:
                             failed.append(_mark_failed(group, error))
+                            tally.failure_streak.append(group)
+                            self._check_failures(tally, request.rollout_id)
                         continue
                     if error is not None:
                         unused.append(group)
                         raise error
                     self._classify(task.result(), kept, unused, tally)
+                    self._check_failures(tally, request.rollout_id)
+            if not kept and tally.wave_limit_hit:
+                raise self._stall_error(request.rollout_id, len(kept), tally, len(unused))
             completed = True
+        except RolloutError:
+            # the run stops: failed and reward-error groups go back too, as fresh prompts
+            seen = {id(g) for g in failed}
+            back = [*failed, *(g for g in tally.failure_streak if id(g) not in seen)]
+            unused.extend([reset_sample(s) for s in g] for g in back)
+            failed = []
+            raise
         finally:
             state.aborted.set()
             drained = False
@@ -301,10 +380,12 @@ class InferenceRollout:
         if reward_errors:
             tally.reward_errors += reward_errors
             tally.dropped["reward_error"] = tally.dropped.get("reward_error", 0) + 1
+            tally.failure_streak.append(samples)
             return
         if not all(s.status.is_finished for s in samples):
             unused.append(samples)  # aborted: handed back; filters only ever see finished groups
             return
+        tally.failure_streak.clear()  # generated and scored: whatever the filters say, it works
         outcome = apply_filters(self.filters, samples)
         if not outcome.keep:
             reason = outcome.reason or "filtered"
@@ -345,6 +426,8 @@ class InferenceRollout:
                 "rollout/reward_errors": float(tally.reward_errors),
                 "rollout/returned_groups": float(tally.returned_groups),
                 "rollout/aborted": float(tally.aborted_samples),
+                "rollout/waves": float(tally.waves),
+                "rollout/wave_limit_hit": float(tally.wave_limit_hit),
                 "rollout/generated_tokens": float(tally.generated_tokens),
                 "rollout/time_s": elapsed,
                 "rollout/tokens_per_s": tally.generated_tokens / elapsed if elapsed > 0 else 0.0,
@@ -392,8 +475,9 @@ class InferenceRollout:
             try:
                 return await generate_and_rm_group(state, group, params, evaluation=True)
             except GroupGenerationError as err:
-                self._log_group_failure(err, attempt < retries)
-                if attempt >= retries:
+                retry = attempt < retries and _retryable(err)
+                self._log_group_failure(err, retry)
+                if not retry:
                     return _mark_failed(group, err)
             attempt += 1
             for s in group:
@@ -409,6 +493,11 @@ def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sam
     if task.cancelled() or task.exception() is not None:
         return group
     return task.result()
+
+
+def _retryable(err: GroupGenerationError) -> bool:
+    """Whether resubmitting the group may help: not for a request the engine refused (4xx)."""
+    return bool(getattr(err.cause, "retryable", True))
 
 
 def _mark_failed(group: list[Sample], err: GroupGenerationError) -> list[Sample]:
