@@ -139,6 +139,8 @@ class InferenceRollout:
     capabilities: ClassVar[frozenset[Capability]] = frozenset(Capability) - {Capability.FULLY_ASYNC}
     abort_grace_s: ClassVar[float] = 60.0
     """Seconds to wait for in-flight groups after the engine abort before cancelling them."""
+    cancel_grace_s: ClassVar[float] = 3.0
+    """The same wait when the rollout itself is cancelled (a stop request must end in seconds)."""
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
@@ -204,7 +206,10 @@ class InferenceRollout:
     def failure_source(self) -> str:
         """What a failing group may have failed in: the engine and the user functions."""
         config = self.context.config
-        parts = [f"engine: {self.context.engine!r}"]
+        engine = repr(self.context.engine)
+        if " object at 0x" in engine:  # no useful repr: the class is what the user configured
+            engine = type(self.context.engine).__name__
+        parts = [f"engine: {engine}"]
         parts.append(f"generate function: {config.generate_function_path or 'SingleTurnGenerate (default)'}")
         parts.append(f"reward: {config.reward.type}")
         return "; ".join(parts)
@@ -283,6 +288,7 @@ class InferenceRollout:
             in_flight[task] = group
 
         completed = False
+        grace = self.abort_grace_s
         try:
             while len(kept) < target:
                 while not exhausted and len(kept) + len(in_flight) < target:
@@ -347,12 +353,22 @@ class InferenceRollout:
             unused.extend([reset_sample(s) for s in g] for g in back)
             failed = []
             raise
+        except asyncio.CancelledError:
+            grace = self.cancel_grace_s
+            raise
         finally:
             state.aborted.set()
             drained = False
             try:
-                await self._drain(state, in_flight)
+                await self._drain(state, in_flight, grace)
                 drained = True
+            except Exception as exc:
+                if completed:
+                    raise
+                # the rollout is already failing (e.g. a dead engine): keep its error, not the abort's
+                logger.warning(
+                    "rollout %d: engine abort failed: %s: %s", request.rollout_id, type(exc).__name__, exc
+                )
             finally:  # even if the abort itself failed: no group is lost
                 unused.extend(_group_of(task, group) for task, group in in_flight.items())
                 if not (completed and drained):  # the rollout raises: its kept groups go back too
@@ -394,21 +410,23 @@ class InferenceRollout:
         kept.append(samples)
 
     async def _drain(
-        self, state: GenerateState, in_flight: dict[asyncio.Task[list[Sample]], list[Sample]]
+        self,
+        state: GenerateState,
+        in_flight: dict[asyncio.Task[list[Sample]], list[Sample]],
+        grace: float | None = None,
     ) -> None:
-        """Abort this rollout's requests and wait for the groups in flight to return."""
+        """Abort this rollout's requests and wait (up to `grace` s) for the groups in flight."""
         if not in_flight:
             return
+        grace = self.abort_grace_s if grace is None else grace
         try:
-            await self.context.engine.abort(state.request_prefix + "-")
+            await asyncio.wait_for(self.context.engine.abort(state.request_prefix + "-"), grace)
         finally:
-            _, pending = await asyncio.wait(in_flight, timeout=self.abort_grace_s)
+            _, pending = await asyncio.wait(in_flight, timeout=grace)
             for task in pending:
                 task.cancel()
             if pending:
-                logger.warning(
-                    "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
-                )
+                logger.warning("%d groups ignored the abort for %.0fs; cancelled", len(pending), grace)
                 await asyncio.wait(pending)
 
     def _metrics(
