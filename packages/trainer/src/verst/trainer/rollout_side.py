@@ -126,7 +126,10 @@ class RolloutSide:
         )
         self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
         rc = config.rollout
-        self.data_source = PromptDataSource(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
+        limit = rc.max_context_len or model_context_length(model_path)
+        self.data_source = PromptDataSource(
+            rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit
+        )
         reward_fn, group_reward_fn = build_reward_fns(rc)
         self.strategy_path = resolve_strategy_path(rc, env)
         context = RolloutContext(
@@ -137,7 +140,7 @@ class RolloutSide:
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
             sink=sink or NoopSink(),
-            eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer),
+            eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
             env=dict(env),
         )
         self.has_eval = bool(context.eval_datasets)
@@ -286,3 +289,16 @@ def _describe_engine(config: RunConfig, engine: InferenceEngine) -> str:
     if config.engine.type == "sglang" and urls:
         return f"{engine!r} (engine.type = 'sglang', engine.urls = {list(urls)!r})"
     return repr(engine)
+
+
+def model_context_length(model_path: str) -> int | None:
+    """`max_position_embeddings` of a local model's config.json (None when unknown)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
