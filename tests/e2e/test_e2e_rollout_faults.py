@@ -7,10 +7,12 @@ point. The server is killed with SIGKILL (a fault); SIGTERM is a real signal to 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,10 +32,11 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    """One `verst serve`; every request waits ~0.4 s (so a rollout is in flight long enough)."""
+    """Two `verst serve`s (the trainer's, and one for the server's own SIGTERM test); every request
+    waits ~0.4 s (so a rollout is in flight long enough)."""
     extra = ["--num-threads", "1", "--inject-latency-ms", "400", "--inject-latency-fraction", "1.0"]
     logs = tmp_path_factory.mktemp("serve-logs")
-    with launch_verst_servers(tiny_checkpoint, extra_args=extra, log_dir=logs) as launched:
+    with launch_verst_servers(tiny_checkpoint, num_servers=2, extra_args=extra, log_dir=logs) as launched:
         yield launched
 
 
@@ -79,7 +82,7 @@ def test_sigterm_during_a_rollout_stops_within_seconds_with_a_checkpoint(
         tiny_checkpoint,
         monkeypatch,
         run={"num_steps": 5},
-        engine={"type": "sglang", "urls": server.urls},
+        engine={"type": "sglang", "urls": server.urls[:1]},
     )
     logger = OnPhase("rollout", 1, lambda: os.kill(os.getpid(), signal.SIGTERM))
     summary = run_training(cfg, tmp_path / "run", env={}, logger=logger)
@@ -87,6 +90,32 @@ def test_sigterm_during_a_rollout_stops_within_seconds_with_a_checkpoint(
     assert summary.stopped_early and summary.steps_done == 1
     assert summary.checkpoint is not None and summary.checkpoint.name == "step_1"
     assert buffered_prompts(tmp_path / "run") == 2, "the interrupted rollout's groups were handed back"
+
+
+def test_sigterm_on_a_busy_verst_serve_aborts_in_flight_requests_and_exits_in_seconds(server):
+    proc, url = server.servers[1].process, server.servers[1].url
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"n": 32, "max_new_tokens": 240, "ignore_eos": True}}
+    answers: list[object] = []
+
+    def call() -> None:
+        try:
+            req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), method="POST")
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                answers.append(resp.status)
+        except Exception as exc:  # the connection may close as the server exits
+            answers.append(type(exc).__name__)
+
+    clients = [threading.Thread(target=call) for _ in range(8)]
+    for t in clients:
+        t.start()
+    time.sleep(1.5)  # the requests are generating
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert time.monotonic() - start < 8, "SIGTERM waited for the in-flight requests"
+    for t in clients:
+        t.join(10)
+    assert len(answers) == 8, "every client got an answer or a closed connection, none hangs"
 
 
 def test_engine_killed_mid_run_stops_with_a_clear_error_and_a_checkpoint(
@@ -97,7 +126,7 @@ def test_engine_killed_mid_run_stops_with_a_clear_error_and_a_checkpoint(
         tiny_checkpoint,
         monkeypatch,
         run={"num_steps": 50},
-        engine={"type": "sglang", "urls": server.urls, "max_retries": 1, "backoff_s": 0.05},
+        engine={"type": "sglang", "urls": server.urls[:1], "max_retries": 1, "backoff_s": 0.05},
         rollout={"max_group_retries": 0},
     )
     victim = server.servers[0].process
@@ -127,6 +156,9 @@ def test_verst_train_with_a_reward_that_always_raises_exits_non_zero_with_a_chec
             "run.num_steps=3",
             'rollout.reward.type="e2e_bad_reward:always_raises"',
             "rollout.eval.datasets={}",
+            "rollout.batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_response_len=4",
         ]
     )
     err = capsys.readouterr().err
