@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Status(enum.StrEnum):
@@ -77,6 +77,37 @@ class Sample:
     """Index of this sample's group (prompt) within its rollout."""
     sample_index: int | None = None
     """Index of this sample within all samples of its rollout (unique, stable)."""
+
+    # ---- slime / miles names (the v1 ABI): the same data under the names their functions use
+    Status: ClassVar[type[Status]] = Status
+    """`Sample.Status.COMPLETED` works as in slime (the same enum as `verst.rollout.sample.Status`)."""
+
+    @property
+    def rollout_log_probs(self) -> list[float] | None:
+        """slime's name of `rollout_logprobs` (read and write)."""
+        return self.rollout_logprobs
+
+    @rollout_log_probs.setter
+    def rollout_log_probs(self, value: list[float] | None) -> None:
+        self.rollout_logprobs = None if value is None else [float(v) for v in value]
+
+    @property
+    def index(self) -> int | None:
+        """slime's name of `sample_index` (read and write)."""
+        return self.sample_index
+
+    @index.setter
+    def index(self, value: int | None) -> None:
+        self.sample_index = value
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that are trained on (slime's `effective_response_length`)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def get_reward_value(self, args: Any) -> float:
+        """slime's `get_reward_value(args)`: the reward, or `reward[args.reward_key]`."""
+        return self.scalar_reward(getattr(args, "reward_key", None))
 
     @property
     def prompt_length(self) -> int:

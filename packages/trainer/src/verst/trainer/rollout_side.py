@@ -142,6 +142,7 @@ class RolloutSide:
             sink=sink or NoopSink(),
             eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
             env=dict(env),
+            v1_args=v1_args_for(config, model_path),
         )
         self.has_eval = bool(context.eval_datasets)
         self.strategy = load_rollout_strategy(self.strategy_path, context)
@@ -302,3 +303,20 @@ def model_context_length(model_path: str) -> int | None:
     except (OSError, ValueError):
         return None
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def v1_args_for(config: RunConfig, model_path: str) -> dict[str, Any]:
+    """What v1 (slime/miles-style) functions read from `args` beyond the rollout config: the
+    checkpoint their tokenizer loads from (`args.hf_checkpoint`) and, for HTTP engines, the
+    server or router they post to (`args.sglang_router_ip` / `args.sglang_router_port`)."""
+    from urllib.parse import urlsplit
+
+    out: dict[str, Any] = {
+        "hf_checkpoint": config.engine.tokenizer_path or config.engine.model_path or model_path
+    }
+    url = config.engine.router_url or next(iter(config.engine.urls), None)
+    if url:
+        parts = urlsplit(url)
+        if parts.hostname and parts.port:
+            out["sglang_router_ip"], out["sglang_router_port"] = parts.hostname, parts.port
+    return out
