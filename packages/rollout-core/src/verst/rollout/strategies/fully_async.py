@@ -22,6 +22,12 @@ in flight, handed back, or dropped and counted (`rollout/stale_dropped`,
 resume loses none. `close()` stops the producer, aborts its engine requests and hands every
 unfinished and buffered group back to the data source.
 
+**`max_weight_staleness = 0` is synchronous training.** Every group must then come from the
+weights of the very call that takes it, so nothing may be generated ahead: each call runs one
+rollout exactly as `InferenceRollout` does (same waves, sample indices, per-sample seeds,
+filters, hand-backs) and no producer starts. With the same seeds and config a staleness-0 run
+gives the same batches and weights as `fully_async = false` (`test_fully_async_staleness0.py`).
+
 The producer runs on the event loop of whoever calls the strategy: it overlaps with training
 only if that loop keeps running between calls (the trainer's `RolloutSide` runs its loop in a
 background thread), or when the engine is another process (`verst serve`, SGLang).
@@ -150,6 +156,8 @@ class FullyAsyncRollout(InferenceRollout):
             raise RuntimeError("FullyAsyncRollout is closed; build a new strategy to generate again")
         if request.evaluation:
             return await self._evaluate(request)
+        if self.context.config.max_weight_staleness == 0:
+            return await self._rollout(request)  # synchronous: nothing generated ahead (see above)
         return await self._take(request)
 
     def state_dict(self) -> dict[str, Any]:
