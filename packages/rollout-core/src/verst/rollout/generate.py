@@ -201,11 +201,15 @@ class SingleTurnGenerate:
         config = state.config
         new_ids = out.output_ids
         n_new = len(new_ids)
-        versions = previous_token_versions(sample, previous_len) + [out.weight_version] * n_new
-        sample.loss_mask = resumed_loss_mask(sample.loss_mask, previous_len, n_new, mask_offpolicy=False)
-        if previous_len and config.mask_offpolicy_in_partial_rollout:
-            sample.loss_mask = offpolicy_loss_mask(sample.loss_mask, versions)
-        sample.token_versions = versions
+        if previous_len == 0:  # the common case: one segment, one version, every token trained on
+            sample.loss_mask = None
+            sample.token_versions = [out.weight_version] * n_new
+        else:
+            versions = previous_token_versions(sample, previous_len) + [out.weight_version] * n_new
+            sample.loss_mask = resumed_loss_mask(sample.loss_mask, previous_len, n_new, mask_offpolicy=False)
+            if config.mask_offpolicy_in_partial_rollout:
+                sample.loss_mask = offpolicy_loss_mask(sample.loss_mask, versions)
+            sample.token_versions = versions
         if previous_len == 0:
             sample.rollout_logprobs = list(out.output_logprobs) if len(out.output_logprobs) == n_new else None
         elif sample.rollout_logprobs is not None and len(out.output_logprobs) == n_new:
