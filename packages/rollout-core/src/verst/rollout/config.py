@@ -125,6 +125,11 @@ class RolloutConfig(Section):
         description="Group filters applied while over-sampling: nonzero_std, no_aborted, or import paths.",
     )
     max_group_retries: int = Field(2, ge=0, description="Resubmissions of a group whose generation raised.")
+    max_waves_per_rollout: int | None = Field(
+        None,
+        ge=1,
+        description="Waves one rollout may pull before it stops with the groups it kept (None = 10 × the waves one batch needs).",
+    )
     partial_rollout: bool = Field(
         False, description="Keep aborted partial samples and resume them next rollout."
     )

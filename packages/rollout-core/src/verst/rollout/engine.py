@@ -120,6 +120,10 @@ class GenerateOutput:
 class EngineError(RuntimeError):
     """An engine failed in a way the caller should surface (after any retries)."""
 
+    retryable: bool = True
+    """Whether trying the same request again may succeed (a connection error, a 5xx / 503);
+    False for a request the engine refuses (a 4xx), which a strategy marks FAILED at once."""
+
 
 @runtime_checkable
 class InferenceEngine(Protocol):

@@ -238,20 +238,13 @@ def _check_partial_and_async(c: RolloutConfig) -> Iterator[Problem]:
             "it masks the off-policy part of resumed samples, but rollout.partial_rollout is off",
             "set rollout.partial_rollout = true, or turn mask_offpolicy_in_partial_rollout off",
         )
-    if c.fully_async:
-        if c.max_weight_staleness == 0:
-            yield Problem(
-                "rollout.max_weight_staleness",
-                "0 accepts only groups generated with the current weights, but fully-async "
-                "generation runs during training, so every group would be stale",
-                "set max_weight_staleness >= 1 (1 is typical), or turn rollout.fully_async off",
-            )
-        if c.async_buffer_groups < c.batch_size:
-            yield Problem(
-                "rollout.async_buffer_groups",
-                f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
-                f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
-            )
+    # (fully-async with max_weight_staleness = 0 is allowed: FullyAsyncRollout then runs synchronously)
+    if c.fully_async and c.async_buffer_groups < c.batch_size:
+        yield Problem(
+            "rollout.async_buffer_groups",
+            f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
+            f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
+        )
 
 
 def _module_missing(module: str) -> str | None:

@@ -29,12 +29,15 @@ from typing import Any
 from pydantic import BaseModel
 
 from verst.rollout.config import is_path_field
-from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
+from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem, RolloutError
 
 EXIT_USER_ERROR = 2
 """Exit code of a bad config, bad data or a missing optional package."""
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C."""
+EXIT_ROLLOUT_FAILED = 3
+"""Exit code of a run stopped by a `RolloutError` (a dead engine, a function that always raises,
+every group filtered); the last checkpoint holds every prompt that was in play."""
 
 # ---------------------------------------------------------------- help generated from the schema
 
@@ -435,6 +438,9 @@ def _guarded(fn: Any) -> int:
     except (ConfigError, DataError, MissingOptionalDependency, ImportPathError) as exc:
         print_user_error(exc)
         return EXIT_USER_ERROR
+    except RolloutError as exc:
+        print(f"verst: run stopped: {type(exc).__name__}:\n{exc}", file=sys.stderr, flush=True)
+        return EXIT_ROLLOUT_FAILED
     except KeyboardInterrupt:
         print("verst: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

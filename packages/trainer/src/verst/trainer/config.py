@@ -153,10 +153,12 @@ class RunConfig(Section):
     def _off_policy_correction_default(self) -> RunConfig:
         """Fully-async rollout trains on samples from older weights: truncated importance sampling
         (`algorithm.tis`) is on by default then. An explicit `algorithm.tis` (true or false) wins,
-        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off."""
+        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off; so does
+        `max_weight_staleness = 0`, which is synchronous training (every sample on-policy)."""
         algo = self.algorithm
         if (
             self.rollout.fully_async
+            and self.rollout.max_weight_staleness > 0
             and "tis" not in algo.model_fields_set
             and not algo.use_rollout_logprobs_as_old
         ):

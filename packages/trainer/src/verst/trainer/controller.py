@@ -3,7 +3,11 @@
 validate → build (train side, rollout side, weight sync) → maybe resume → eval at start →
 for each step: rollout → train step → weight sync → eval every `rollout.eval.interval` →
 checkpoint every `run.save_interval` → metrics. SIGINT/SIGTERM finish the current step,
-checkpoint and return.
+checkpoint and return; during a rollout they cancel it (the engine requests are aborted and its
+groups handed back), checkpoint the last finished step and return within seconds. A rollout
+that cannot produce its batch (`RolloutError`: an engine, generate or reward function failing
+every group, every group filtered) checkpoints the same way and re-raises, so `verst train`
+exits non-zero with the error and a resume loses no prompt.
 
 The controller talks to the two sides only through their narrow interfaces (`TrainSide`,
 `RolloutSide`), so they can live in other processes. With torchrun-style launches (FSDP), every
@@ -23,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from verst.rollout.engine import InferenceEngine
+from verst.rollout.errors import RolloutError
 from verst.rollout.lifecycle import JsonlSink, NoopSink
 from verst.rollout.protocols import RolloutResult
 from verst.trainer.batch import build_train_batch
@@ -36,7 +41,7 @@ from verst.trainer.checkpoint import (
 from verst.trainer.config import RunConfig, resolved_model_path, validate_run_config
 from verst.trainer.fsdp import DistInfo, broadcast_object, collective_device
 from verst.trainer.recording import RunRecorder
-from verst.trainer.rollout_side import RolloutSide
+from verst.trainer.rollout_side import RolloutInterrupted, RolloutSide
 from verst.trainer.signals import StopRequest
 from verst.trainer.train_side import TrainSide
 from verst.trainer.weight_sync import WeightSync
@@ -197,7 +202,14 @@ class Trainer:
             while step < cfg.run.num_steps and not self.stop.requested:
                 t0 = time.perf_counter()
                 self._phase("rollout")
-                result = self.rollout.rollout(step, self.sync.weight_version) if self.rollout else None
+                try:
+                    result = self._rollout(step)
+                except RolloutInterrupted:
+                    summary.checkpoint = self._checkpoint(step)
+                    break
+                except RolloutError:
+                    summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
+                    raise
                 if self.recorder is not None and result is not None:
                     self.recorder.record_rollout(step, result)
                 groups = broadcast_object(result.groups if result else None, self.dist)
@@ -255,6 +267,14 @@ class Trainer:
         self.train.close()
 
     # ------------------------------------------------------------ pieces
+
+    def _rollout(self, step: int) -> RolloutResult | None:
+        """This rank's rollout (rank 0 only); a local rollout side is cancelled by a stop request."""
+        if self.rollout is None:
+            return None
+        if isinstance(self.rollout, RolloutSide):
+            return self.rollout.rollout(step, self.sync.weight_version, stop=lambda: self.stop.requested)
+        return self.rollout.rollout(step, self.sync.weight_version)
 
     def _phase(self, name: str) -> None:
         if self.dist.is_main:
