@@ -306,10 +306,10 @@ def v1_args_for(config: RunConfig, model_path: str) -> dict[str, Any]:
     server or router they post to (`args.sglang_router_ip` / `args.sglang_router_port`)."""
     from urllib.parse import urlsplit
 
-    out: dict[str, Any] = {
-        "hf_checkpoint": config.engine.tokenizer_path or config.engine.model_path or model_path
-    }
-    url = config.engine.router_url or next(iter(config.engine.urls), None)
+    engine = config.engine  # each engine type has its own fields; a custom one may have none of these
+    tokenizer_path = getattr(engine, "tokenizer_path", None) or getattr(engine, "model_path", None)
+    out: dict[str, Any] = {"hf_checkpoint": tokenizer_path or model_path}
+    url = getattr(engine, "router_url", None) or next(iter(getattr(engine, "urls", None) or ()), None)
     if url:
         parts = urlsplit(url)
         if parts.hostname and parts.port:
