@@ -70,7 +70,7 @@ class PolicyBundle:
     optimizer: torch.optim.Optimizer
     """AdamW (wrapped by accelerate when it prepared it)."""
     scheduler: Any
-    """A LambdaLR (wrapped by accelerate when it prepared it)."""
+    """A LambdaLR, stepped once per optimizer step on every rank (never wrapped by accelerate)."""
     accelerator: Any
     """The `accelerate.Accelerator`, or None on the direct-FSDP2 CPU path."""
     dist: DistInfo
@@ -135,7 +135,11 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
         )
     accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin)
     opt, sched = make_opt(module.parameters())
-    prepared, opt, sched = accelerator.prepare(module, opt, sched)
+    # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
+    # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
+    # N times too fast. The plain LambdaLR steps once per optimizer step on every rank; it only
+    # writes param_groups' lr, which the prepared optimizer shares.
+    prepared, opt = accelerator.prepare(module, opt)
     inner = accelerator.unwrap_model(prepared)
     sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
     return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding)
