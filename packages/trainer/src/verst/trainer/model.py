@@ -20,6 +20,7 @@ from torch import nn
 
 from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, ensure_process_group, is_sharded, shard_fsdp2
+from verst.trainer.logit_head import check_logit_head
 from verst.trainer.logprobs import PolicyLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,12 +36,19 @@ def resolve_attn_implementation(requested: str, *, cuda: bool) -> str:
 
 
 def load_hf_model(path: str, *, dtype: str, attn_implementation: str) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the chosen dtype and attention kernel."""
+    """`AutoModelForCausalLM.from_pretrained` with the chosen dtype and attention kernel.
+
+    Its LM head is checked against its own forward (`check_logit_head`, one tiny forward, before
+    any sharding): an architecture that post-processes logits in a way verst does not know is
+    refused instead of trained on log-probs that disagree with the engine's.
+    """
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
     )
+    check_logit_head(model)
+    return model
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
