@@ -44,8 +44,9 @@ PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for the cluster to grant the train placement group."""
 CLOSE_TIMEOUT_S = 60.0
 """How long a polite close of the actors may take before they are killed."""
-PEER_DEATH_WAIT_S = 5.0
-"""After an error on one actor, how long to wait for news of a dead peer (the likelier cause)."""
+PEER_DEATH_WAIT_S = 15.0
+"""After an error on one actor, how long to wait for news of a dead peer (the likelier cause);
+Ray can take several seconds to report a killed actor on a busy machine (5 s was too short)."""
 
 
 class ActorDiedError(RuntimeError):
