@@ -109,17 +109,24 @@ def test_engine_problems_are_reported_before_anything_loads():
     assert [p.key for p in engine_problems(ok.engine)] == ["engine.model_path"]
 
 
-def test_distributed_weight_sync_needs_exactly_one_engine_process():
+def test_distributed_weight_sync_allows_several_engines_but_not_nccl_on_a_shared_gpu():
     cfg = RunConfig.model_validate(
         {
             "engine": {"type": "sglang", "urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]},
             "train": {"model_path": "/m", "weight_sync": "distributed"},
         }
     )
-    problems = [p for p in train_problems(cfg, {}, cuda_available=False) if p.key == "train.weight_sync"]
-    assert len(problems) == 1 and "several engines" in problems[0].fix
-    one = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"urls": ["http://127.0.0.1:1"]})})
-    assert not [p for p in train_problems(one, {}, cuda_available=False) if p.key == "train.weight_sync"]
+    # several engines: each worker gets its own rank offset (world_size = 1 + its GPUs)
+    assert not [p for p in train_problems(cfg, {}, cuda_available=False) if p.key == "train.weight_sync"]
+    from verst.trainer.placement.layout import placement_problems
+
+    ray = {"placement": "ray", "ray": {"layout": "colocated", "device": "gpu"}}
+    colocated = RunConfig.model_validate({**cfg.model_dump(), "run": ray})
+    problems = [p for p in placement_problems(colocated, {}) if p.key == "train.weight_sync"]
+    assert len(problems) == 1 and "NCCL" in problems[0].why and "'disk'" in problems[0].fix
+    ray_cpu = {"placement": "ray", "ray": {"layout": "colocated", "device": "cpu"}}
+    gloo = RunConfig.model_validate({**cfg.model_dump(), "run": ray_cpu})
+    assert not [p for p in placement_problems(gloo, {}) if p.key == "train.weight_sync"]
 
 
 def test_fsdp_on_cpu_allowed_with_two_processes(tmp_path, tiny_checkpoint):

@@ -1,8 +1,10 @@
-"""Distributed weight refit end to end: a real `verst serve` subprocess joins a dedicated gloo
-group with the trainer (rank 0) on 127.0.0.1, receives every parameter by broadcast after a
-train step, and then generates at the new version with log-probs matching the trainer's. The
-default torch.distributed group is never initialised on either side. Also: 'distributed' with
-the in-process engine is a clear config problem."""
+"""Distributed weight refit end to end: two real `verst serve` subprocesses join one gloo group
+with the trainer (rank 0; engines at rank offsets 1 and 2, world size 3) on 127.0.0.1, built
+with the same torch helper SGLang's `init_custom_process_group` uses; each push is one SGLang
+weight-update session whose parameters go in byte-bounded buckets; both engines then generate
+at the new version with log-probs matching the trainer's. The default torch.distributed group is
+never initialised on either side. Also: 'distributed' with the in-process engine is a clear
+config problem."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from train_testlib import run_dict, write_prompts
 
 from verst.rollout.engines.embedded import EmbeddedEngine
 from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.pool import EnginePool
 from verst.rollout.engines.sglang_client import SGLangClient
 from verst.rollout.errors import ConfigError
 from verst.trainer.batch import build_train_batch
@@ -24,10 +27,12 @@ from verst.trainer.weight_sync import WeightSync
 
 def test_distributed_sync_to_verst_serve(tmp_path, tiny_checkpoint, setup):  # noqa: F811
     cfg, train = setup
-    with launch_verst_servers(tiny_checkpoint, ready_timeout_s=180, log_dir=tmp_path / "logs") as servers:
-        served = RolloutSide(
-            cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0])
-        )
+    args = ["--num-threads", "1"]
+    with launch_verst_servers(
+        tiny_checkpoint, num_servers=2, extra_args=args, ready_timeout_s=180, log_dir=tmp_path / "logs"
+    ) as servers:
+        clients = [SGLangClient(u) for u in servers.urls]
+        served = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=EnginePool(clients))
         sync = WeightSync(
             train,
             served,
@@ -35,6 +40,7 @@ def test_distributed_sync_to_verst_serve(tmp_path, tiny_checkpoint, setup):  # n
             staging_dir=tmp_path / "unused",
             dist_info=DistInfo(),
             group_timeout_s=60,
+            bucket_bytes=64 << 10,  # several buckets for the tiny model
         )
         try:
             assert sync.mode == "distributed" and sync.group is None
@@ -43,10 +49,14 @@ def test_distributed_sync_to_verst_serve(tmp_path, tiny_checkpoint, setup):  # n
             train.train_step(build_train_batch(before))
             assert _max_mismatch(train, before) > 1e-3  # the policy moved
 
+            state = train.state_dict_for_sync()
+            assert sum(t.numel() * t.element_size() for t in state.values()) > 3 * (64 << 10)
             assert sync.push() == 1
             assert sync.group is not None and sync.group.backend == "gloo"
+            assert sync.group.world_size == 3  # 1 trainer + 2 single-GPU engines
             assert not torch.distributed.is_initialized()  # the default group is untouched
             assert served.weight_version() == 1
+            assert [served._run(c.get_weight_version()) for c in clients] == [1, 1]
             after = _sample_batch(served, 1)
             mismatch = _max_mismatch(train, after)
             assert mismatch < 1e-4, f"served log-probs differ from the trainer's by {mismatch}"

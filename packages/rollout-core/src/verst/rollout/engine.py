@@ -183,7 +183,37 @@ class MemoryReleasable(Protocol):
 
 @runtime_checkable
 class DistributedWeightReceiver(Protocol):
-    """An engine in another process that receives weights by broadcast over a weight group."""
+    """An engine in another process that receives weights by broadcast over a weight group.
+
+    SGLang 0.5.23's shape: the engine's workers take `weight_group_ranks()` ranks from
+    `rank_offset`; a push is one session (`begin_weight_update` … `end_weight_update`) of
+    `update_weights_from_distributed_bucket` calls, each received while the trainer broadcasts.
+    """
+
+    async def weight_group_ranks(self) -> int:
+        """Ranks this engine's workers take in the group (Σ of their GPUs)."""
+        ...
+
+    async def begin_weight_update(self) -> None:
+        """Pause, flush, and open a weight-update session on every worker."""
+        ...
+
+    async def update_weights_from_distributed_bucket(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        weight_version: int | None = None,
+        flush_cache: bool = False,
+    ) -> None:
+        """Receive one bucket (one broadcast per tensor) inside the open session."""
+        ...
+
+    async def end_weight_update(self, weight_version: int | None, *, check: bool = True) -> None:
+        """Close the session, check the version, continue generation."""
+        ...
 
     async def init_weights_update_group(
         self,
@@ -205,7 +235,7 @@ class DistributedWeightReceiver(Protocol):
         group_name: str,
         weight_version: int | None = None,
     ) -> int:
-        """Receive one broadcast per parameter; returns the new weight version."""
+        """A whole push in one bucket and one session; returns the new weight version."""
         ...
 
 

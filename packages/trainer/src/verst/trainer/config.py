@@ -90,7 +90,8 @@ class TrainConfig(Section):
         description=(
             "How weights reach the engines after a step: 'tensors' (in-process, no disk), 'disk' "
             "(HF checkpoint + update_weights_from_disk), 'distributed' (broadcast over a dedicated "
-            "gloo/NCCL group to one HTTP engine), 'auto' = tensors for the embedded engine, else disk."
+            "gloo/NCCL group to the HTTP engines; NCCL needs trainer and engines on different GPUs), "
+            "'auto' = tensors for the embedded engine, else disk."
         ),
     )
     weight_sync_master_address: str = Field(
@@ -401,16 +402,7 @@ def weight_sync_problems(train: TrainConfig, engine: EngineSection) -> list[Prob
                 "set engine.type='sglang'",
             )
         ]
-    if mode == "distributed" and caps.engine_count != 1:
-        return [
-            Problem(
-                "train.weight_sync",
-                "'distributed' is wired for one engine process (a weight group of world size 2); "
-                "with several engines or a router the workers would need distinct ranks",
-                "use weight_sync='disk' with several engines, or serve one engine",
-            )
-        ]
-    return []
+    return []  # several engines are fine for 'distributed': each worker gets its own rank offset
 
 
 def _engine_model_path(cfg: RunConfig) -> str | None:

@@ -8,11 +8,16 @@ Modes (`train.weight_sync`):
   pause → flush → update → continue sequence) loads it (`update_weights_from_disk`). The default
   for out-of-process engines. The previous version's folder is deleted once the new one loads.
 
-- `distributed`: the trainer (rank 0 of a dedicated weight-update group, never torch.distributed's
-  default group, so FSDP's is untouched; see `verst.rollout.engines.weight_group`) broadcasts each
-  parameter while the engine receives it (`init_weights_update_group` once, then
-  `update_weights_from_distributed` per push). gloo on CPU, NCCL on CUDA (NCCL unverified
-  without a GPU). Only with an HTTP engine (one `verst serve` / SGLang server).
+- `distributed`: the trainer is rank 0 of a dedicated weight-update group built with the same
+  torch helper SGLang uses (`verst.rollout.engines.weight_group`; never torch.distributed's
+  default group, so FSDP's is untouched). Every engine worker joins once
+  (`init_weights_update_group`): an engine with G GPUs takes G ranks from its own rank offset,
+  so `world_size = 1 + Σ G`. Each push runs inside one SGLang weight-update session (pause →
+  flush → begin → buckets → end → continue); per bucket of at most `bucket_bytes` the trainer
+  starts `update_weights_from_distributed` (flush only with the last) and broadcasts the bucket's
+  tensors in order. gloo on CPU (tested against `verst serve`), NCCL on CUDA (needs one GPU per
+  rank: refused when trainer and engine share a GPU — use disk or tensor refit there). HTTP
+  engines only (`verst serve`, SGLang servers, routers, several of them).
 
 The engine must report exactly the version it was asked for; anything else is an error (a
 silent mismatch would train on samples labelled with the wrong policy).
@@ -69,6 +74,8 @@ class WeightSync:
         master_address: str = "127.0.0.1",
         backend: str | None = None,
         group_timeout_s: float = 120.0,
+        bucket_bytes: int = 512 << 20,
+        shares_gpu_with_engine: bool = False,
     ) -> None:
         """`rollout` is None on ranks other than 0 (they only join the gather).
 
@@ -107,6 +114,10 @@ class WeightSync:
         """distributed: gloo or nccl (None = nccl with CUDA, else gloo)."""
         self.group_timeout_s = group_timeout_s
         """distributed: seconds to wait for the group's rendezvous and each broadcast."""
+        self.bucket_bytes = bucket_bytes
+        """distributed: at most this many tensor bytes per update call."""
+        self.shares_gpu_with_engine = shares_gpu_with_engine
+        """distributed: the trainer's GPU also holds an engine (colocated) — NCCL is refused."""
         self.group: Any = None
         """distributed: this process's member (rank 0) of the weight-update group, once joined."""
         self._last_dir: Path | None = None
@@ -139,61 +150,124 @@ class WeightSync:
         return self.weight_version
 
     # ---- distributed -------------------------------------------------------------------------
+    def _engines(self) -> list[DistributedWeightReceiver]:
+        """The engine, or each engine of a pool: every one gets its own rank offset."""
+        assert self.rollout is not None
+        engine = self.rollout.engine
+        engines = list(getattr(engine, "engines", None) or [engine])
+        bad = [e for e in engines if not isinstance(e, DistributedWeightReceiver)]
+        if bad:
+            raise WeightSyncError(
+                f"weight_sync='distributed': {bad[0]!r} cannot receive weights by broadcast; "
+                "use train.weight_sync='disk' or 'tensors'"
+            )
+        return engines
+
     def _ensure_group(self) -> Any:
-        """Join the weight-update group as rank 0 while the engine joins as rank 1."""
+        """Join the weight-update group as rank 0 while every engine worker joins with its offset."""
         if self.group is not None:
             return self.group
         import torch
 
-        from verst.rollout.engines.weight_group import join_weight_group
+        from verst.rollout.engines.weight_group import engine_rank_offsets, join_weight_group
 
         assert self.rollout is not None
-        engine: DistributedWeightReceiver = self.rollout.engine
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl" and self.shares_gpu_with_engine:
+            raise WeightSyncError(
+                "weight_sync='distributed' over NCCL needs the trainer and each engine on different "
+                "GPUs (NCCL rejects two ranks on one device), but this run colocates them; use "
+                "train.weight_sync='disk' or 'tensors' when colocated, or a disaggregated layout"
+            )
+        engines = self._engines()
+        ranks = [self.rollout.submit(e.weight_group_ranks()).result(self.group_timeout_s) for e in engines]
+        offsets, world_size = engine_rank_offsets(ranks)
         port = _free_port(self.master_address)
         name = f"verst-refit-{uuid.uuid4().hex[:8]}"
-        call = self.rollout.submit(
-            engine.init_weights_update_group(self.master_address, port, 1, 2, name, backend=backend)
-        )
+        calls = [
+            self.rollout.submit(
+                e.init_weights_update_group(self.master_address, port, off, world_size, name, backend=backend)
+            )
+            for e, off in zip(engines, offsets, strict=True)
+        ]
         try:
             group = join_weight_group(
-                self.master_address, port, 0, 2, name, backend, timeout_s=self.group_timeout_s
+                self.master_address, port, 0, world_size, name, backend, timeout_s=self.group_timeout_s
             )
+            for call in calls:
+                call.result(timeout=self.group_timeout_s)  # each engine's answer (raises its error)
         except BaseException:
-            call.cancel()
+            for call in calls:
+                call.cancel()
             raise
-        call.result(timeout=self.group_timeout_s)  # the engine's answer (raises its error)
         self.group = group
         return group
 
     def _push_distributed(self, state: dict, target: int) -> int:
-        from verst.rollout.engines.weight_group import dtype_name
+        from verst.rollout.engines.weight_group import buckets, dtype_name
 
         group = self._ensure_group()
         assert self.rollout is not None
-        names = list(state)
-        call = self.rollout.submit(
-            self.rollout.engine.update_weights_from_distributed(
-                names,
-                [dtype_name(state[n].dtype) for n in names],
-                [list(state[n].shape) for n in names],
-                group.name,
-                weight_version=target,
-            )
-        )
+        engines = self._engines()
+        submit = self.rollout.submit
+        wait = self.group_timeout_s
+        for call in [submit(e.begin_weight_update()) for e in engines]:
+            call.result(wait)
+        ok = False
         try:
-            for n in names:
-                group.broadcast(state[n].detach().to(group.device).contiguous(), src=0)
-        except BaseException:
-            call.cancel()
-            raise
-        return int(call.result(timeout=self.group_timeout_s))
+            parts = list(
+                buckets(((n, t.numel() * t.element_size()) for n, t in state.items()), self.bucket_bytes)
+            )
+            for i, names in enumerate(parts):
+                last = i == len(parts) - 1
+                calls = [
+                    submit(
+                        e.update_weights_from_distributed_bucket(
+                            names,
+                            [dtype_name(state[n].dtype) for n in names],
+                            [list(state[n].shape) for n in names],
+                            group.name,
+                            weight_version=target if last else None,
+                            flush_cache=last,
+                        )
+                    )
+                    for e in engines
+                ]
+                try:
+                    for n in names:
+                        group.broadcast(state[n].detach().to(group.device).contiguous(), src=0)
+                except BaseException as exc:
+                    for call in calls:
+                        call.cancel()
+                    hint = _nccl_hint(exc)
+                    if hint is exc:
+                        raise
+                    raise hint from exc
+                for call in calls:
+                    call.result(wait)
+            ok = True
+        finally:
+            for call in [submit(e.end_weight_update(target, check=ok)) for e in engines]:
+                call.result(wait)
+        versions = {self.rollout.submit(e.get_weight_version()).result(wait) for e in engines}
+        return int(versions.pop()) if len(versions) == 1 else -1
 
     def close(self) -> None:
         """Leave the weight-update group (distributed mode); safe to call more than once."""
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _nccl_hint(exc: BaseException) -> BaseException:
+    """Name the usual cause when NCCL refuses a group with two ranks on one GPU."""
+    text = str(exc)
+    if "Duplicate GPU" in text or "duplicate GPU" in text:
+        return WeightSyncError(
+            f"NCCL refused the weight-update group: {text.strip()[:300]}. The trainer and an engine "
+            "share a GPU; use train.weight_sync='disk' or 'tensors' there, or put them on different GPUs"
+        )
+    return exc
 
 
 def _free_port(host: str) -> int:

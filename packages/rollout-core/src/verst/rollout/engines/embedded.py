@@ -18,7 +18,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,16 @@ class EmbeddedEngine:
         await asyncio.wrap_future(
             self._abort_nowait(lambda r: rid_prefix is None or r.request.rid.startswith(rid_prefix))
         )
+
+    async def abort_rids(self, rids: Collection[str]) -> None:
+        """Abort the requests whose id is exactly one of `rids` (SGLang's /abort_request)."""
+        wanted = set(rids)
+        await asyncio.wrap_future(self._abort_nowait(lambda r: r.request.rid in wanted))
+
+    @property
+    def device_type(self) -> str:
+        """`cpu` or `cuda`: where the model runs."""
+        return self._device.type
 
     async def update_weights_from_tensors(
         self, named_tensors: dict[str, Any], weight_version: int | None = None

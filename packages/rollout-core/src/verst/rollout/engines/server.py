@@ -7,9 +7,20 @@ Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /heal
 /model_info, /server_info (+ get_ aliases), /flush_cache, /pause_generation,
 /continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads,
 /release_memory_occupation, /resume_memory_occupation, /init_weights_update_group,
-/update_weights_from_distributed (gloo on CPU, NCCL on CUDA; a standalone group, see
-`weight_group`).
-Bad requests get a 4xx with `{"error": ...}`; the server never dies on one.
+/update_weights_from_distributed (gloo on CPU, NCCL on CUDA; the group SGLang builds, see
+`weight_group`), /destroy_weights_update_group, /begin_weight_update, /end_weight_update.
+Bad requests get a 4xx in SGLang's shapes (`{"error": {"message"}}` from /generate, an
+`ErrorResponse` `{"object": "error", "message", "type", "code"}` elsewhere); the server never
+dies on one.
+
+It enforces SGLang 0.5.23's protocol so the client's tests catch a regression: tensor and
+distributed updates outside a `/begin_weight_update` … `/end_weight_update` session fail
+(`success: false`); `/abort_request` matches a rid exactly (an empty rid without `abort_all` is
+ignored); `weight_version` is a string, `"default"` until set (unless `--weight-version`), and
+an update without one keeps it; `/release_memory_occupation` needs an idle or paused server,
+`tags: null` releases weights too, released weights come back on resume only with
+`--enable-weights-cpu-backup` (else a refit must load them), and generating or refitting into
+released memory is refused instead of computing on freed buffers.
 
 `--inject-latency-ms MEAN --inject-latency-fraction F` delays a seeded random fraction F of
 /generate requests by a uniform 0.5–1.5 × MEAN ms before they reach the engine (an aborted
@@ -27,6 +38,7 @@ import pickle
 import random
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +73,48 @@ class LatencyInjection:
         return self.mean_ms * self.rng.uniform(0.5, 1.5) / 1000.0
 
 
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's memory-occupation tags (`GPU_MEMORY_ALL_TYPES`)."""
+
+
 class _State:
-    """Per-app state: the engine, server args, delayed requests waiting to be aborted."""
+    """Per-app state: the engine, server args, delayed requests waiting to be aborted, and the
+    protocol state SGLang keeps (version label, weight-update session, released memory)."""
 
     def __init__(self, engine: Any, info: dict[str, Any], latency: LatencyInjection) -> None:
         self.engine = engine
         self.info = info
         self.latency = latency
         self.delayed: dict[str, asyncio.Event] = {}
+        self.version_set = info.get("weight_version") is not None
+        """False until a version is given (SGLang then reports "default")."""
+        self.session_open = False
+        """A /begin_weight_update session is open."""
+        self.cpu_backup = bool(info.get("enable_weights_cpu_backup", False))
+        """Released weights come back on resume (SGLang's --enable-weights-cpu-backup)."""
+        self.released: set[str] = set()
+        """Memory tags released and not yet resumed."""
+        self.weights_lost = False
+        """Weights were released without a CPU backup and no refit has loaded new ones."""
+
+    def version_label(self, version: int | None = None) -> str:
+        """The version as SGLang reports it: a string, "default" until one was set."""
+        if not self.version_set:
+            return "default"
+        return str(self.engine.weight_version if version is None else version)
+
+    def refuse_if_released(self, what: str) -> None:
+        """Refuse to compute on released memory (SGLang would read freed buffers)."""
+        if self.released:
+            raise InvalidRequest(
+                f"{what}: memory {sorted(self.released)} is released (/release_memory_occupation); "
+                "call /resume_memory_occupation first"
+            )
+        if self.weights_lost:
+            raise InvalidRequest(
+                f"{what}: the weights were released without --enable-weights-cpu-backup and no "
+                "refit has loaded new ones since /resume_memory_occupation"
+            )
 
 
 STATE = web.AppKey("verst_state", _State)
@@ -81,7 +127,20 @@ SHUTDOWN_TIMEOUT_S = 3.0
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    """SGLang's `ErrorResponse` body (what FastAPI validation and HTTP errors return)."""
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else str(status)
+    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+def _generate_error(message: str, status: int = 400) -> web.Response:
+    """SGLang's /generate error body for a rejected request (`_create_error_response`)."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _failure(message: str, status: int = 400) -> web.Response:
+    """SGLang's control-endpoint failure: `{"success": false, "message"}` with HTTP 400."""
+    return web.json_response({"success": False, "message": message}, status=status)
 
 
 @web.middleware
@@ -133,9 +192,14 @@ async def _run_one(state: _State, item: WireItem) -> GenerateOutput:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    items, batch, stream = parse_generate(
-        await _body(request), state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
-    )
+    body = await _body(request)
+    try:
+        items, batch, stream = parse_generate(
+            body, state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
+        )
+        state.refuse_if_released("generate")
+    except InvalidRequest as exc:
+        return _generate_error(str(exc), getattr(exc, "status", 400))
     tok = state.engine.tokenizer
     start = time.perf_counter()
     if stream:
@@ -145,6 +209,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     outs = await asyncio.gather(*(_run_one(state, it) for it in items))
     latency = time.perf_counter() - start
     payload = [output_json(it, out, tok, latency) for it, out in zip(items, outs, strict=True)]
+    for p in payload:
+        p["meta_info"]["weight_version"] = state.version_label(int(p["meta_info"]["weight_version"]))
     return web.json_response(payload if batch else payload[0])
 
 
@@ -154,6 +220,7 @@ async def _stream(request: web.Request, state: _State, item: WireItem, start: fl
     tok = state.engine.tokenizer
     async for out, final in state.engine.generate_stream(item.request):
         chunk = output_json(item, out, tok, time.perf_counter() - start, final=final)
+        chunk["meta_info"]["weight_version"] = state.version_label(out.weight_version)
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -168,11 +235,15 @@ async def abort_request(request: web.Request) -> web.Response:
     rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
     if not isinstance(rid, str) or not isinstance(abort_all, bool):
         raise InvalidRequest("abort_request takes {'rid': str, 'abort_all': bool}")
-    prefix = None if abort_all else rid
+    if not abort_all and not rid:  # SGLang: an empty rid would match everything; ignored
+        return web.Response(status=200)
     for key, event in list(state.delayed.items()):
-        if prefix is None or key.startswith(prefix):
+        if abort_all or key == rid:
             event.set()
-    await state.engine.abort(prefix)
+    if abort_all:
+        await state.engine.abort(None)
+    else:
+        await state.engine.abort_rids([rid])  # exact, like SGLang's tokenizer manager
     return web.Response(status=200)
 
 
@@ -205,7 +276,7 @@ async def model_info(request: web.Request) -> web.Response:
             "model_path": e.model_path,
             "tokenizer_path": state.info.get("tokenizer_path") or e.model_path,
             "is_generation": True,
-            "weight_version": str(e.weight_version),
+            "weight_version": state.version_label(),
             "context_length": e.context_len,
             "preferred_sampling_params": None,
         }
@@ -214,7 +285,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    info = {**state.info, "version": VERSION, "weight_version": str(state.engine.weight_version)}
+    info = {**state.info, "version": VERSION, "weight_version": state.version_label(), "tp_size": 1}
     info["context_length"] = state.engine.context_len
     info["max_batch_size"] = state.engine.max_batch_size
     return web.json_response(info)
@@ -243,14 +314,85 @@ async def continue_generation(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "message": "generation continued"})
 
 
+def _memory_tags(body: Any) -> set[str]:
+    tags = body.get("tags") if isinstance(body, dict) else None
+    if tags is None or tags == []:
+        return set(MEMORY_TAGS)  # SGLang: no tags = everything, the weights included
+    if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
+        raise InvalidRequest(f"tags must be null or a list of {list(MEMORY_TAGS)}, got {tags!r}")
+    return set(tags)
+
+
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    await request.app[STATE].engine.release_memory()  # `tags` are accepted; everything is released
-    return web.json_response({"success": True, "message": "memory released"})
+    state = request.app[STATE]
+    tags = _memory_tags(await _body(request))
+    load = state.engine.load()
+    if not state.engine.paused and (load["num_running_reqs"] or load["num_waiting_reqs"]):
+        raise InvalidRequest(
+            "release_memory_occupation should be called only when server is idle (pause_generation first)"
+        )
+    await state.engine.release_memory()
+    state.released |= tags
+    return web.json_response({})
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
-    await request.app[STATE].engine.resume_memory()
-    return web.json_response({"success": True, "message": "memory resumed"})
+    state = request.app[STATE]
+    tags = _memory_tags(await _body(request))
+    if "weights" in tags and "weights" in state.released and not state.cpu_backup:
+        state.weights_lost = True  # the memory comes back, its contents do not
+    state.released -= tags
+    await state.engine.resume_memory()
+    return web.json_response({})
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _body(request)
+    selector = body.get("selector", "all") if isinstance(body, dict) else None
+    if selector not in ("target", "draft", "all"):
+        raise InvalidRequest(f"selector must be 'target', 'draft' or 'all', got {selector!r}")
+    if state.session_open:
+        return _failure("a weight-update session is already open; call end_weight_update() first")
+    state.session_open = True
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.session_open:
+        return _failure("no weight-update session is open; call begin_weight_update() first")
+    state.session_open = False
+    return web.json_response({"success": True, "message": "Success"})
+
+
+def _outside_session(state: _State, what: str) -> web.Response | None:
+    if state.session_open:
+        return None
+    return _failure(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+
+async def _apply(state: _State, body: dict[str, Any], update: Any) -> web.Response:
+    """Run one refit call: refuse released weights, keep the version unless one is given."""
+    engine = state.engine
+    if "weights" in state.released:
+        return _failure("the weights are released (/release_memory_occupation); resume 'weights' first")
+    requested = _version_arg(body)
+    try:
+        version = await update(engine.weight_version if requested is None else requested)
+    except InvalidRequest as exc:
+        return _failure(str(exc))
+    state.weights_lost = False
+    if requested is not None:
+        state.version_set = True
+    if body.get("flush_cache", True) and not engine.flush_cache():
+        return _failure(
+            "Weights were updated, but the cache was not flushed because requests are still "
+            "running or queued. Retract or finish them, then call /flush_cache."
+        )
+    return web.json_response(
+        {"success": True, "message": "weights updated", "weight_version": state.version_label(version)}
+    )
 
 
 def _version_arg(body: dict[str, Any]) -> int | None:
@@ -264,24 +406,17 @@ def _version_arg(body: dict[str, Any]) -> int | None:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
+    state = request.app[STATE]
+    engine = state.engine
     body = await _body(request)
     if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
         raise InvalidRequest("update_weights_from_disk takes {'model_path': str, 'weight_version'?: str}")
     if body.get("abort_all_requests"):
         await engine.abort(None)
-    try:
-        version = await engine.update_weights_from_disk(body["model_path"], _version_arg(body))
-    except InvalidRequest as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
-    return web.json_response(
-        {
-            "success": True,
-            "message": "weights updated",
-            "weight_version": str(version),
-            "num_paused_requests": 0,
-        }
-    )
+    resp = await _apply(state, body, lambda v: engine.update_weights_from_disk(body["model_path"], v))
+    if resp.status == 200:
+        resp = web.json_response({**json.loads(resp.body), "num_paused_requests": 0})
+    return resp
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -289,22 +424,25 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
     Unpickling runs arbitrary code, exactly as in SGLang: only expose this port to the trainer.
     """
-    engine = request.app[STATE].engine
+    state = request.app[STATE]
     body = await _body(request)
     blobs = body.get("serialized_named_tensors") if isinstance(body, dict) else None
     if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
         raise InvalidRequest("update_weights_from_tensor takes {'serialized_named_tensors': [str, ...]}")
+    refused = _outside_session(state, "update_weights_from_tensor")
+    if refused is not None:
+        return refused
     try:
+        if state.engine.device_type == "cuda":  # pragma: no cover - needs a GPU
+            from verst.rollout.engines.cuda_ipc import patch_receiver
+
+            patch_receiver()
         named = dict(pickle.loads(base64.b64decode(blobs[0])))
     except Exception as exc:
         raise InvalidRequest(
             f"cannot deserialize serialized_named_tensors: {type(exc).__name__}: {exc}"
         ) from exc
-    try:
-        version = await engine.update_weights_from_tensors(named, _version_arg(body))
-    except InvalidRequest as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
-    return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+    return await _apply(state, body, lambda v: state.engine.update_weights_from_tensors(named, v))
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -323,10 +461,10 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
             str(body.get("backend", "nccl")),
         )
     except InvalidRequest as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
-    except (RuntimeError, TimeoutError) as exc:  # rendezvous failed / timed out
-        return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=500)
-    return web.json_response({"success": True, "message": "joined the weight update group"})
+        return _failure(str(exc))
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # rendezvous failed / timed out / name taken
+        return _failure(f"Failed to initialize custom process group: {type(exc).__name__}: {exc}.")
+    return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -337,20 +475,32 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if not ok or not isinstance(body.get("group_name"), str):
         raise InvalidRequest(
             "update_weights_from_distributed takes {'names': [...], 'dtypes': [...], 'shapes': [...], "
-            "'group_name': str, 'weight_version'?: str}"
+            "'group_name': str, 'weight_version'?: str, 'flush_cache'?: bool}"
         )
+    refused = _outside_session(state, "update_weights_from_distributed")
+    if refused is not None:
+        return refused
+    refit = request.app[REFIT]
+
+    async def update(version: int) -> int:
+        named = await asyncio.to_thread(
+            refit.receive, body["group_name"], body["names"], body["dtypes"], body["shapes"]
+        )
+        return await state.engine.update_weights_from_tensors(named, version)
+
+    return await _apply(state, body, update)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _body(request)
+    name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+    if not isinstance(name, str):
+        raise InvalidRequest("destroy_weights_update_group takes {'group_name': str}")
     try:
-        version = await request.app[REFIT].update(
-            state.engine,
-            body["group_name"],
-            body["names"],
-            body["dtypes"],
-            body["shapes"],
-            _version_arg(body),
-        )
+        request.app[REFIT].destroy(name)
     except InvalidRequest as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
-    return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+        return _failure(str(exc))
+    return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
 
 async def loads(request: web.Request) -> web.Response:
@@ -394,6 +544,9 @@ def build_app(
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
     r.add_get("/v1/loads", loads)
 
     async def _close(app: web.Application) -> None:
@@ -428,7 +581,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together (default 64)")
     p.add_argument("--context-length", type=int, default=None, help="override the model's context length")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--weight-version", type=int, default=0, help="initial weight version (default 0)")
+    p.add_argument(
+        "--weight-version",
+        type=int,
+        default=None,
+        help='initial weight version (default: reported as "default", read as 0, like SGLang)',
+    )
+    p.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="released weights come back on resume (like SGLang's flag); else a refit must load them",
+    )
     p.add_argument(
         "--inject-latency-ms", type=float, default=0.0, help="mean injected delay in ms (default 0)"
     )
@@ -466,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.num_threads,
         max_batch_size=args.max_batch_size,
         context_len=args.context_length,
-        weight_version=args.weight_version,
+        weight_version=args.weight_version or 0,
     )
     info = {k: v for k, v in vars(args).items() if k != "log_level"}
     info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model

@@ -136,6 +136,16 @@ def placement_problems(cfg: RunSections, env: Mapping[str, str]) -> list[Problem
                 "set run.ray.num_train_actors=2 (or more), or train.fsdp=false",
             )
         )
+    if cfg.train.weight_sync == "distributed" and ray.layout == "colocated" and ray.device != "cpu":
+        problems.append(
+            Problem(
+                "train.weight_sync",
+                "'distributed' refit over NCCL needs one GPU per rank, but a colocated layout puts the "
+                "trainer and the engine on the same GPU (NCCL rejects two ranks on one device)",
+                "use train.weight_sync='disk' or 'tensors' with run.ray.layout='colocated', or "
+                "run.ray.layout='disaggregated' (or run.ray.device='cpu', where gloo is used)",
+            )
+        )
     problems += engine_placement_problems(cfg)
     return problems
 
