@@ -9,17 +9,14 @@ The wire is observed with a recording middleware (what the server received, in o
 from __future__ import annotations
 
 import asyncio
-import json
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
+from serve_testlib import serve
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.launcher import free_port
 from verst.rollout.engines.sglang_client import (
     SGLangClient,
     _worker_urls,
@@ -28,34 +25,6 @@ from verst.rollout.engines.sglang_client import (
 )
 
 PROMPT = [1, 8, 9, 10, 11, 12]
-CONTROL = ("/generate", "/model_info", "/server_info", "/v1/loads")
-
-
-@asynccontextmanager
-async def serve(model_dir, *, info=None, record=None):
-    """`verst serve`'s app on this loop; `record` collects (path, body) of control calls."""
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.server import build_app
-
-    app = build_app(EmbeddedEngine.from_pretrained(model_dir), info=info)
-    if record is not None:
-
-        @web.middleware
-        async def recorder(request, handler):
-            if request.path not in CONTROL:
-                raw = await request.read()
-                record.append((request.path, json.loads(raw) if raw else None))
-            return await handler(request)
-
-        app.middlewares.insert(0, recorder)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def post(url: str, path: str, body) -> tuple[int, dict]:

@@ -42,9 +42,9 @@ async def _over_http(engine: EmbeddedEngine) -> None:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = SGLangClient(f"http://127.0.0.1:{port}")
     try:
-        await client.release_memory_occupation()
+        await client.release_memory_occupation(["kv_cache", "cuda_graph"])  # weights stay valid
         assert engine.released
-        await client.resume_memory_occupation()
+        await client.resume_memory_occupation(["kv_cache", "cuda_graph"])
         assert not engine.released
         assert (await client.generate(_request(3))).weight_version == 3
     finally:

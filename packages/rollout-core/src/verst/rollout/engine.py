@@ -172,12 +172,15 @@ class InferenceEngine(Protocol):
 class MemoryReleasable(Protocol):
     """An engine that can free its device memory while training runs (colocated layouts)."""
 
-    async def release_memory_occupation(self) -> None:
-        """Free KV cache (and, where possible, weights) until `resume_memory_occupation`."""
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free device memory until `resume_memory_occupation`: SGLang's `tags` ("weights",
+        "kv_cache", "cuda_graph"; None = all). Engines that cannot free selectively free all."""
         ...
 
-    async def resume_memory_occupation(self) -> None:
-        """Take back what `release_memory_occupation` freed."""
+    async def resume_memory_occupation(
+        self, tags: list[str] | None = None, *, continue_generation: bool = True
+    ) -> None:
+        """Take back `tags` (None = all) of what was freed; continue generation unless told not to."""
         ...
 
 

@@ -292,12 +292,14 @@ class EmbeddedEngine:
         """Take back what `release_memory` freed (weights back on the device); idempotent."""
         await asyncio.wrap_future(self._command(self._resume_now))
 
-    async def release_memory_occupation(self) -> None:
-        """SGLang's name for `release_memory`."""
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's name for `release_memory` (every tag: the weights are backed up on CPU)."""
         await self.release_memory()
 
-    async def resume_memory_occupation(self) -> None:
-        """SGLang's name for `resume_memory`."""
+    async def resume_memory_occupation(
+        self, tags: list[str] | None = None, *, continue_generation: bool = True
+    ) -> None:
+        """SGLang's name for `resume_memory` (everything comes back at once)."""
         await self.resume_memory()
 
     def _release_now(self) -> int:

@@ -106,14 +106,21 @@ class EnginePool:
         """The highest version any engine reports."""
         return max(await asyncio.gather(*(e.get_weight_version() for e in self.engines)))
 
-    async def release_memory_occupation(self) -> None:
-        """Every engine that can frees its device memory (colocated training); others are skipped."""
-        hooks = [e.release_memory_occupation() for e in self.engines if isinstance(e, MemoryReleasable)]
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every engine that can frees its device memory (`tags`: SGLang's; None = all); others
+        are skipped."""
+        hooks = [e.release_memory_occupation(tags) for e in self.engines if isinstance(e, MemoryReleasable)]
         await self._all("release_memory_occupation", hooks)
 
-    async def resume_memory_occupation(self) -> None:
-        """Every engine that can takes back what `release_memory_occupation` freed."""
-        hooks = [e.resume_memory_occupation() for e in self.engines if isinstance(e, MemoryReleasable)]
+    async def resume_memory_occupation(
+        self, tags: list[str] | None = None, *, continue_generation: bool = True
+    ) -> None:
+        """Every engine that can takes back `tags` (None = all) of what it released."""
+        hooks = [
+            e.resume_memory_occupation(tags, continue_generation=continue_generation)
+            for e in self.engines
+            if isinstance(e, MemoryReleasable)
+        ]
         await self._all("resume_memory_occupation", hooks)
 
     async def close(self) -> None:

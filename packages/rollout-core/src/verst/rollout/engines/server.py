@@ -86,7 +86,7 @@ class _State:
         self.info = info
         self.latency = latency
         self.delayed: dict[str, asyncio.Event] = {}
-        self.version_set = info.get("weight_version") is not None
+        self.version_set = info.get("weight_version") is not None or engine.weight_version != 0
         """False until a version is given (SGLang then reports "default")."""
         self.session_open = False
         """A /begin_weight_update session is open."""

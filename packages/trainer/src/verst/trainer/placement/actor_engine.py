@@ -57,12 +57,14 @@ class ActorEngine:
     async def get_weight_version(self) -> int:
         return await self.handle.get_weight_version.remote()
 
-    async def release_memory_occupation(self) -> None:
-        """Free the actor's device memory (colocated training)."""
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the actor's device memory (colocated training; every tag, weights backed up)."""
         await self.handle.release_memory.remote()
 
-    async def resume_memory_occupation(self) -> None:
-        """Take back what `release_memory_occupation` freed."""
+    async def resume_memory_occupation(
+        self, tags: list[str] | None = None, *, continue_generation: bool = True
+    ) -> None:
+        """Take back what `release_memory_occupation` freed (everything at once)."""
         await self.handle.resume_memory.remote()
 
     async def close(self) -> None:

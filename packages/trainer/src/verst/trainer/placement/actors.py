@@ -220,10 +220,9 @@ class RolloutManagerActor(ActorBase):
 
     The engines are built from `[engine]` inside this actor: an embedded engine lives in it
     (or in `run.ray.engine_actors` engine actors it talks to); `sglang_launch` servers are
-    started (and stopped) by it; `sglang` connects to running ones. Colocated, it asks the
-    engine to release its memory after each rollout and to take it back before the next engine
-    call (`release_memory_occupation` / `resume_memory_occupation`; a no-op for engines
-    without them).
+    started (and stopped) by it; `sglang` connects to running ones. Colocated, the engine gives
+    its memory to the trainer after each rollout and takes it back around the refit, in SGLang's
+    order (`verst.trainer.colocate.ColocatedMemory`; a no-op for engines without the hooks).
     """
 
     role = "rollout"
@@ -246,8 +245,9 @@ class RolloutManagerActor(ActorBase):
         self.side = RolloutSide(
             self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
         )
-        self.colocated = colocated
-        self.released = False
+        from verst.trainer.colocate import ColocatedMemory
+
+        self.memory = ColocatedMemory(self.side.engine, self.side._run, colocated=colocated)
         strategy = type(self.side.strategy)
         info = {
             "has_eval": self.side.has_eval,
@@ -260,44 +260,28 @@ class RolloutManagerActor(ActorBase):
         self.log.info("rollout side ready: %s", info)
         return info
 
-    def _releasable(self) -> MemoryReleasable | None:
-        engine = self.side.engine
-        return engine if isinstance(engine, MemoryReleasable) else None
-
-    def _release(self) -> None:
-        engine = self._releasable()
-        if self.colocated and engine is not None and not self.released:
-            self.side._run(engine.release_memory_occupation())
-            self.released = True
-            self.log.info("engine memory released for training")
-
-    def _resume(self) -> None:
-        engine = self._releasable()
-        if self.released and engine is not None:
-            self.side._run(engine.resume_memory_occupation())
-            self.released = False
-            self.log.info("engine memory resumed")
-
     def rollout(self, rollout_id: int, weight_version: int) -> Any:
-        self._resume()
+        self.memory.before_generate()
         result = self.side.rollout(rollout_id, weight_version)
         self.log.info("rollout %d: %d groups", rollout_id, len(result.groups))
-        self._release()
+        self.memory.after_rollout()  # the train step and a refit follow
         return result
 
     def evaluate(self, rollout_id: int, weight_version: int) -> Any:
-        self._resume()
-        result = self.side.evaluate(rollout_id, weight_version)
-        self._release()
-        return result
+        self.memory.before_generate()
+        return self.side.evaluate(rollout_id, weight_version)  # the next rollout uses these weights
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int:
-        self._resume()
-        return self.side.update_weights_from_tensors(named_tensors, weight_version)
+        self.memory.before_refit()
+        version = self.side.update_weights_from_tensors(named_tensors, weight_version)
+        self.memory.after_refit()
+        return version
 
     def update_weights_from_disk(self, path: str, weight_version: int) -> int:
-        self._resume()
-        return self.side.update_weights_from_disk(path, weight_version)
+        self.memory.before_refit()
+        version = self.side.update_weights_from_disk(path, weight_version)
+        self.memory.after_refit()
+        return version
 
     def weight_version(self) -> int:
         return self.side.weight_version()
@@ -326,7 +310,9 @@ class RolloutManagerActor(ActorBase):
         side = getattr(self, "side", None)
         try:
             if side is not None:
-                self._resume()
+                memory = getattr(self, "memory", None)
+                if memory is not None and not memory.weights_pending:
+                    memory.before_generate()  # hand the memory back before the strategy closes
                 side.close(close_engine=close_engine)
         finally:
             sink = getattr(self, "sink", None)
