@@ -35,7 +35,12 @@ class TrainConfig(Section):
         description="Frozen reference model for KL (None = the initial policy, model_path)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of the trained model (float32 on CPU)."
+        "float32",
+        description=(
+            "Compute dtype of the trained model; its parameters and optimizer state stay float32 "
+            "masters (bfloat16 = bf16 autocast / FSDP2 MixedPrecisionPolicy). The reference model "
+            "is stored in this dtype."
+        ),
     )
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -352,14 +357,17 @@ def train_problems(
             Problem("train.model_path", "no model to train", "set train.model_path (or engine.model_path)")
         )
     if cfg.train.attn_implementation == "flash_attention_2":
-        import importlib.util
+        from verst.trainer.model import flash_attn_2_available
 
-        if importlib.util.find_spec("flash_attn") is None or not cuda_available:
+        if not cuda_available or not flash_attn_2_available():
             problems.append(
                 Problem(
                     "train.attn_implementation",
-                    "flash_attention_2 needs CUDA and the flash-attn package",
-                    "install it with `uv sync --extra flash-attn` on a GPU box, or use 'auto'/'sdpa'",
+                    "flash_attention_2 needs CUDA and the flash-attn 2 package as transformers "
+                    "detects it (the flash-attn-4 that the sglang extra installs does not count)",
+                    "use 'auto' or 'sdpa' (verst ships no flash-attn extra: its 2.8.3 sdist does not "
+                    "build against torch >= 2.13); a flash-attn 2 wheel matching your torch/CUDA, "
+                    "installed by hand, is picked up by 'auto'",
                 )
             )
     samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt

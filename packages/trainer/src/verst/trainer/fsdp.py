@@ -92,18 +92,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_fsdp2(root: nn.Module, hf_model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+def shard_fsdp2(
+    root: nn.Module, hf_model: nn.Module, *, device: torch.device | None = None, mp_policy: Any = None
+) -> nn.Module:
     """Shard `root` with FSDP2: each decoder layer is its own unit, the rest (embeddings, final
-    norm, LM head) belongs to the root unit, all-gathered for the root's forward."""
+    norm, LM head) belongs to the root unit, all-gathered for the root's forward. `mp_policy`: an
+    FSDP2 `MixedPrecisionPolicy` (None = compute in the parameters' dtype)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device_type = device.type if device is not None else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in decoder_layers(hf_model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(root, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(root, mesh=mesh, **kwargs)
     return root
 
 

@@ -16,6 +16,7 @@ no token attends across sequences (tested against the right-padded layout).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,11 +160,21 @@ class PolicyLogprobs(nn.Module):
     weight used by the chunked kernel is the full one, with gradients reduce-scattered after.
     """
 
-    def __init__(self, policy: nn.Module, *, backend: str = "auto", chunk_size: int = 256) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        *,
+        backend: str = "auto",
+        chunk_size: int = 256,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`compute_dtype`: cast the hidden states and the LM-head weight to it for the log-prob
+        kernels (fp32 masters, bf16 compute; the cast is differentiable). None = as they are."""
         super().__init__()
         self.policy = policy
         self.backend = backend
         self.chunk_size = chunk_size
+        self.compute_dtype = compute_dtype
 
     def forward(
         self,
@@ -190,6 +201,10 @@ class PolicyLogprobs(nn.Module):
         hidden = out.last_hidden_state  # [rows, width, H]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index.to(device))
         head = logit_head(self.policy)  # read per forward: under FSDP2 the gathered weight
+        if self.compute_dtype is not None:  # bf16 compute from the fp32 masters (differentiable casts)
+            dt = self.compute_dtype
+            bias = None if head.bias is None else head.bias.to(dt)
+            hidden, head = hidden.to(dt), dataclasses.replace(head, weight=head.weight.to(dt), bias=bias)
         lp, ent = hidden_logprobs(
             hidden,
             head,

@@ -6,11 +6,18 @@ FSDP requested on CPU, where its plugin is silently ignored — is handled here:
 FSDP2 `fully_shard` directly over gloo (see `verst.trainer.fsdp`). With one CPU process FSDP is
 refused at validation; `build_policy` re-checks so it can never run unsharded while the config
 says FSDP.
+
+`train.dtype` is the *compute* dtype of the trained model: its parameters (and so the AdamW
+state and every update) stay float32 masters. With bfloat16 at lr 1e-6 an update is far below
+half a bf16 ulp of typical weights, so bf16 parameters would stop changing. Compute runs in the
+requested dtype: FSDP2 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` when sharded,
+accelerate's autocast (`mixed_precision="bf16"`) otherwise (a single GPU process included), and
+the LM head + log-prob kernels get bf16 hidden states and weight (cast inside the forward, so
+gradients flow back to the fp32 masters). The frozen reference model is stored in `train.dtype`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +35,38 @@ from verst.trainer.logprobs import PolicyLogprobs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_AMP = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def flash_attn_2_available() -> bool:
+    """transformers' own check: the `flash-attn` (2.x) distribution, not just a `flash_attn` module.
+
+    The sglang extra installs `flash-attn-4`, whose `flash_attn/cute/` makes `flash_attn` a
+    namespace package, so `importlib.util.find_spec("flash_attn")` is true although transformers
+    cannot load `flash_attention_2` from it.
+    """
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
+
+
 def resolve_attn_implementation(requested: str, *, cuda: bool) -> str:
-    """'auto' → flash_attention_2 when flash-attn is installed and CUDA is there, else sdpa."""
+    """'auto' → flash_attention_2 when transformers can use flash-attn 2 on CUDA, else sdpa."""
     if requested != "auto":
         return requested
-    if cuda and importlib.util.find_spec("flash_attn") is not None:
+    if cuda and flash_attn_2_available():
         return "flash_attention_2"
     return "sdpa"
+
+
+def mixed_precision_policy(dtype: str) -> Any:
+    """FSDP2's policy for compute dtype `dtype` (None for float32): params cast for compute,
+    gradients reduced in float32."""
+    if dtype == "float32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
 
 
 def load_hf_model(
@@ -131,11 +163,15 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
     cuda = torch.cuda.is_available()
     attn = resolve_attn_implementation(cfg.attn_implementation, cuda=cuda)
-    hf = load_hf_model(model_path, dtype=cfg.dtype, attn_implementation=attn)
+    hf = load_hf_model(model_path, dtype="float32", attn_implementation=attn)  # fp32 masters
     if cfg.gradient_checkpointing:
         hf.gradient_checkpointing_enable()
     hf.config.use_cache = False
-    module = PolicyLogprobs(hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size)
+    compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
+    module = PolicyLogprobs(
+        hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size, compute_dtype=compute
+    )
+    mp = mixed_precision_policy(cfg.dtype)
 
     def make_opt(params):
         opt = torch.optim.AdamW(
@@ -150,7 +186,7 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
                 "FSDP plugin on CPU); launch 2+ processes with torchrun or set train.fsdp=false"
             )
         ensure_process_group(dist_info, cuda=False)
-        shard_fsdp2(module, hf)
+        shard_fsdp2(module, hf, mp_policy=mp)
         if not any(is_sharded(p) for p in module.parameters()):
             raise RuntimeError("FSDP2 sharding left every parameter whole; refusing to train unsharded")
         opt, sched = make_opt(module.parameters())
@@ -167,8 +203,9 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(getattr(hf, "_no_split_modules", None) or []),
             reshard_after_forward=True,
+            mixed_precision_policy=mp,
         )
-    accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin)
+    accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin, mixed_precision=_AMP[cfg.dtype])
     opt, sched = make_opt(module.parameters())
     # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
     # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
