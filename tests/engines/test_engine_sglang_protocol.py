@@ -208,3 +208,22 @@ def test_cpu_tensors_pickled_by_value_cuda_ipc_patch_is_idempotent():
     assert reductions.reduce_tensor is patched  # idempotent
     assert cuda_ipc.replace_arg((0, 1, 2), 1, lambda x: x * 10) == (0, 10, 2)
     assert cuda_ipc.device_index(3) == 3
+
+
+def test_sglang_launch_command_per_server_gpus_and_flags():
+    from verst.rollout.engines.launcher import sglang_server_command
+
+    cmds = [
+        sglang_server_command("/m", i, host="127.0.0.1", port=30000 + i, tp_size=2, base_gpu_id=1)
+        for i in range(3)
+    ]
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    assert [flag(c, "--base-gpu-id") for c in cmds] == ["1", "3", "5"]  # base + i * tp_size
+    assert {flag(c, "--weight-version") for c in cmds} == {"0"}  # not SGLang's "default"
+    assert "--enable-memory-saver" not in cmds[0]
+    colocated = sglang_server_command("/m", 0, host="h", port=1, memory_saver=True, deterministic=True)
+    for name in ("--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-deterministic-inference"):
+        assert name in colocated

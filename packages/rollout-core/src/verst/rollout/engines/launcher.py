@@ -165,13 +165,48 @@ def launch_verst_servers(
     env: dict[str, str] | None = None,
     log_dir: str | Path | None = None,
 ) -> LaunchedServers:
-    """Start `num_servers` `verst serve` processes (free ports unless `port_base`)."""
+    """Start `num_servers` `verst serve` processes (free ports unless `port_base`), at weight
+    version 0 like `launch_sglang_servers`."""
     commands = []
     for port in _ports(num_servers, host, port_base):
         cmd = [sys.executable, "-m", "verst.rollout.engines.server", "--model", str(model_path)]
-        cmd += ["--host", host, "--port", str(port), *extra_args]
+        cmd += ["--host", host, "--port", str(port), "--weight-version", "0", *extra_args]
         commands.append((cmd, f"http://{host}:{port}"))
     return _launch(commands, name="verst-serve", ready_timeout_s=ready_timeout_s, env=env, log_dir=log_dir)
+
+
+def sglang_server_command(
+    model_path: str | Path,
+    index: int,
+    *,
+    host: str,
+    port: int,
+    tp_size: int = 1,
+    base_gpu_id: int = 0,
+    mem_fraction_static: float | None = None,
+    memory_saver: bool = False,
+    deterministic: bool = False,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The `python -m sglang.launch_server` command of server `index` (0-based).
+
+    Each server gets its own GPUs (`--base-gpu-id base + index * tp_size`) and starts at weight
+    version 0 (`--weight-version 0`; SGLang's default is the string "default"). `memory_saver`
+    (colocated training) adds `--enable-memory-saver` (without it `release_memory_occupation`
+    is a no-op) and `--enable-weights-cpu-backup` (without it released weights do not come back
+    on resume); `deterministic` adds `--enable-deterministic-inference` (without it
+    `sampling_seed` is ignored).
+    """
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+    cmd += ["--host", host, "--port", str(port), "--tp-size", str(tp_size)]
+    cmd += ["--base-gpu-id", str(base_gpu_id + index * tp_size), "--weight-version", "0"]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    if memory_saver:
+        cmd += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+    if deterministic:
+        cmd += ["--enable-deterministic-inference"]
+    return [*cmd, *extra_args]
 
 
 def launch_sglang_servers(
@@ -181,7 +216,10 @@ def launch_sglang_servers(
     host: str = "127.0.0.1",
     port_base: int | None = None,
     tp_size: int = 1,
+    base_gpu_id: int = 0,
     mem_fraction_static: float | None = None,
+    memory_saver: bool = False,
+    deterministic: bool = False,
     extra_args: Sequence[str] = (),
     router: bool = False,
     router_policy: str = "cache_aware",
@@ -190,17 +228,28 @@ def launch_sglang_servers(
     env: dict[str, str] | None = None,
     log_dir: str | Path | None = None,
 ) -> LaunchedServers:
-    """Start real SGLang servers (and a router); needs `uv sync --extra sglang` and a GPU."""
+    """Start real SGLang servers (and a router); needs `uv sync --extra sglang` and a GPU.
+
+    See `sglang_server_command` for the flags each server gets. The router (sglang-router 0.3.x)
+    is ready when `GET /readiness` answers 200."""
     require("sglang", extra="sglang", feature="launching SGLang servers")
     if router:
         require("sglang_router", extra="sglang", feature="launching the SGLang router")
     commands = []
-    for port in _ports(num_servers, host, port_base):
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
-        cmd += ["--host", host, "--port", str(port), "--tp-size", str(tp_size)]
-        if mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-        commands.append(([*cmd, *extra_args], f"http://{host}:{port}"))
+    for i, port in enumerate(_ports(num_servers, host, port_base)):
+        cmd = sglang_server_command(
+            model_path,
+            i,
+            host=host,
+            port=port,
+            tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
+            mem_fraction_static=mem_fraction_static,
+            memory_saver=memory_saver,
+            deterministic=deterministic,
+            extra_args=extra_args,
+        )
+        commands.append((cmd, f"http://{host}:{port}"))
     launched = _launch(commands, name="sglang", ready_timeout_s=ready_timeout_s, env=env, log_dir=log_dir)
     if not router:
         return launched
@@ -210,7 +259,7 @@ def launch_sglang_servers(
         cmd += ["--worker-urls", *launched.urls, "--policy", router_policy, *router_extra_args]
         logs = launched.servers[0].log_path.parent
         launched.router = _spawn(cmd, f"http://{host}:{port}", logs, "router", env)
-        wait_ready(launched.router, ready_timeout_s, path="/health")
+        wait_ready(launched.router, ready_timeout_s, path="/readiness")
     except BaseException:
         launched.close()
         raise
