@@ -141,8 +141,8 @@ def test_launcher_checks():
         TritonRowOps.forward(torch.randn(20, 3).T, t, 1.0, False)
     with pytest.raises(ValueError, match=r"targets must be torch.int64"):
         TritonRowOps.forward(x, t.int(), 1.0, False)
-    with pytest.raises(ValueError, match="must be 2-D"):
-        TritonRowOps.forward(x[None], t, 1.0, False)
+    with pytest.raises(ValueError, match=r"must be \[N, V\] or \[B, T, V\]"):
+        TritonRowOps.forward(x[None, None], t, 1.0, False)
     _, _, lse = TritonRowOps.forward(x, t, 1.0, False)
     with pytest.raises(ValueError, match=r"lse must have shape \(3,\)"):
         TritonRowOps.backward(x, t, 1.0, lse[:2], None, torch.ones(3, 1), None, torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -49,9 +50,22 @@ def _check_float(name: str, x: torch.Tensor, min_dim: int = 1) -> None:
         raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(x.shape)}")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [N, D] with unit stride along D."""
-    x2 = x.reshape(-1, x.shape[-1])
+def _rows(x: torch.Tensor, *, strided: bool = False) -> torch.Tensor:
+    """[..., D] -> [N, D] with unit stride along D; a view whenever one exists.
+
+    `strided=True` (the Triton row kernels, which take two row strides): when no `[N, D]` view
+    exists, e.g. `logits[:, :-1]` of a `[B, T+1, V]` tensor, return a `[B', T, D]` view instead
+    of copying every logit (`reshape` would copy silently).
+    """
+    D = x.shape[-1]
+    if x.dim() > 1 and x.stride(-1) == 1:
+        try:
+            return x.view(-1, D)
+        except RuntimeError:
+            if strided and x.dim() >= 3:
+                with contextlib.suppress(RuntimeError):
+                    return x.view(-1, x.shape[-2], D)
+    x2 = x.reshape(-1, D)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -92,7 +106,8 @@ def token_logprobs(
     lead, V = logits.shape[:-1], logits.shape[-1]
     targets = _check_ids("target_ids", target_ids, lead, V, logits.device, extra=False)
     ops = _row_ops(logits.device, backend)
-    lp, ent, _ = LogprobsFunction.apply(_rows(logits), targets, T, bool(return_entropy), ops)
+    x = _rows(logits, strided=ops.name == "triton")
+    lp, ent, _ = LogprobsFunction.apply(x, targets, T, bool(return_entropy), ops)
     lp = lp.view(lead)
     return (lp, ent.view(lead)) if return_entropy else lp
 
@@ -116,9 +131,9 @@ def topk_logprobs(
     if not 1 <= int(k) <= V:
         raise ValueError(f"k must be in [1, V={V}], got {k}")
     ops = _row_ops(logits.device, backend)
-    x = _rows(logits)
+    x = _rows(logits, strided=ops.name == "triton")
     if token_ids is None:
-        ids = torch.empty((x.shape[0], 0), dtype=torch.int64, device=logits.device)
+        ids = torch.empty((math.prod(lead), 0), dtype=torch.int64, device=logits.device)
     else:
         ids = _check_ids("token_ids", token_ids, lead, V, logits.device, extra=True)
     lp, _, lse = LogprobsFunction.apply(x, ids, T, False, ops)

@@ -3,6 +3,15 @@
 One program handles one row (or one (row, vocab block) pair for the top-k candidates). Logits are
 read in blocks of `BLOCK_V` with a streaming (online) log-sum-exp, so any vocabulary size works,
 including sizes that are not a multiple of the block. All arithmetic is float32.
+
+Rows are addressed through two strides, `(row // rows_per_b) * stride_b + (row % rows_per_b) *
+stride_t`, so a `[B, T, V]` view such as `logits[:, :-1]` of a `[B, T+1, V]` tensor is read in
+place (2-D inputs use `stride_b = 0`, `rows_per_b = N`).
+
+The backward adds each target's gradient with a scalar loop over the row's targets that touches
+the block only when the target falls in it: no `[BLOCK_V, BLOCK_M]` comparison tile (which, for
+the OPD token-id path with 16 targets per row and 4096-wide blocks, needed far more registers
+than a program has and spilled when compiled for sm_90).
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ import triton.language as tl
 
 @triton.jit
 def _row_forward_kernel(
-    logits_ptr,  # [N, V], row stride `stride_row`, unit column stride
-    stride_row,
+    logits_ptr,  # [N, V] rows (see the module docstring for the addressing), unit column stride
+    stride_b,
+    stride_t,
+    rows_per_b,
     targets_ptr,  # [N, M] int64, contiguous
     logprobs_ptr,  # [N, M] float32, contiguous
     entropy_ptr,  # [N] float32 (unused unless WITH_ENTROPY)
@@ -27,7 +38,7 @@ def _row_forward_kernel(
     WITH_ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
+    base = logits_ptr + (row // rows_per_b) * stride_b + (row % rows_per_b) * stride_t
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), tl.float32)  # running max of x = logits / T
     s = tl.zeros((), tl.float32)  # sum exp(x - m)
@@ -61,8 +72,10 @@ def _row_forward_kernel(
 
 @triton.jit
 def _row_backward_kernel(
-    logits_ptr,  # [N, V], row stride `stride_row`
-    stride_row,
+    logits_ptr,  # [N, V] rows (strided addressing), unit column stride
+    stride_b,
+    stride_t,
+    rows_per_b,
     targets_ptr,  # [N, M] int64, contiguous
     lse_ptr,  # [N] float32
     entropy_ptr,  # [N] float32 (unused unless WITH_ENTROPY)
@@ -77,7 +90,7 @@ def _row_backward_kernel(
     WITH_ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
+    base = logits_ptr + (row // rows_per_b) * stride_b + (row % rows_per_b) * stride_t
     lse = tl.load(lse_ptr + row)
     offs_m = tl.arange(0, BLOCK_M)
     gsum = tl.zeros((), tl.float32)
@@ -97,21 +110,20 @@ def _row_backward_kernel(
         g = -p * gsum
         if WITH_ENTROPY:
             g -= g_ent * p * (tl.where(p > 0, logp, 0.0) + ent)  # p == 0: logp may be -inf
-        for mstart in range(0, M, BLOCK_M):
-            cm = mstart + offs_m
-            mmask = cm < M
-            tgt = tl.load(targets_ptr + row * M + cm, mask=mmask, other=-1)
-            gm = tl.load(grad_lp_ptr + row * M + cm, mask=mmask, other=0.0)
-            hit = cols[:, None] == tgt[None, :]
-            g += tl.sum(tl.where(hit, gm[None, :], 0.0), axis=1)
+        for j in range(0, M):  # scalar per target; only a hit touches the block
+            tgt = tl.load(targets_ptr + row * M + j)
+            if (tgt >= start) & (tgt < start + BLOCK_V):
+                g += tl.where(cols == tgt, tl.load(grad_lp_ptr + row * M + j), 0.0)
         g = g / temperature
         tl.store(grad_ptr + row * V + cols, g.to(grad_ptr.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
 def _block_topk_kernel(
-    logits_ptr,  # [N, V], row stride `stride_row`
-    stride_row,
+    logits_ptr,  # [N, V] rows (strided addressing), unit column stride
+    stride_b,
+    stride_t,
+    rows_per_b,
     lse_ptr,  # [N] float32
     cand_val_ptr,  # [N, n_blocks, K] float32
     cand_idx_ptr,  # [N, n_blocks, K] int64 (>= V marks "no candidate")
@@ -127,7 +139,8 @@ def _block_topk_kernel(
     offs = tl.arange(0, BLOCK_V)
     cols = blk * BLOCK_V + offs
     avail = cols < V
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=avail, other=float("-inf")).to(tl.float32)
+    base = logits_ptr + (row // rows_per_b) * stride_b + (row % rows_per_b) * stride_t
+    x = tl.load(base + cols, mask=avail, other=float("-inf")).to(tl.float32)
     x = x / temperature
     lse = tl.load(lse_ptr + row)
     out = (row * n_blocks + blk) * K

@@ -1,7 +1,9 @@
 """Launchers for the Triton kernels: check shapes, strides, dtypes and devices, then launch.
 
-Each launcher takes 2-D row batches (logits `[N, V]` with unit column stride; any row stride)
-and raises a ValueError that says what is wrong and how to fix it before any kernel runs.
+Each launcher takes row batches — logits `[N, V]`, or `[B, T, V]` (e.g. `x[:, :-1]` of a
+`[B, T+1, V]` tensor, read in place through its strides instead of copied), unit stride along
+the vocabulary — and raises a ValueError that says what is wrong and how to fix it before any
+kernel runs. Gradients come back contiguous in the logits' shape.
 """
 
 from __future__ import annotations
@@ -19,19 +21,29 @@ MAX_BLOCK_M = 16
 
 
 def _check_logits(logits: torch.Tensor, where: str) -> None:
-    if logits.dim() != 2:
+    if logits.dim() not in (2, 3):
         raise ValueError(
-            f"{where}: logits must be 2-D [N, V], got shape {tuple(logits.shape)}; reshape(-1, V)"
+            f"{where}: logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}; reshape(-1, V)"
         )
     if logits.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"{where}: logits dtype {logits.dtype} is not supported; valid: float32, bfloat16, float16"
         )
-    if logits.shape[1] > 0 and logits.stride(1) != 1:
+    if logits.shape[-1] > 0 and logits.stride(-1) != 1:
         raise ValueError(
             f"{where}: logits must have unit stride along the vocabulary (got strides {logits.stride()}); "
             "call .contiguous() first"
         )
+
+
+def _layout(logits: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(N rows, V, stride_b, stride_t, rows_per_b) of a `[N, V]` or `[B, T, V]` logits view."""
+    V = logits.shape[-1]
+    if logits.dim() == 2:
+        N = logits.shape[0]
+        return N, V, 0, logits.stride(0), max(N, 1)
+    B, T = logits.shape[0], logits.shape[1]
+    return B * T, V, logits.stride(0), logits.stride(1), max(T, 1)
 
 
 def _check_rows(
@@ -90,7 +102,7 @@ class TritonRowOps:
         `overwrite` is accepted for the RowOps contract; the kernel needs no temporaries."""
         where = "token log-probs (triton forward)"
         _check_logits(logits, where)
-        N, V = logits.shape
+        N, V, sb, st, rpb = _layout(logits)
         if targets.dim() != 2 or targets.shape[0] != N:
             raise ValueError(f"{where}: targets must be [N={N}, M], got {tuple(targets.shape)}")
         _check_rows("targets", targets, (N, targets.shape[1]), torch.int64, logits, where)
@@ -103,7 +115,7 @@ class TritonRowOps:
             bv = _block_v(V, block_v)
             with _on(dev):
                 _row_forward_kernel[(N,)](
-                    logits, logits.stride(0), targets, logprobs, entropy, lse, V, M, float(temperature),
+                    logits, sb, st, rpb, targets, logprobs, entropy, lse, V, M, float(temperature),
                     BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
                 )  # fmt: skip
         return logprobs, (entropy if with_entropy else None), lse
@@ -122,10 +134,10 @@ class TritonRowOps:
         overwrite: bool = False,
         block_v: int | None = None,
     ) -> torch.Tensor:
-        """Gradient wrt logits `[N, V]` in `out_dtype` (float32 accumulation)."""
+        """Gradient wrt logits (contiguous, the logits' shape) in `out_dtype` (float32 accumulation)."""
         where = "token log-probs (triton backward)"
         _check_logits(logits, where)
-        N, V = logits.shape
+        N, V, sb, st, rpb = _layout(logits)
         if targets.dim() != 2:
             raise ValueError(f"{where}: targets must be [N={N}, M], got {tuple(targets.shape)}")
         M = targets.shape[1]
@@ -142,12 +154,12 @@ class TritonRowOps:
             raise ValueError(
                 f"{where}: out_dtype {out_dtype} not supported; valid: float32, bfloat16, float16"
             )
-        grad = torch.empty((N, V), dtype=out_dtype, device=logits.device)
+        grad = torch.empty(logits.shape, dtype=out_dtype, device=logits.device)
         if N > 0:
             bv = _block_v(V, block_v)
             with _on(logits.device):
                 _row_backward_kernel[(N,)](
-                    logits, logits.stride(0), targets, lse,
+                    logits, sb, st, rpb, targets, lse,
                     entropy if with_entropy else lse, grad_logprobs,
                     grad_entropy if with_entropy else lse, grad, V, M, float(temperature),
                     BLOCK_V=bv, BLOCK_M=_block_m(M), WITH_ENTROPY=with_entropy, num_warps=_num_warps(bv),
@@ -170,7 +182,7 @@ class TritonRowOps:
         """
         where = "top-k log-probs (triton)"
         _check_logits(logits, where)
-        N, V = logits.shape
+        N, V, sb, st, rpb = _layout(logits)
         if not 1 <= k <= V:
             raise ValueError(f"{where}: k must be in [1, V={V}], got {k}")
         _check_rows("lse", lse, (N,), torch.float32, logits, where)
@@ -186,7 +198,7 @@ class TritonRowOps:
         cand_idx = torch.empty((N, n_blocks, kk), dtype=torch.int64, device=dev)
         with _on(dev):
             _block_topk_kernel[(N, n_blocks)](
-                logits, logits.stride(0), lse, cand_val, cand_idx, V, n_blocks, float(temperature),
+                logits, sb, st, rpb, lse, cand_val, cand_idx, V, n_blocks, float(temperature),
                 K=kk, BLOCK_V=bv, num_warps=_num_warps(bv),
             )  # fmt: skip
         cand_val = cand_val.view(N, -1)
