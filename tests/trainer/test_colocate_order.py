@@ -74,6 +74,8 @@ def test_release_resume_order_around_eval_step0_and_refit(engine_side, tiny_chec
         refit(step + 1)
         calls = [(p, (b or {}).get("tags")) for p, b in record if "memory" in p or "generation" in p]
         assert calls[0] == ("/resume_memory_occupation", ["weights"])  # weights first, still paused
+        # the refit itself must not continue generation while the KV cache is still released
+        assert [c for c in calls[:-1] if c[0] == "/continue_generation"] == []
         assert calls[-2:] == [
             ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),
             ("/continue_generation", None),

@@ -254,13 +254,45 @@ def launch_sglang_servers(
     if not router:
         return launched
     try:
-        port = free_port(host)
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
-        cmd += ["--worker-urls", *launched.urls, "--policy", router_policy, *router_extra_args]
         logs = launched.servers[0].log_path.parent
-        launched.router = _spawn(cmd, f"http://{host}:{port}", logs, "router", env)
-        wait_ready(launched.router, ready_timeout_s, path="/readiness")
+        launched.router = launch_router(
+            launched.urls,
+            host=host,
+            policy=router_policy,
+            extra_args=router_extra_args,
+            ready_timeout_s=ready_timeout_s,
+            env=env,
+            log_dir=logs,
+        )
     except BaseException:
         launched.close()
         raise
     return launched
+
+
+def launch_router(
+    worker_urls: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    policy: str = "cache_aware",
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    log_dir: str | Path | None = None,
+) -> ServerProcess:
+    """Start `python -m sglang_router.launch_router` in front of `worker_urls`; ready when
+    `GET /readiness` is 200 (sglang-router 0.3.x). Stop it with `.stop()`."""
+    require("sglang_router", extra="sglang", feature="launching the SGLang router")
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="verst-router-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+    cmd += ["--worker-urls", *worker_urls, "--policy", policy, *extra_args]
+    proc = _spawn(cmd, f"http://{host}:{port}", logs, "router", env)
+    try:
+        wait_ready(proc, ready_timeout_s, path="/readiness")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

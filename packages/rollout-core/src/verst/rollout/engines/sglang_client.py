@@ -87,6 +87,8 @@ class SGLangClient:
         self.abort_resend_s = abort_resend_s
         self._inflight: dict[str, int] = {}
         """rid → requests in flight with it (for exact aborts)."""
+        self._held = False
+        """Memory is released: refits leave generation paused until it is resumed."""
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -248,10 +250,15 @@ class SGLangClient:
                 await self._flush(url)
                 await self._checked("begin_weight_update", url, {"selector": "all"})
             except BaseException:
-                await self._call("POST", "/continue_generation", {}, base=url)
+                await self._continue(url)
                 raise
 
         await self._each_worker("begin_weight_update", one)
+
+    async def _continue(self, url: str) -> None:
+        """Continue generation unless released memory holds it paused (colocated refit)."""
+        if not self._held:
+            await self._call("POST", "/continue_generation", {}, base=url)
 
     async def end_weight_update(self, weight_version: int | None, *, check: bool = True) -> None:
         """Close the refit on every worker: `/end_weight_update`, check the version it reports
@@ -267,7 +274,7 @@ class SGLangClient:
                             f"refit on {url}: server reports weight version {got}, expected {weight_version}"
                         )
             finally:
-                await self._call("POST", "/continue_generation", {}, base=url)
+                await self._continue(url)
 
         await self._each_worker("end_weight_update", one)
 
@@ -320,7 +327,7 @@ class SGLangClient:
                         f"update_weights_from_disk on {url}: server reports weight version {got}, expected {target}"
                     )
             finally:
-                await self._call("POST", "/continue_generation", {}, base=url)
+                await self._continue(url)
 
         await self._each_worker("update_weights_from_disk", one)
         return target
@@ -379,13 +386,15 @@ class SGLangClient:
             await self._call("POST", "/pause_generation", {"mode": "retract"}, base=url)
             await self._call("POST", "/release_memory_occupation", {"tags": _tags(tags)}, base=url)
 
+        self._held = True
         await self._each_worker("release_memory_occupation", one)
 
     async def resume_memory_occupation(
         self, tags: list[str] | None = None, *, continue_generation: bool = True
     ) -> None:
         """Take back `tags` (None = all) on every worker; then continue generation unless told not to
-        (resume `weights`, refit, then resume the rest)."""
+        (resume `weights`, refit, then resume the rest). Until generation continues here, refits
+        leave it paused (the KV cache may still be released)."""
 
         async def one(url: str) -> None:
             await self._call("POST", "/resume_memory_occupation", {"tags": _tags(tags)}, base=url)
@@ -393,6 +402,8 @@ class SGLangClient:
                 await self._call("POST", "/continue_generation", {}, base=url)
 
         await self._each_worker("resume_memory_occupation", one)
+        if continue_generation:
+            self._held = False
 
     async def init_weights_update_group(
         self,
