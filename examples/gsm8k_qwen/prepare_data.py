@@ -24,7 +24,9 @@ INSTRUCTION = "Solve the problem step by step. Put the final answer after '####'
 def _local_rows(source: Path, split: str) -> list[dict]:
     files = sorted(source.glob(f"{split}*.jsonl")) + sorted(source.glob(f"{split}*.parquet"))
     if not files:
-        raise SystemExit(f"no {split}*.jsonl or {split}*.parquet under {source}; give the GSM8K 'main' folder")
+        raise SystemExit(
+            f"no {split}*.jsonl or {split}*.parquet under {source}; give the GSM8K 'main' folder"
+        )
     rows: list[dict] = []
     for f in files:
         if f.suffix == ".jsonl":

@@ -129,6 +129,19 @@ async def test_abort_is_exact_and_the_client_aborts_each_rid(tiny_checkpoint):
         assert client._inflight == {}
 
 
+async def test_abort_is_resent_for_a_request_that_reached_the_server_late(tiny_checkpoint):
+    async with serve(tiny_checkpoint) as url:
+        client = SGLangClient(url, abort_resend_s=0.3)
+        try:
+            client._inflight["late-0"] = 1  # sent, but not at the server yet when the abort goes out
+            await client.abort("late-")  # returns at once; the exact abort matched nothing
+            long = SamplingParams(200, ignore_eos=True)
+            out = await asyncio.wait_for(client.generate(GenerateRequest([1, 5], long, rid="late-0")), 30)
+            assert out.finish_reason == "abort" and len(out.output_ids) < 200  # the re-send caught it
+        finally:
+            await client.close()
+
+
 async def test_errors_come_back_in_sglang_shapes(tiny_checkpoint):
     async with serve(tiny_checkpoint) as url:
         status, body = await post(url, "/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}})

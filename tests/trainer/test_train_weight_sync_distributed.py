@@ -89,3 +89,23 @@ def test_distributed_needs_an_out_of_process_engine(tmp_path, tiny_checkpoint, s
             WeightSync(train, embedded, mode="distributed", staging_dir=tmp_path, dist_info=DistInfo())
     finally:
         embedded.close()
+
+
+def test_nccl_refused_when_trainer_and_engine_share_a_gpu(tmp_path, tiny_checkpoint, setup):  # noqa: F811
+    """NCCL rejects two ranks on one device: refused up front with the fix, before any rendezvous."""
+    from verst.trainer.weight_sync import WeightSyncError
+
+    cfg, train = setup
+    served = RolloutSide(
+        cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient("http://127.0.0.1:9")
+    )  # never contacted
+    try:
+        sync = WeightSync(
+            train, served, mode="distributed", staging_dir=tmp_path, dist_info=DistInfo(),
+            backend="nccl", shares_gpu_with_engine=True,
+        )  # fmt: skip
+        with pytest.raises(WeightSyncError, match=r"different GPUs.*'disk' or 'tensors'"):
+            sync.push()
+        assert sync.group is None
+    finally:
+        served.close()

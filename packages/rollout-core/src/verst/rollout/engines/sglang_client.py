@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import pickle
 import re
@@ -89,6 +90,8 @@ class SGLangClient:
         """rid → requests in flight with it (for exact aborts)."""
         self._held = False
         """Memory is released: refits leave generation paused until it is resumed."""
+        self._resends: set[asyncio.Task[None]] = set()
+        """Background re-sends of exact aborts (cancelled on close)."""
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -201,8 +204,14 @@ class SGLangClient:
             return
         rids = self._matching(rid_prefix)
         await self._abort_exact(rids)
-        if rids and self.abort_resend_s > 0:
-            await asyncio.sleep(self.abort_resend_s)
+        if rids and self.abort_resend_s > 0:  # in the background: the caller need not wait
+            task = asyncio.ensure_future(self._resend(rids))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, rids: list[str]) -> None:
+        await asyncio.sleep(self.abort_resend_s)
+        with contextlib.suppress(EngineError):  # best effort: the first abort already went out
             await self._abort_exact([r for r in rids if r in self._inflight])
 
     def _matching(self, prefix: str) -> list[str]:
@@ -509,7 +518,9 @@ class SGLangClient:
             return False
 
     async def close(self) -> None:
-        """Close the HTTP session."""
+        """Cancel pending abort re-sends; close the HTTP session."""
+        for task in list(self._resends):
+            task.cancel()
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
