@@ -201,6 +201,7 @@ def test_router_worker_listing_forms():
     body = {"workers": [{"url": "http://h:1@0"}, {"url": "http://h:1@1"}, {"url": "http://h:2"}], "total": 3}
     assert _worker_urls(body) == ["http://h:1", "http://h:2"]
     assert _worker_urls({"urls": ["http://h:1/", "http://h:2"]}) == ["http://h:1", "http://h:2"]
+    assert _worker_urls([{"url": "http://h:3@0", "worker_id": "a"}]) == ["http://h:3"]
     assert _worker_urls({"something": 1}) is None
 
 

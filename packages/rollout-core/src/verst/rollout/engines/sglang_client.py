@@ -610,6 +610,8 @@ def _worker_urls(data: Any) -> list[str] | None:
         raw = data["urls"]
     elif isinstance(data, dict) and isinstance(data.get("workers"), list):
         raw = [w.get("url") if isinstance(w, dict) else w for w in data["workers"]]
+    elif isinstance(data, list):  # a bare list of workers
+        raw = [w.get("url") if isinstance(w, dict) else w for w in data]
     if raw is None or not all(isinstance(u, str) for u in raw):
         return None
     urls: list[str] = []
