@@ -124,6 +124,13 @@ def test_distributed_weight_sync_allows_several_engines_but_not_nccl_on_a_shared
     colocated = RunConfig.model_validate({**cfg.model_dump(), "run": ray})
     problems = [p for p in placement_problems(colocated, {}) if p.key == "train.weight_sync"]
     assert len(problems) == 1 and "NCCL" in problems[0].why and "'disk'" in problems[0].fix
+    launch = {"type": "sglang_launch", "model_path": "/m"}
+    saverless = RunConfig.model_validate({**cfg.model_dump(), "engine": launch, "run": ray})
+    assert [p.key for p in placement_problems(saverless, {}) if p.key == "engine.memory_saver"]
+    saver = RunConfig.model_validate(
+        {**cfg.model_dump(), "engine": {**launch, "memory_saver": True}, "run": ray}
+    )
+    assert not [p for p in placement_problems(saver, {}) if p.key == "engine.memory_saver"]
     ray_cpu = {"placement": "ray", "ray": {"layout": "colocated", "device": "cpu"}}
     gloo = RunConfig.model_validate({**cfg.model_dump(), "run": ray_cpu})
     assert not [p for p in placement_problems(gloo, {}) if p.key == "train.weight_sync"]

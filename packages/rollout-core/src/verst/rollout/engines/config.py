@@ -177,6 +177,19 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
     )
     launch_router: bool = Field(True, description="Put a router in front of several servers.")
     router_policy: str = Field("cache_aware", description="Router --policy.")
+    base_gpu_id: int = Field(
+        0, ge=0, description="First GPU of the servers: server i gets --base-gpu-id base + i * tp_size."
+    )
+    memory_saver: bool = Field(
+        False,
+        description=(
+            "--enable-memory-saver --enable-weights-cpu-backup (needed for colocated layouts: "
+            "without them releasing memory is a no-op and released weights do not come back)."
+        ),
+    )
+    deterministic_inference: bool = Field(
+        False, description="--enable-deterministic-inference (SGLang honours sampling_seed only with it)."
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra launch_server arguments.")
     ready_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for /health_generate.")
 
@@ -202,7 +215,10 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
             host=self.host,
             port_base=self.port_base,
             tp_size=self.tp_size,
+            base_gpu_id=self.base_gpu_id,
             mem_fraction_static=self.mem_fraction_static,
+            memory_saver=self.memory_saver,
+            deterministic=self.deterministic_inference,
             extra_args=self.extra_args,
             router=self.launch_router and self.num_engines > 1,
             router_policy=self.router_policy,

@@ -165,6 +165,16 @@ def engine_placement_problems(cfg: RunSections) -> list[Problem]:
                 "use run.ray.layout='disaggregated' with run.ray.rollout_num_gpus, or one single-GPU engine",
             )
         )
+    if ray.layout == "colocated" and getattr(cfg.engine, "memory_saver", True) is False:
+        problems.append(
+            Problem(
+                "engine.memory_saver",
+                "a colocated layout releases the engine's memory for training, but the launched SGLang "
+                "servers would run without --enable-memory-saver (release is then a no-op) and "
+                "--enable-weights-cpu-backup",
+                "set engine.memory_saver=true, or run.ray.layout='disaggregated'",
+            )
+        )
     if ray.engine_actors and not caps.ray_engine_actors:
         problems.append(
             Problem(
