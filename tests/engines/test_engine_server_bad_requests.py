@@ -15,6 +15,7 @@ from aiohttp import web
 from verst.rollout.engines.embedded import EmbeddedEngine
 from verst.rollout.engines.launcher import free_port
 from verst.rollout.engines.server import build_app
+from verst.rollout.engines.sglang_client import error_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,7 +72,8 @@ def generate(sp: str) -> str:
 async def test_bad_requests_are_4xx_with_a_json_error(url, body, status, needle):
     code, payload, elapsed = await post(url, body)
     assert code == status, payload
-    assert isinstance(payload, dict) and needle in payload["error"]
+    # SGLang's shapes: {"error": {"message"}} from /generate, an ErrorResponse for bad JSON
+    assert isinstance(payload, dict) and needle in str(error_message(payload))
     assert elapsed < 5, "refused before anything was queued"
 
 
