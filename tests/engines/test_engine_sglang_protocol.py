@@ -108,24 +108,27 @@ async def test_weight_version_is_default_until_set_and_reads_as_zero(tiny_checkp
 async def test_abort_is_exact_and_the_client_aborts_each_rid(tiny_checkpoint):
     async with serve(tiny_checkpoint) as url:
         client = SGLangClient(url, abort_resend_s=0.05)
+        long = SamplingParams(200, ignore_eos=True)
         try:
             tasks = {
-                rid: asyncio.ensure_future(
-                    client.generate(GenerateRequest([1, 5], SamplingParams(n, ignore_eos=True), rid=rid))
-                )
-                for rid, n in (("roll-7-0", 200), ("roll-7-1", 200), ("other-0", 30))
+                rid: asyncio.ensure_future(client.generate(GenerateRequest([1, 5], long, rid=rid)))
+                for rid in ("roll-7-0", "roll-7-1", "other-0")
             }
             await wait_running(url, 3)
             # a prefix matches nothing on the server, and an empty rid is ignored
             assert (await post(url, "/abort_request", {"rid": "roll-7-", "abort_all": False}))[0] == 200
+            assert (await post(url, "/abort_request", {"rid": "", "abort_all": False}))[0] == 200
             await asyncio.sleep(0.05)
-            assert (await loads(url))["num_running_reqs"] == 3
-            await client.abort("roll-7-")
-            outs = {rid: await asyncio.wait_for(t, 30) for rid, t in tasks.items()}
+            assert not any(t.done() for t in tasks.values())
+            await client.abort("roll-7-")  # exact aborts of the two matching rids
+            rolled = [await asyncio.wait_for(tasks[r], 30) for r in ("roll-7-0", "roll-7-1")]
+            assert not tasks["other-0"].done()  # untouched
+            await client.abort("other-0")
+            other = await asyncio.wait_for(tasks["other-0"], 30)
         finally:
             await client.close()
-        assert outs["roll-7-0"].finish_reason == outs["roll-7-1"].finish_reason == "abort"
-        assert outs["other-0"].finish_reason == "length" and len(outs["other-0"].output_ids) == 30
+        assert [o.finish_reason for o in rolled] == ["abort", "abort"]
+        assert other.finish_reason == "abort" and len(other.output_ids) < 200
         assert client._inflight == {}
 
 
