@@ -511,7 +511,10 @@ class _RolloutStub:
     in_process_engine = False
 
     def __init__(self, engine: Any, loop: Loop) -> None:
+        from verst.rollout.engine import engine_capabilities
+
         self.engine, self.loop = engine, loop
+        self.engine_capabilities = engine_capabilities(engine)
 
     def submit(self, coro: Any) -> Any:
         return self.loop.submit(coro)

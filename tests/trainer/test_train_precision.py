@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
 import torch
 from test_train_step import _groups
 
@@ -20,7 +21,18 @@ from verst.trainer.model import mixed_precision_policy, resolve_attn_implementat
 from verst.trainer.train_side import TrainSide
 
 
-def test_bf16_compute_keeps_fp32_masters_that_move_at_tiny_lr(tiny_checkpoint):
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state: a bf16 run after an fp32 one (or before) in the
+    same test process would be refused, so reset it around this test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_compute_keeps_fp32_masters_that_move_at_tiny_lr(tiny_checkpoint, fresh_accelerate_state):
     torch.set_num_threads(1)
     cfg = TrainConfig(model_path=str(tiny_checkpoint), dtype="bfloat16", lr=1e-6, micro_batch_size=8)
     side = TrainSide(

@@ -93,19 +93,18 @@ def test_distributed_needs_an_out_of_process_engine(tmp_path, tiny_checkpoint, s
 
 def test_nccl_refused_when_trainer_and_engine_share_a_gpu(tmp_path, tiny_checkpoint, setup):  # noqa: F811
     """NCCL rejects two ranks on one device: refused up front with the fix, before any rendezvous."""
+    from types import SimpleNamespace
+
+    from verst.rollout.engine import engine_capabilities
     from verst.trainer.weight_sync import WeightSyncError
 
-    cfg, train = setup
-    served = RolloutSide(
-        cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient("http://127.0.0.1:9")
-    )  # never contacted
-    try:
-        sync = WeightSync(
-            train, served, mode="distributed", staging_dir=tmp_path, dist_info=DistInfo(),
-            backend="nccl", shares_gpu_with_engine=True,
-        )  # fmt: skip
-        with pytest.raises(WeightSyncError, match=r"different GPUs.*'disk' or 'tensors'"):
-            sync.push()
-        assert sync.group is None
-    finally:
-        served.close()
+    _, train = setup
+    client = SGLangClient("http://127.0.0.1:9")  # never contacted: the refusal comes first
+    side = SimpleNamespace(engine=client, engine_capabilities=engine_capabilities(client), submit=None)
+    sync = WeightSync(
+        train, side, mode="distributed", staging_dir=tmp_path, dist_info=DistInfo(),
+        backend="nccl", shares_gpu_with_engine=True,
+    )  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"different GPUs.*'disk' or 'tensors'"):
+        sync.push()
+    assert sync.group is None
