@@ -8,7 +8,8 @@ Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /heal
 /continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads,
 /release_memory_occupation, /resume_memory_occupation, /init_weights_update_group,
 /update_weights_from_distributed (gloo on CPU, NCCL on CUDA; a standalone group, see
-`weight_group`).
+`weight_group`), and the OpenAI API (`openai_api`: /v1/models, /v1/completions,
+/v1/chat/completions; `--served-model-name`, `--tool-call-parser`).
 Bad requests get a 4xx with `{"error": ...}`; the server never dies on one.
 
 `--inject-latency-ms MEAN --inject-latency-fraction F` delays a seeded random fraction F of
@@ -35,6 +36,7 @@ from aiohttp import web
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import WireItem, output_json, parse_generate
+from verst.rollout.engines.openai_api import register_openai_routes
 from verst.rollout.engines.weight_group import DistributedRefit
 
 log = logging.getLogger("verst.serve")
@@ -72,6 +74,7 @@ class _State:
 
 
 STATE = web.AppKey("verst_state", _State)
+OPENAI_ARGS = ("model_name", "tool_call_parser")
 REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
 
 
@@ -378,6 +381,7 @@ def build_app(
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_get("/v1/loads", loads)
+    register_openai_routes(app, engine, **{k: v for k, v in (info or {}).items() if k in OPENAI_ARGS})
 
     async def _close(app: web.Application) -> None:
         app[REFIT].close()
@@ -409,6 +413,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--inject-latency-fraction", type=float, default=0.0, help="fraction of requests delayed (default 0)"
     )
     p.add_argument("--inject-latency-seed", type=int, default=0, help="seed of the injected delays")
+    p.add_argument("--served-model-name", dest="model_name", default=None, help="model id of the OpenAI API")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "qwen25"],
+        help="parse <tool_call> blocks in chat",
+    )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     return p
 
