@@ -16,7 +16,7 @@ import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
-from verst.rollout.data import PromptDataSource, build_eval_datasets
+from verst.rollout.data_sources import build_data_source, build_eval_sets
 from verst.rollout.engine import InferenceEngine
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
@@ -89,7 +89,7 @@ class RolloutSide:
             engine if engine is not None else self._run(build_engine_from_config(config, model_path))
         )
         rc = config.rollout
-        self.data_source = PromptDataSource(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
+        self.data_source = build_data_source(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
         reward_fn, group_reward_fn = build_reward_fns(rc)
         self.strategy_path = resolve_strategy_path(rc, env)
         context = RolloutContext(
@@ -100,7 +100,7 @@ class RolloutSide:
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
             sink=sink or NoopSink(),
-            eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer),
+            eval_datasets=build_eval_sets(rc.eval, tokenizer=self.tokenizer),
             env=dict(env),
         )
         self.has_eval = bool(context.eval_datasets)
