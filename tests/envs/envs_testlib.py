@@ -139,3 +139,80 @@ def serve_in_thread(info: dict) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+class RecordingEngine:
+    """Delegates to a real engine and keeps every (input ids, output ids, log-probs) it served,
+    so a test can check a trajectory against exactly what the engine saw and produced."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.calls: list[tuple[list[int], list[int], list[float]]] = []
+
+    async def generate(self, request):
+        out = await self.engine.generate(request)
+        self.calls.append((list(request.input_ids), list(out.output_ids), list(out.output_logprobs)))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def assert_exact_trajectory(sample, calls) -> int:
+    """Every model segment of `sample` is one engine call: its prompt is exactly the sample's
+    tokens before the segment and its output the segment's ids (log-probs too); returns the
+    number of model turns."""
+    from verst.rollout.agentic import segments_of
+
+    by_prompt = {tuple(i): (o, lp) for i, o, lp in calls}
+    turns = 0
+    for seg in segments_of(sample):
+        start = sample.prompt_length + seg["start"]
+        ids = sample.tokens[start : start + seg["length"]]
+        if seg["source"] != "model":
+            assert sample.loss_mask[seg["start"] : seg["start"] + seg["length"]] == [0] * seg["length"]
+            continue
+        out, lps = by_prompt[tuple(sample.tokens[:start])]
+        assert ids == out
+        assert sample.rollout_logprobs[seg["start"] : seg["start"] + seg["length"]] == lps
+        turns += 1
+    return turns
+
+
+def lifecycle_closed(events) -> None:
+    """Every attempt and every turn that started also ended."""
+    kinds = [e.kind.value for e in events]
+    assert kinds.count("attempt_start") == kinds.count("attempt_end") > 0
+    assert kinds.count("turn_start") == kinds.count("turn_end") > 0
+
+
+async def run_rollout(engine, tokenizer, data_source, env: dict, **config):
+    """One rollout of the default strategy over `env` ([rollout.env] as a dict); returns
+    (result, strategy, sink)."""
+    from verst.rollout.config import RolloutConfig
+    from verst.rollout.lifecycle import ListSink
+    from verst.rollout.protocols import RolloutContext, RolloutRequest
+    from verst.rollout.strategies.inference import InferenceRollout
+
+    cfg = RolloutConfig(
+        **{
+            "batch_size": 1,
+            "n_samples_per_prompt": 2,
+            "max_response_len": 80,
+            "temperature": 0.0,
+            "max_group_retries": 0,
+            "env": env,
+            **config,
+        }
+    )
+    sink = ListSink()
+    ctx = RolloutContext(
+        config=cfg, data_source=data_source, engine=engine, tokenizer=tokenizer, reward_fn=None, sink=sink
+    )
+    strategy = InferenceRollout(ctx)
+    try:
+        result = await strategy(RolloutRequest(0))
+    finally:
+        await strategy.close()
+    return result, strategy, sink

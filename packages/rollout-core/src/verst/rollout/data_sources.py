@@ -23,6 +23,8 @@ from verst.rollout.sample import Sample
 FILE = "file"
 DATA_SOURCES: dict[str, str] = {
     "reasoning_gym": "verst.rollout.integrations.reasoning_gym_data:ReasoningGymSource",
+    "verifiers": "verst.rollout.integrations.verifiers_env:VerifiersSource",
+    "nemo_gym": "verst.rollout.integrations.nemo_gym_env:NemoGymSource",
 }
 """Built-in generated data sources: name → import path of the class."""
 
