@@ -8,8 +8,10 @@ project makes itself, so nothing is downloaded. The prompts themselves are not s
 1. `data/sft.jsonl`: 38,400 rows (600 steps × batch 64) of the *mixed-rule* warm start, from
    reasoning-gym's own generator with a seed far from the training and eval seeds: the target
    is the reversed word with probability 0.3 and the unchanged word otherwise;
-2. `model/init/`: a character tokenizer (the project's char set plus capital letters, vocab 90)
-   and a randomly initialised Llama (hidden 128, 4 layers, 4 heads, ~0.68M parameters, seed 0);
+2. `model/init/`: a character tokenizer (the project's char set plus capital letters) with the
+   task's instruction as one added token (as a BPE vocabulary merges a frequent phrase; it keeps
+   prompts ~8 tokens long, so the example runs in minutes on 2 cores), vocab 91, and a randomly
+   initialised Llama (hidden 128, 4 layers, 4 heads, ~0.68M parameters, seed 0);
 3. `model/warm_start/`: `verst sft sft.toml` (600 steps, AdamW 1e-3, batch 64) from `model/init`.
 
 Run from the repository root (needs `uv sync --extra reasoning-gym`, in the dev group already):
@@ -34,6 +36,8 @@ TASK = {"min_word_len": 3, "max_word_len": 6}
 """spell_backward's config, as in config.toml."""
 PROMPT = "{question}\n"
 """The prompt template, as in config.toml."""
+INSTRUCTION = "Spell this word backward (example: sun -> nus): "
+"""spell_backward's fixed question prefix: one token of the example's tokenizer."""
 
 
 def make_sft_data(out: Path) -> None:
@@ -58,6 +62,7 @@ def make_init_model(out: Path) -> None:
     from verst.rollout.toy import CHARS, build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer(CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    tok.add_tokens([INSTRUCTION])
     model = build_tiny_llama(
         len(tok),
         seed=0,

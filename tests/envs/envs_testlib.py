@@ -161,8 +161,8 @@ class RecordingEngine:
 
 def assert_exact_trajectory(sample, calls) -> int:
     """Every model segment of `sample` is one engine call: its prompt is exactly the sample's
-    tokens before the segment and its output the segment's ids (log-probs too); returns the
-    number of model turns."""
+    tokens before the segment and its output the segment's ids (log-probs too); env segments
+    are loss-masked; returns the number of model turns."""
     from verst.rollout.agentic import segments_of
 
     by_prompt = {tuple(i): (o, lp) for i, o, lp in calls}
@@ -175,7 +175,12 @@ def assert_exact_trajectory(sample, calls) -> int:
             continue
         out, lps = by_prompt[tuple(sample.tokens[:start])]
         assert ids == out
-        assert sample.rollout_logprobs[seg["start"] : seg["start"] + seg["length"]] == lps
+        got = sample.rollout_logprobs[seg["start"] : seg["start"] + seg["length"]]
+        # identical prompts decoded in one batch may differ in the last float bits
+        assert (
+            len(got) == len(lps)
+            and max((abs(a - b) for a, b in zip(got, lps, strict=True)), default=0) < 1e-4
+        )
         turns += 1
     return turns
 

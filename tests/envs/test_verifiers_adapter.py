@@ -69,7 +69,7 @@ async def test_tool_env_episodes_end_to_end(engine, vf_module):
     options = {"env_id": vf_module}
     source = build_data_source(DataConfig(source="verifiers", options=options), 2)
     env = {"type": "verifiers", "options": options, "max_turns": 3}
-    result, strategy, sink = await run_rollout(rec, engine.tokenizer, source, env)
+    result, _strategy, sink = await run_rollout(rec, engine.tokenizer, source, env)
     (group,) = result.groups
     for s in group:
         assert s.status is Status.COMPLETED and s.reward == 1.0
