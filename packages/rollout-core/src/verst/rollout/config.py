@@ -113,6 +113,12 @@ class RolloutConfig(Section):
         description="Group filters applied while over-sampling: nonzero_std, no_aborted, or import paths.",
     )
     max_group_retries: int = Field(2, ge=0, description="Resubmissions of a group whose generation raised.")
+    max_failed_groups: int = Field(
+        64,
+        ge=0,
+        description="A training rollout stops with an error once more groups than this failed after their retries "
+        "(an environment or engine that fails every episode would otherwise draw prompts forever).",
+    )
     partial_rollout: bool = Field(
         False, description="Keep aborted partial samples and resume them next rollout."
     )

@@ -27,6 +27,7 @@ exception of an in-process environment, or an observation without the configured
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -231,7 +232,5 @@ class OpenEnvEnvironment:
     async def close(self) -> None:
         if self.session is not None:
             session, self.session = self.session, None
-            try:
+            with contextlib.suppress(Exception):  # closing a broken session must not hide the outcome
                 await session.close()
-            except Exception:  # closing a broken session must not hide the episode's outcome
-                pass

@@ -267,6 +267,8 @@ class InferenceRollout:
                             submit([reset_sample(s, keep_attempt=True) for s in group])
                         else:
                             failed.append(_mark_failed(group, error))
+                            if len(failed) > config.max_failed_groups:
+                                raise TooManyFailedGroups(request.rollout_id, len(failed), error)
                         continue
                     if error is not None:
                         unused.append(group)
@@ -413,6 +415,18 @@ def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sam
     if task.cancelled() or task.exception() is not None:
         return group
     return task.result()
+
+
+class TooManyFailedGroups(RuntimeError):
+    """More groups of one rollout failed than `rollout.max_failed_groups`: stop instead of drawing
+    prompts forever from a data source whose every episode fails."""
+
+    def __init__(self, rollout_id: int, n: int, last: GroupGenerationError) -> None:
+        super().__init__(
+            f"rollout {rollout_id}: {n} groups failed after their retries (more than rollout.max_failed_groups); "
+            f"the last error: {type(last.cause).__name__}: {sample_text_preview(str(last.cause), 300)}; "
+            "fix the environment or engine it names, or raise rollout.max_failed_groups"
+        )
 
 
 def _mark_failed(group: list[Sample], err: GroupGenerationError) -> list[Sample]:
