@@ -124,8 +124,7 @@ def run_once(args: argparse.Namespace, *, fully_async: bool, latency_ms: float, 
         "run.save_interval=0",
         "run.keep_checkpoints=1",
         "run.resume=false",
-        'engine.type="sglang"',
-        "engine.urls=[]",  # set below, once the server is up
+        "engine={}",  # set below, once the server is up (a whole table: the example's is embedded)
         "train.num_threads=1",
         "rollout.eval.interval=0",
         f"rollout.fully_async={'true' if fully_async else 'false'}",
@@ -135,7 +134,7 @@ def run_once(args: argparse.Namespace, *, fully_async: bool, latency_ms: float, 
     fraction = args.latency_fraction if latency_ms > 0 else 0.0
     server = Server(EXAMPLE / "model" / "warm_start", latency_ms, fraction, args.seed)
     try:
-        overrides[6] = f'engine.urls=["{server.url}"]'
+        overrides[5] = f'engine={{type = "sglang", urls = ["{server.url}"]}}'
         cfg, env = load_config_and_env(str(CONFIG), overrides)
         logger = StepLogger()
         t0 = time.perf_counter()

@@ -112,8 +112,8 @@ def run_verst(
             f"engine.num_threads={threads}",
             "train.micro_batch_size=64",
             'algorithm.loss_agg="token_mean"',
-            f"algorithm.eps_clip_low={CLIP}",
-            f"algorithm.eps_clip_high={CLIP}",
+            f"algorithm.policy_loss.eps_clip_low={CLIP}",
+            f"algorithm.policy_loss.eps_clip_high={CLIP}",
             "algorithm.kl_coef=0.0",
         ]
         cfg = resolve_paths(load_run_config(EXAMPLE / "config.toml", overrides), EXAMPLE / "config.toml")

@@ -19,12 +19,11 @@ END = "<!-- end generated -->"
 
 def generated_tables() -> str:
     """The markdown tables of `[run]`, `[train]`, `[engine]`, `[algorithm]` and `[opd]`."""
-    from verst.trainer.cli import markdown_reference
+    from verst.trainer.cli import markdown_section
     from verst.trainer.config import RunConfig
 
-    fields = RunConfig.model_fields
     sections = ["run", "train", "engine", "algorithm", "opd"]
-    return "\n\n".join(markdown_reference(fields[name].annotation, name) for name in sections)
+    return "\n\n".join(markdown_section(RunConfig, name) for name in sections)
 
 
 def render(doc: str) -> str:

@@ -119,3 +119,29 @@ async def test_refit_version_mismatch_is_an_error_and_generation_continues():
         "/update_weights_from_disk",
         "/continue_generation",
     ]
+
+
+async def test_engine_errors_are_classified_retryable_or_not():
+    """4xx and a malformed URL: not retryable (a strategy fails the group at once); connection
+    errors and 5xx after the bounded retries: retryable (the group may be resubmitted)."""
+
+    def bad(_):
+        return web.json_response({"error": "prompt too long"}, status=400)
+
+    def unavailable(_):
+        return web.json_response({"error": "overloaded"}, status=503)
+
+    async with fault_server({"/generate": bad, "/health": unavailable}) as (url, _):
+        client = SGLangClient(url, max_retries=1, backoff_s=0.01)
+        with pytest.raises(InvalidRequest) as refused:
+            await client.generate(GenerateRequest([1, 2], SamplingParams(2)))
+        with pytest.raises(EngineError) as busy:
+            await client._call("GET", "/health")
+        await client.close()
+    assert refused.value.retryable is False and busy.value.retryable is True
+    bad_url = SGLangClient("not a url", max_retries=3, backoff_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(InvalidRequest, match="not a valid URL") as info:
+        await bad_url.generate(GenerateRequest([1, 2], SamplingParams(2)))
+    await bad_url.close()
+    assert info.value.retryable is False and time.monotonic() - start < 1.0

@@ -1,4 +1,4 @@
-"""EngineConfig → build_engine, the EnginePool fan-out, and the server's injected latency."""
+"""Engine configs (chosen by type) → build_engine, the EnginePool fan-out, and the server's injected latency."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from verst.rollout.engine import GenerateRequest, InferenceEngine, SamplingParams
-from verst.rollout.engines.config import EngineConfig, build_engine
+from verst.rollout.engines.config import ENGINES, build_engine
+from verst.rollout.engines.config import parse_engine_config as EngineConfig
 from verst.rollout.engines.embedded import EmbeddedEngine
 from verst.rollout.engines.launcher import free_port
 from verst.rollout.engines.pool import EnginePool
@@ -26,7 +27,7 @@ def test_config_is_strict_and_documented():
         EngineConfig(type="vllm")
     with pytest.raises(ValidationError):
         EngineConfig(unknown_key=1)
-    assert all(f.description for f in EngineConfig.model_fields.values())
+    assert all(f.description for m in ENGINES.builtins.values() for f in m.model_fields.values())
 
 
 async def test_build_embedded_pool_fans_out(tiny_checkpoint):

@@ -13,7 +13,10 @@ EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 #     where scale = max(1, max |logits / T|)  (log-probs of a row are differences of numbers of
 #     that magnitude, so float32 rounding of them is the floor),
 #   gradients wrt logits: |err| <= GRAD_ATOL * max|ref| + GRAD_RTOL * |ref|, with the rounding of
-#     the output dtype added for bf16/fp16 gradients (which are stored in the input dtype).
+#     the output dtype added for bf16/fp16 gradients (which are stored in the input dtype),
+#     plus an optional absolute floor set by the caller from the logits' own rounding (a logit
+#     off by d moves a probability by ~p * d; a probability rounding to 1 loses (1 - p)), which
+#     matters only for badly conditioned rows (|logits| ~ 1e3) whose reference gradient is tiny.
 LOGPROB_ATOL = 2e-5
 GRAD_ATOL = 2e-5
 GRAD_RTOL = 1e-4
@@ -63,15 +66,20 @@ def assert_close_report(
 
 
 def assert_grad_close(
-    actual: torch.Tensor, expected: torch.Tensor, *, name: str, extra_rel: float = 0.0
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str,
+    extra_rel: float = 0.0,
+    floor: float = 0.0,
 ) -> None:
-    """Gradient check: absolute tolerance relative to the largest reference entry."""
+    """Gradient check: absolute tolerance relative to the largest reference entry, at least `floor`."""
     scale = float(expected.detach().double().abs().max()) if expected.numel() else 1.0
     eps = OUT_DTYPE_EPS.get(actual.dtype, 0.0)
     assert_close_report(
         actual,
         expected,
-        atol=(GRAD_ATOL + extra_rel + eps) * max(scale, 1e-30),
+        atol=max((GRAD_ATOL + extra_rel + eps) * max(scale, 1e-30), floor),
         rtol=GRAD_RTOL + eps,
         name=name,
     )

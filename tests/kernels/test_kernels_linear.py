@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernels_checks import OUT_DTYPE_EPS, assert_close_report, assert_grad_close, logprob_tol
+from kernels_checks import EPS32, OUT_DTYPE_EPS, assert_close_report, assert_grad_close, logprob_tol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from verst.kernels import linear_token_logprobs, linear_topk_logprobs
@@ -46,8 +46,21 @@ def _check(hidden, weight, targets, T, chunk, backend, seed=0):
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     extra = 8 * OUT_DTYPE_EPS[hidden.dtype]
     assert h.grad.dtype == hidden.dtype and w.grad.dtype == weight.dtype
-    assert_grad_close(h.grad, hr.grad, name="grad_hidden", extra_rel=extra)
-    assert_grad_close(w.grad, wr.grad, name="grad_weight", extra_rel=extra)
+    # The gradient's error floor follows the logits' own rounding (the chunk matmul runs in the
+    # inputs' dtype): a logit off by d moves each probability by up to ~p * d, so the gradient wrt
+    # hidden (weight) can be off by ~2 * min(1, d) * |g| * max|weight| (max|hidden|), plus the
+    # (1 - p) a probability loses when it rounds to 1 in float32 — large only for badly
+    # conditioned rows (|logits| ~ 1e3), where the reference gradient itself can be ~1e-9.
+    logits_max = float((hidden.double() @ weight.double().T).abs().max()) if lp.numel() else 0.0
+    d = (16 * EPS32 + 4 * OUT_DTYPE_EPS[hidden.dtype]) * logits_max / T
+    g_max = float(g_lp.abs().max() + g_ent.abs().max()) if lp.numel() else 0.0
+    sat = (2 * min(1.0, d) + 8 * EPS32) * g_max / T
+    assert_grad_close(
+        h.grad, hr.grad, name="grad_hidden", extra_rel=extra, floor=sat * float(weight.double().abs().max())
+    )
+    assert_grad_close(
+        w.grad, wr.grad, name="grad_weight", extra_rel=extra, floor=sat * float(hidden.double().abs().max())
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -95,7 +95,8 @@ def test_engine_actors_serve_and_sync(ray_cluster, tmp_path, tiny_checkpoint, mo
     try:
         engines = placement.engine_actors
         assert [a.name for a in engines] == ["engine-0", "engine-1"]
-        assert placement.rollout.in_process_engine and placement.rollout.info["engine_can_release"]
+        assert placement.rollout.engine_capabilities.weight_sync[0] == "tensors"  # tensors go to the actors
+        assert placement.rollout.info["engine_can_release"]
         result = placement.rollout.rollout(0, 0)
         assert len(result.groups) == cfg.rollout.batch_size
         stats = ray_cluster.get([a.handle.stats.remote() for a in engines])

@@ -100,8 +100,28 @@ def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, t
     assert w_local.keys() == w_ray.keys()
     for k in w_local:
         torch.testing.assert_close(w_ray[k], w_local[k], rtol=1e-4, atol=1e-5)
-    # lifecycle events came from the rollout manager; each actor kept its log in the run dir
-    events = [json.loads(line) for line in (run_dir / "lifecycle.jsonl").read_text().splitlines()]
+
+    # lifecycle events came from the rollout manager, relayed by the driver into its run dir
+    # (the same events as the local run's; step 2's rollout ran twice: before the kill and after);
+    # samples.jsonl (written by the driver) holds the same samples and rewards
+    def lines(root, name):
+        return [json.loads(line) for line in (root / name).read_text().splitlines()]
+
+    events = lines(run_dir, "lifecycle.jsonl")
     assert {e["kind"] for e in events} >= {"attempt_start", "attempt_end"}
+
+    def event_key(e):
+        return (e["rollout_id"], e["kind"], e["group_index"], e["sample_index"])
+
+    assert {event_key(e) for e in events} == {
+        event_key(e) for e in lines(tmp_path / "local", "lifecycle.jsonl")
+    }
+
+    def sample_key(s):
+        return (s["step"], s["split"], s["sample_index"], s["status"], round(s["reward"], 6))
+
+    ray_samples = {sample_key(s) for s in lines(run_dir, "samples.jsonl")}
+    assert ray_samples == {sample_key(s) for s in lines(tmp_path / "local", "samples.jsonl")}
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     for name in ("train-0", "train-1", "rollout"):
         assert f"{name} started" in (run_dir / "logs" / "actors" / f"{name}.log").read_text()

@@ -205,3 +205,36 @@ def test_build_eval_datasets(tmp_path):
     sets = build_eval_datasets(EvalConfig(datasets={"held_out": EvalDatasetConfig(path=path)}))
     assert list(sets) == ["held_out"]
     assert [s.prompt for s in sets["held_out"]] == ["p0", "p1", "p2"]
+
+
+def test_non_utf8_bytes_are_a_data_error_naming_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        load_prompt_samples(DataConfig(path=str(path)))
+
+
+def test_empty_eval_file_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    config = EvalConfig(datasets={"held": EvalDatasetConfig(path=str(empty))})
+    with pytest.raises(DataError, match=r"empty\.jsonl: eval dataset 'held' has no rows"):
+        build_eval_datasets(config)
+
+
+class _CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 128 for c in text]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_prompt_longer_than_the_context_is_found_at_read_naming_file_and_line(tmp_path, fmt):
+    rows = [{"prompt": "short"}, {"prompt": "x" * 40}]
+    write = _write_jsonl if fmt == "jsonl" else _write_parquet
+    path = write(tmp_path / f"d.{fmt}", rows)
+    where = "d.jsonl:2" if fmt == "jsonl" else "d.parquet:row 2"
+    with pytest.raises(DataError, match=rf"{where}: the prompt has 40 tokens and the context holds 32"):
+        PromptDataSource(DataConfig(path=path), 2, tokenizer=_CharTokenizer(), max_prompt_tokens=32)
+    assert (
+        len(PromptDataSource(DataConfig(path=path), 2, tokenizer=_CharTokenizer(), max_prompt_tokens=41)) == 2
+    )

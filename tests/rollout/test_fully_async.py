@@ -330,6 +330,7 @@ def test_nothing_is_lost(bumps, policy, staleness, buffer_extra, partial, filter
             stale_policy=policy,
             partial_rollout=partial,
             dynamic_filters=["nonzero_std"] if filtered else [],
+            max_waves_per_rollout=100,  # the data source runs out first (the bound has its own test)
         )
         strategy = FullyAsyncRollout(ctx)
         trained, dropped, filter_dropped = [], [], 0

@@ -112,7 +112,8 @@ def test_resumed_sample_equals_uninterrupted_generation(target, max_new, pieces,
 
 
 async def test_fully_async_close_then_resume_in_a_later_rollout_masks_the_old_prefix():
-    """Partial samples handed back by `close()` resume in the next strategy's rollout."""
+    """Partial samples handed back by `close()` resume in the next strategy's rollout, under
+    newer weights: the prefix of the old weights is masked (by token version)."""
     engine = ToyEngine(length=lambda r: 30, token_delay_s=0.01)
     ctx = make_context(
         engine,
@@ -135,10 +136,11 @@ async def test_fully_async_close_then_resume_in_a_later_rollout_masks_the_old_pr
     assert partial and all(0 < n < 30 for n in partial.values())
 
     engine.token_delay_s = 0.0
+    engine.weight_version = 1  # the trainer pushed new weights in between
     second = FullyAsyncRollout(ctx)
     resumed = []
     for rid in (5, 6, 7, 8):
-        r = await second(RolloutRequest(rollout_id=rid, weight_version=0))
+        r = await second(RolloutRequest(rollout_id=rid, weight_version=1))
         resumed += [s for g in r.groups for s in g if id(s) in partial]
     await second.close()
     assert resumed, "the partial samples came back"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pydantic
 import pytest
+import torch
 
 from verst.rollout.errors import ConfigError
 from verst.trainer.algorithms import (
@@ -13,7 +16,9 @@ from verst.trainer.algorithms import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    AdvantageConfig,
     AlgorithmConfig,
+    Grpo,
     Gspo,
     PpoClip,
     build_algorithm,
@@ -127,3 +132,53 @@ def test_from_toml():
     cfg = AlgorithmConfig.model_validate(tomllib.loads(text))
     algo = build_algorithm(cfg)
     assert algo.loss_agg == "seq_mean_token_mean" and algo.needs_reference
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScaledGrpo:
+    """A user's estimator, loaded by import path with its own option: GRPO times a factor."""
+
+    scale: float
+    default_loss_agg: ClassVar[str | None] = None
+
+    class Config(AdvantageConfig):
+        type: str = "test_algo_config:ScaledGrpo"
+        scale: float = pydantic.Field(2.0, gt=0, description="Factor on GRPO's advantage.")
+
+        def build(self) -> ScaledGrpo:
+            return ScaledGrpo(scale=self.scale)
+
+    def __call__(self, rewards, mask, kl_penalty):
+        return self.scale * Grpo()(rewards, mask, kl_penalty)
+
+
+def test_an_estimator_from_an_import_path_with_its_own_options():
+    cfg = AlgorithmConfig.model_validate(
+        tomllib.loads('[advantage]\ntype = "test_algo_config:ScaledGrpo"\nscale = 3.0\n')
+    )
+    algo = build_algorithm(cfg)
+    assert algo.estimator == ScaledGrpo(scale=3.0)
+    rewards, mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]]), torch.ones(4, 3)
+    grpo = build_algorithm(AlgorithmConfig()).compute_advantages(rewards, mask)
+    torch.testing.assert_close(algo.compute_advantages(rewards, mask), 3.0 * grpo)
+    with pytest.raises(pydantic.ValidationError, match="scale"):
+        AlgorithmConfig(advantage={"type": "test_algo_config:ScaledGrpo", "scale": -1})
+
+
+def test_flat_keys_of_earlier_configs_load_into_the_variant_tables():
+    flat = AlgorithmConfig(normalize_std=False, eps_clip_high=0.28, dual_clip_c=3.0)
+    nested = AlgorithmConfig.model_validate(
+        {
+            "advantage": {"type": "grpo", "normalize_std": False},
+            "policy_loss": {"type": "ppo", "eps_clip_high": 0.28, "dual_clip_c": 3.0},
+        }
+    )
+    assert flat == nested and flat.problems() == []
+    assert AlgorithmConfig(policy_loss="gspo", gspo_eps_clip_low=1e-3).policy_loss == Gspo.Config(
+        eps_clip_low=1e-3
+    )
+    assert AlgorithmConfig(advantage="reinforce_pp", gamma=0.9).advantage.gamma == 0.9
+    # the nested form round-trips through a dump (what `verst train` writes to the run directory)
+    assert AlgorithmConfig.model_validate(nested.model_dump()) == nested
+    (p,) = AlgorithmConfig(policy_loss={"type": "ppo", "dual_clip_c": 0.5}).problems()
+    assert p.key == "algorithm.policy_loss.dual_clip_c" and "> 1" in p.why

@@ -40,7 +40,7 @@ def test_load_toml_with_overrides(tmp_path):
     assert cfg.run.name == "hello world"  # not TOML: kept as a string
     assert cfg.rollout.stop == ["\n"]
     assert cfg.train.fsdp is True
-    assert cfg.algorithm.advantage == "rloo"
+    assert cfg.algorithm.advantage.type == "rloo"
     assert cfg.run.num_steps == 5
 
 

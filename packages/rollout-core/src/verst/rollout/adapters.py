@@ -30,7 +30,7 @@ from verst.rollout.protocols import (
     RolloutRequest,
     RolloutResult,
 )
-from verst.rollout.sample import Sample
+from verst.rollout.sample import Sample, SampleInvariantError, Status
 from verst.rollout.v1_args import V1Args, build_v1_args
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,56 @@ async def _call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     if inspect.isawaitable(out):
         out = await out
     return out
+
+
+class BadSampleError(ValueError):
+    """A user function returned a sample in a state the trainer cannot use; the message names
+    the function and the field. Deterministic, so the group is not resubmitted."""
+
+    retryable = False
+
+
+SLIME_ONLY_FIELDS = (
+    "remove_sample",
+    "multimodal_inputs",
+    "multimodal_train_inputs",
+    "rollout_routed_experts",
+    "rollout_top_p_token_ids",
+    "train_metadata",
+)
+"""slime `Sample` fields verst does not act on: setting one is an error, not silently ignored."""
+
+
+def check_returned_sample(sample: Any, where: str) -> None:
+    """Raise `BadSampleError` naming `where` and the field when `sample` cannot be trained on."""
+    if not isinstance(sample, Sample):
+        raise BadSampleError(f"{where} returned a {type(sample).__name__}, not a Sample")
+    problem = None
+    if not isinstance(sample.status, Status):
+        problem = f"Sample.status is {sample.status!r}; use Sample.Status.COMPLETED / TRUNCATED / ABORTED"
+    elif sample.status is Status.PENDING:
+        problem = (
+            "Sample.status is PENDING; set it to Sample.Status.COMPLETED (or TRUNCATED, ABORTED, "
+            "FAILED) once the response is generated"
+        )
+    elif sample.status is not Status.FAILED and not sample.tokens:
+        problem = "Sample.tokens is empty; set it to the prompt token ids followed by the response ids"
+    elif sample.response_length > 0 and sample.prompt_length < 1:
+        problem = (
+            f"Sample.tokens holds only the response ({len(sample.tokens)} tokens = response_length); "
+            f"put the prompt token ids before the response ids"
+        )
+    else:
+        extra = [k for k in SLIME_ONLY_FIELDS if vars(sample).get(k)]
+        if extra:
+            problem = f"Sample.{extra[0]} is set, and verst does not support it; leave it unset"
+        else:
+            try:
+                sample.validate()
+            except SampleInvariantError as exc:
+                problem = str(exc)
+    if problem:
+        raise BadSampleError(f"{where} returned sample {sample.sample_index} in a bad state: {problem}")
 
 
 def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -77,6 +127,8 @@ class LegacyGenerateFnAdapter:
                 f"v1 generate function {self.path or self.fn!r} returned {type(out).__name__}; "
                 f"it must return the sample (or a list of samples)"
             )
+        for s in out if isinstance(out, list) else (out,):
+            check_returned_sample(s, f"v1 generate function {self.path or self.fn!r}")
         return out
 
     def __repr__(self) -> str:
@@ -197,6 +249,8 @@ class LegacyRolloutFnAdapter:
     def _box_train(self, out: Any) -> RolloutResult:
         items, metrics = _unbox(out)
         groups = samples_to_groups(items, self.context.config.n_samples_per_prompt)
+        for s in (s for g in groups for s in g):
+            check_returned_sample(s, f"v1 rollout function {self.path or self.fn!r}")
         mean = _reward_mean(groups, self.context.config.reward.key)
         if mean is not None:
             metrics.setdefault("rollout/reward_mean", mean)
@@ -206,13 +260,17 @@ class LegacyRolloutFnAdapter:
     def _box_eval(self, out: Any) -> RolloutResult:
         if isinstance(out, RolloutResult):
             return out
+        extra_metrics: dict[str, float] = {}
+        if not isinstance(out, Mapping) and isinstance(getattr(out, "data", None), Mapping):
+            extra_metrics = dict(getattr(out, "metrics", None) or {})  # slime's RolloutFnEvalOutput
+            out = out.data
         per_name = out.get("eval", out) if isinstance(out, Mapping) else None
         if not isinstance(per_name, Mapping):
             raise TypeError(
                 f"v1 rollout function returned {type(out).__name__} for an eval rollout; expected a "
                 f"dict {{dataset_name: samples or {{'samples': ...}}}}"
             )
-        result = RolloutResult()
+        result = RolloutResult(metrics=extra_metrics)
         for name, value in per_name.items():
             if name == "metrics":
                 continue
@@ -223,6 +281,12 @@ class LegacyRolloutFnAdapter:
                 else 1
             )
             groups = samples_to_groups(items, n)
+            rewards = value.get("rewards") if isinstance(value, Mapping) else None
+            flat = [s for g in groups for s in g]
+            if isinstance(rewards, list) and len(rewards) == len(flat):  # slime's eval shape
+                for s, r in zip(flat, rewards, strict=True):
+                    if s.reward is None:
+                        s.reward = r
             result.eval[name] = groups
             result.metrics.update(metrics)
             mean = _reward_mean(groups, self.context.config.reward.key)

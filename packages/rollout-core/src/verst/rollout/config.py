@@ -20,6 +20,22 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+CONFIG_PATH = "config_path"
+"""`json_schema_extra` flag of a field holding a file or folder path: relative paths resolve
+against the config file's folder (`verst.trainer.cli.resolve_paths` walks every section)."""
+
+
+def path_field(default: Any = None, *, description: str) -> Any:
+    """A `Field` holding a path that resolves against the config file's folder."""
+    return Field(default, description=description, json_schema_extra={CONFIG_PATH: True})
+
+
+def is_path_field(field: Any) -> bool:
+    """True for a field declared with `path_field`."""
+    extra = getattr(field, "json_schema_extra", None)
+    return isinstance(extra, dict) and bool(extra.get(CONFIG_PATH))
+
+
 class DataConfig(Section):
     """A prompt dataset (JSONL or Parquet), or a generated source (`source`)."""
 
@@ -32,7 +48,7 @@ class DataConfig(Section):
         default_factory=dict,
         description="A generated source's own options (e.g. reasoning_gym: dataset, config, seed).",
     )
-    path: str | None = Field(None, description="JSONL or Parquet file of prompts.")
+    path: str | None = path_field(description="JSONL or Parquet file of prompts.")
     input_key: str = Field("prompt", description="Row key holding the prompt (text or chat messages).")
     label_key: str | None = Field(
         "label", description="Row key holding the reference answer (None = no label)."
@@ -108,16 +124,22 @@ class RolloutConfig(Section):
         None,
         description="Import path of a custom strategy class or v1 rollout function; overrides the default.",
     )
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Options of the selected strategy, validated up front against its `Options` model (a "
+            "custom strategy declares its own typed options; see strategy_options())."
+        ),
+    )
     dynamic_filters: list[str] = Field(
         default_factory=list,
         description="Group filters applied while over-sampling: nonzero_std, no_aborted, or import paths.",
     )
     max_group_retries: int = Field(2, ge=0, description="Resubmissions of a group whose generation raised.")
-    max_failed_groups: int = Field(
-        64,
-        ge=0,
-        description="A training rollout stops with an error once more groups than this failed after their retries "
-        "(an environment or engine that fails every episode would otherwise draw prompts forever).",
+    max_waves_per_rollout: int | None = Field(
+        None,
+        ge=1,
+        description="Waves one rollout may pull before it stops with the groups it kept (None = 10 × the waves one batch needs).",
     )
     partial_rollout: bool = Field(
         False, description="Keep aborted partial samples and resume them next rollout."

@@ -41,7 +41,9 @@ def _check_messages(prompt: list[Any]) -> str | None:
     return None
 
 
-def _row_to_sample(row: Any, config: DataConfig, where: str, tokenizer: Any) -> Sample:
+def _row_to_sample(
+    row: Any, config: DataConfig, where: str, tokenizer: Any, max_prompt_tokens: int | None = None
+) -> Sample:
     """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors."""
     if not isinstance(row, dict):
         raise DataError(
@@ -78,16 +80,33 @@ def _row_to_sample(row: Any, config: DataConfig, where: str, tokenizer: Any) -> 
     if config.apply_chat_template and tokenizer is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if max_prompt_tokens is not None and tokenizer is not None:
+        from verst.rollout.generate import prompt_token_ids
+
+        n = len(prompt_token_ids(tokenizer, prompt, False))
+        if n >= max_prompt_tokens:
+            raise DataError(
+                f"{where}: the prompt has {n} tokens and the context holds {max_prompt_tokens} "
+                f"(rollout.max_context_len, or the model's max_position_embeddings): no room for a "
+                f"response; fix: shorten or remove the row, or raise rollout.max_context_len"
+            )
     return Sample(prompt=prompt, label=label, metadata=dict(metadata), status=Status.PENDING)
 
 
-def _read_jsonl(path: Path, config: DataConfig, tokenizer: Any) -> list[Sample]:
+def _read_jsonl(path: Path, config: DataConfig, tokenizer: Any, limit: int | None) -> list[Sample]:
     samples = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{where}: not valid UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                    f"fix: re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -95,11 +114,11 @@ def _read_jsonl(path: Path, config: DataConfig, tokenizer: Any) -> list[Sample]:
                     f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
                     f"fix: write one complete JSON object per line"
                 ) from None
-            samples.append(_row_to_sample(row, config, where, tokenizer))
+            samples.append(_row_to_sample(row, config, where, tokenizer, limit))
     return samples
 
 
-def _read_parquet(path: Path, config: DataConfig, tokenizer: Any) -> list[Sample]:
+def _read_parquet(path: Path, config: DataConfig, tokenizer: Any, limit: int | None) -> list[Sample]:
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as exc:
@@ -113,13 +132,18 @@ def _read_parquet(path: Path, config: DataConfig, tokenizer: Any) -> list[Sample
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc}); fix: rewrite it with pyarrow") from exc
-    return [_row_to_sample(row, config, f"{path}:row {i}", tokenizer) for i, row in enumerate(rows, 1)]
+    return [_row_to_sample(row, config, f"{path}:row {i}", tokenizer, limit) for i, row in enumerate(rows, 1)]
 
 
-def load_prompt_samples(config: DataConfig, *, tokenizer: Any = None) -> list[Sample]:
+def load_prompt_samples(
+    config: DataConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+) -> list[Sample]:
     """Every prompt of a dataset as PENDING samples, in file order (or shuffled with `seed`).
 
-    `tokenizer` is used only when `apply_chat_template` is on (prompts become rendered text).
+    `tokenizer` renders prompts when `apply_chat_template` is on. With `max_prompt_tokens` (and a
+    tokenizer) a prompt of that many tokens or more — no room left for a response in the
+    context — is a `DataError` naming its file and line, found before any rollout (the engine
+    would refuse it with a 4xx at generation time).
     """
     if config.path is None:
         raise DataError("data.path is not set; fix: point it at a JSONL or Parquet file of prompts")
@@ -128,9 +152,9 @@ def load_prompt_samples(config: DataConfig, *, tokenizer: Any = None) -> list[Sa
         raise DataError(f"{path}: no such file; fix: check data.path (relative paths are from the cwd)")
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        samples = _read_jsonl(path, config, tokenizer)
+        samples = _read_jsonl(path, config, tokenizer, max_prompt_tokens)
     elif suffix in PARQUET_SUFFIXES:
-        samples = _read_parquet(path, config, tokenizer)
+        samples = _read_parquet(path, config, tokenizer, max_prompt_tokens)
     else:
         raise DataError(
             f"{path}: unknown file type {suffix!r}; fix: use one of {[*JSONL_SUFFIXES, *PARQUET_SUFFIXES]}"
@@ -140,9 +164,22 @@ def load_prompt_samples(config: DataConfig, *, tokenizer: Any = None) -> list[Sa
     return samples
 
 
-def build_eval_datasets(eval_config: EvalConfig, *, tokenizer: Any = None) -> dict[str, list[Sample]]:
-    """Named eval sets (one PENDING sample per prompt; the strategy makes the groups)."""
-    return {name: load_prompt_samples(ds, tokenizer=tokenizer) for name, ds in eval_config.datasets.items()}
+def build_eval_datasets(
+    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+) -> dict[str, list[Sample]]:
+    """Named eval sets (one PENDING sample per prompt; the strategy makes the groups).
+
+    An eval file without rows is a `DataError` (it would silently give no eval metrics).
+    """
+    out = {}
+    for name, ds in eval_config.datasets.items():
+        out[name] = load_prompt_samples(ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens)
+        if not out[name]:
+            raise DataError(
+                f"{ds.path}: eval dataset {name!r} has no rows; fix: add prompts to it, or remove "
+                f"rollout.eval.datasets.{name}"
+            )
+    return out
 
 
 class PromptDataSource:
@@ -152,7 +189,14 @@ class PromptDataSource:
     `shuffle` is off), so its position is two integers and resuming needs no RNG state.
     """
 
-    def __init__(self, config: DataConfig, n_samples_per_prompt: int, *, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: DataConfig,
+        n_samples_per_prompt: int,
+        *,
+        tokenizer: Any = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         self.config = config
@@ -160,7 +204,9 @@ class PromptDataSource:
         self.n_samples_per_prompt = n_samples_per_prompt
         """Samples per group."""
         file_config = config.model_copy(update={"shuffle": False})
-        self._prompts = load_prompt_samples(file_config, tokenizer=tokenizer)
+        self._prompts = load_prompt_samples(
+            file_config, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens
+        )
         if not self._prompts:
             raise DataError(f"{config.path}: the dataset has no rows; fix: add prompts to it")
         self.epoch = 0

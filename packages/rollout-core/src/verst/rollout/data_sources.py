@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from verst.rollout.config import DataConfig, EvalConfig
-from verst.rollout.data import PromptDataSource, load_prompt_samples
+from verst.rollout.data import PromptDataSource, build_eval_datasets
 from verst.rollout.errors import ConfigError, MissingOptionalDependency, Problem
 from verst.rollout.importing import ImportPathError, import_object
 from verst.rollout.sample import Sample
@@ -109,22 +109,33 @@ def _build(config: DataConfig, key: str) -> tuple[Any, Any]:
     return cls, options
 
 
-def build_data_source(config: DataConfig, n_samples_per_prompt: int, *, tokenizer: Any = None) -> Any:
-    """The training `DataSource` of `rollout.data`."""
+def build_data_source(
+    config: DataConfig,
+    n_samples_per_prompt: int,
+    *,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+) -> Any:
+    """The training `DataSource` of `rollout.data` (`max_prompt_tokens` bounds file prompts)."""
     if config.source == FILE:
-        return PromptDataSource(config, n_samples_per_prompt, tokenizer=tokenizer)
+        return PromptDataSource(
+            config, n_samples_per_prompt, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens
+        )
     cls, options = _build(config, "rollout.data")
     return cls(
         options, n_samples_per_prompt, tokenizer=tokenizer, apply_chat_template=config.apply_chat_template
     )
 
 
-def build_eval_sets(eval_config: EvalConfig, *, tokenizer: Any = None) -> dict[str, list[Sample]]:
+def build_eval_sets(
+    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+) -> dict[str, list[Sample]]:
     """Named eval sets (one PENDING sample per prompt), from files or finite generated sources."""
     out: dict[str, list[Sample]] = {}
     for name, ds in eval_config.datasets.items():
         if ds.source == FILE:
-            out[name] = load_prompt_samples(ds, tokenizer=tokenizer)
+            one = EvalConfig(datasets={name: ds})
+            out.update(build_eval_datasets(one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens))
             continue
         cls, options = _build(ds, f"rollout.eval.datasets.{name}")
         out[name] = cls(options, 1, tokenizer=tokenizer, apply_chat_template=ds.apply_chat_template).samples()

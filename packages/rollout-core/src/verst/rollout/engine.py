@@ -3,6 +3,11 @@
 Two implementations: the embedded engine (`verst.rollout.engines.embedded`, an in-process torch
 model) and the SGLang HTTP client (`verst.rollout.engines.sglang_client`), which talks to real
 SGLang servers or routers and to `verst serve`. Rollout strategies only see this protocol.
+
+What an engine can do beyond it is asked, never guessed from its class or type name: optional
+methods are small runtime-checkable protocols (`MemoryReleasable`, `DistributedWeightReceiver`),
+and `EngineCapabilities` (declared by each engine's config, and by engine objects that the
+trainer may be handed directly) says where it runs and which weight-sync modes it accepts.
 """
 
 from __future__ import annotations
@@ -115,6 +120,10 @@ class GenerateOutput:
 class EngineError(RuntimeError):
     """An engine failed in a way the caller should surface (after any retries)."""
 
+    retryable: bool = True
+    """Whether trying the same request again may succeed (a connection error, a 5xx / 503);
+    False for a request the engine refuses (a 4xx), which a strategy marks FAILED at once."""
+
 
 @runtime_checkable
 class InferenceEngine(Protocol):
@@ -157,3 +166,86 @@ class InferenceEngine(Protocol):
     async def close(self) -> None:
         """Release resources (HTTP sessions, threads)."""
         ...
+
+
+@runtime_checkable
+class MemoryReleasable(Protocol):
+    """An engine that can free its device memory while training runs (colocated layouts)."""
+
+    async def release_memory_occupation(self) -> None:
+        """Free KV cache (and, where possible, weights) until `resume_memory_occupation`."""
+        ...
+
+    async def resume_memory_occupation(self) -> None:
+        """Take back what `release_memory_occupation` freed."""
+        ...
+
+
+@runtime_checkable
+class DistributedWeightReceiver(Protocol):
+    """An engine in another process that receives weights by broadcast over a weight group."""
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's weight-update group (the trainer is rank 0)."""
+        ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None = None,
+    ) -> int:
+        """Receive one broadcast per parameter; returns the new weight version."""
+        ...
+
+
+WeightSyncMode = Literal["tensors", "disk", "distributed"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What an engine can do; validation and the trainer ask this instead of the engine's type.
+
+    The defaults describe the least an engine offers: out of process, CPU, loads weights from a
+    checkpoint directory, nothing else."""
+
+    in_process: bool = False
+    """The engine lives in this process (shares its memory; weights go over as tensors)."""
+    uses_gpu: bool = False
+    """It computes on a GPU where the rollout manager runs (placement reserves one)."""
+    needs_model_path: bool = False
+    """It loads a model itself, so `model_path` (or the trainer's model) must be known."""
+    weight_sync: tuple[WeightSyncMode, ...] = ("disk",)
+    """Weight-sync modes it accepts, preferred first (`train.weight_sync = 'auto'` = the first)."""
+    release_memory: bool = False
+    """It can free device memory while training runs (`MemoryReleasable`)."""
+    ray_engine_actors: bool = False
+    """It can run as `run.ray.engine_actors` (one copy per Ray actor)."""
+    engine_count: int | None = 1
+    """Engine processes behind it (None = unknown, e.g. a router)."""
+    launched_gpus: int = 0
+    """GPUs of the server processes it starts for the run (0 = it starts none)."""
+    lora: bool = False
+    """It can serve LoRA adapters."""
+
+
+def engine_capabilities(engine: Any) -> EngineCapabilities:
+    """An engine object's capabilities: its `capabilities` attribute when it declares one, else
+    what its methods show (an undeclared engine is assumed out of process)."""
+    declared = getattr(engine, "capabilities", None)
+    if isinstance(declared, EngineCapabilities):
+        return declared
+    modes: tuple[WeightSyncMode, ...] = ("disk", "tensors")
+    if isinstance(engine, DistributedWeightReceiver):
+        modes += ("distributed",)
+    return EngineCapabilities(weight_sync=modes, release_memory=isinstance(engine, MemoryReleasable))

@@ -2,7 +2,9 @@
 
 `SingleTurnGenerate` is the default `GenerateFn`: prompt → one engine request → response.
 It resumes aborted samples that hold partial tokens (partial rollout) and, with
-`mask_offpolicy_in_partial_rollout`, loss-masks the part generated in earlier rollouts.
+`mask_offpolicy_in_partial_rollout`, loss-masks every token generated under weights older than
+the newest (by `Sample.token_versions`, not by rollout id: under fully-async a request aborted
+by a weight update is resumed within the same rollout).
 
 `generate_and_rm` wraps any generate function with what every attempt needs: the semaphore,
 the abort flag, the per-sample generate override, the reward, and the lifecycle events
@@ -80,6 +82,33 @@ def resumed_loss_mask(
     return None if all(mask) else mask
 
 
+def offpolicy_loss_mask(loss_mask: list[int] | None, token_versions: list[int]) -> list[int] | None:
+    """`loss_mask` with every token older than the newest version in `token_versions` set to 0.
+
+    `token_versions` has one weight version per response token (`Sample.token_versions`); the
+    newest one is the policy being trained, so only tokens generated under it keep their mask.
+    Returns None when the result is all ones (the `Sample` convention).
+    """
+    if loss_mask is not None and len(loss_mask) != len(token_versions):
+        raise ValueError(f"loss mask has {len(loss_mask)} entries for {len(token_versions)} token versions")
+    if not token_versions:
+        return loss_mask
+    newest = max(token_versions)
+    mask = loss_mask if loss_mask is not None else [1] * len(token_versions)
+    out = [m if v >= newest else 0 for m, v in zip(mask, token_versions, strict=True)]
+    return None if all(out) else out
+
+
+def previous_token_versions(sample: Sample, previous_len: int) -> list[int]:
+    """The versions of a sample's first `previous_len` response tokens: `token_versions` when
+    it covers them, else (an older checkpoint, a custom generate function) the oldest version
+    the sample recorded for all of them — masking too much rather than too little."""
+    versions = sample.token_versions
+    if versions is not None and len(versions) == previous_len:
+        return list(versions)
+    return [min(sample.weight_versions, default=-1)] * previous_len
+
+
 def reset_sample(sample: Sample, *, keep_attempt: bool = False) -> Sample:
     """Turn a sample back into a fresh PENDING prompt sample (keeps the cached prompt ids).
 
@@ -93,6 +122,7 @@ def reset_sample(sample: Sample, *, keep_attempt: bool = False) -> Sample:
     sample.rollout_logprobs = None
     sample.status = Status.PENDING
     sample.weight_versions = []
+    sample.token_versions = None
     for key in _RUN_METADATA_KEYS:
         if not (keep_attempt and key == "attempt"):
             sample.metadata.pop(key, None)
@@ -177,14 +207,15 @@ class SingleTurnGenerate:
         config = state.config
         new_ids = out.output_ids
         n_new = len(new_ids)
-        resumed_offpolicy = (
-            previous_len > 0
-            and config.mask_offpolicy_in_partial_rollout
-            and sample.metadata.get("start_rollout_id", state.rollout_id) < state.rollout_id
-        )
-        sample.loss_mask = resumed_loss_mask(
-            sample.loss_mask, previous_len, n_new, mask_offpolicy=resumed_offpolicy
-        )
+        if previous_len == 0:  # the common case: one segment, one version, every token trained on
+            sample.loss_mask = None
+            sample.token_versions = [out.weight_version] * n_new
+        else:
+            versions = previous_token_versions(sample, previous_len) + [out.weight_version] * n_new
+            sample.loss_mask = resumed_loss_mask(sample.loss_mask, previous_len, n_new, mask_offpolicy=False)
+            if config.mask_offpolicy_in_partial_rollout:
+                sample.loss_mask = offpolicy_loss_mask(sample.loss_mask, versions)
+            sample.token_versions = versions
         if previous_len == 0:
             sample.rollout_logprobs = list(out.output_logprobs) if len(out.output_logprobs) == n_new else None
         elif sample.rollout_logprobs is not None and len(out.output_logprobs) == n_new:

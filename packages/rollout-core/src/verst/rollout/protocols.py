@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from pydantic import BaseModel
+
 from verst.rollout.engine import InferenceEngine, SamplingParams
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.sample import Sample
@@ -106,6 +108,22 @@ class RolloutContext:
     v1_args: Mapping[str, Any] = field(default_factory=dict)
     """Extra settings for v1 functions' `args` (e.g. `hf_checkpoint`, `sglang_router_ip`,
     `sglang_router_port`); see `verst.rollout.v1_args.build_v1_args`."""
+
+
+def strategy_options_model(strategy: Any) -> type[BaseModel] | None:
+    """The `Options` pydantic model a strategy class declares for `rollout.strategy_options`."""
+    model = getattr(strategy, "Options", None) if isinstance(strategy, type) else None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def strategy_options(strategy: type, config: RolloutConfig) -> Any:
+    """The strategy's validated options (an instance of its `Options`) from
+    `config.strategy_options`; call it in the strategy's constructor. Validation already
+    reported bad options before anything loaded."""
+    model = strategy_options_model(strategy)
+    if model is None:
+        raise TypeError(f"{strategy.__qualname__} declares no `Options` model")
+    return model.model_validate(dict(config.strategy_options))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Status(enum.StrEnum):
@@ -60,7 +60,15 @@ class Sample:
     status: Status = Status.PENDING
     """Lifecycle status; see `Status`."""
     weight_versions: list[int] = field(default_factory=list)
-    """Engine weight versions this sample was generated with (several for partial rollouts)."""
+    """Engine weight versions this sample was generated with, one per engine call (several for
+    resumed partial samples and multi-turn trajectories)."""
+    token_versions: list[int] | None = None
+    """Per response token, the weight version of the engine call that produced it (None = not
+    tracked). Tokens an engine call did not produce (tool/environment output in a multi-turn
+    trajectory) carry the version of the call before them. With
+    `mask_offpolicy_in_partial_rollout` every response token whose version is older than the
+    newest is loss-masked (`offpolicy_loss_mask`), whatever the rollout id; a generate function
+    that appends a segment extends it with `[version] * len(segment)`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (dataset fields, `start_rollout_id`, errors, teacher ids...)."""
     generate_function_path: str | None = None
@@ -69,6 +77,37 @@ class Sample:
     """Index of this sample's group (prompt) within its rollout."""
     sample_index: int | None = None
     """Index of this sample within all samples of its rollout (unique, stable)."""
+
+    # ---- slime / miles names (the v1 ABI): the same data under the names their functions use
+    Status: ClassVar[type[Status]] = Status
+    """`Sample.Status.COMPLETED` works as in slime (the same enum as `verst.rollout.sample.Status`)."""
+
+    @property
+    def rollout_log_probs(self) -> list[float] | None:
+        """slime's name of `rollout_logprobs` (read and write)."""
+        return self.rollout_logprobs
+
+    @rollout_log_probs.setter
+    def rollout_log_probs(self, value: list[float] | None) -> None:
+        self.rollout_logprobs = None if value is None else [float(v) for v in value]
+
+    @property
+    def index(self) -> int | None:
+        """slime's name of `sample_index` (read and write)."""
+        return self.sample_index
+
+    @index.setter
+    def index(self, value: int | None) -> None:
+        self.sample_index = value
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that are trained on (slime's `effective_response_length`)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def get_reward_value(self, args: Any) -> float:
+        """slime's `get_reward_value(args)`: the reward, or `reward[args.reward_key]`."""
+        return self.scalar_reward(getattr(args, "reward_key", None))
 
     @property
     def prompt_length(self) -> int:
@@ -116,6 +155,10 @@ class Sample:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != self.response_length:
             problems.append(
                 f"len(rollout_logprobs)={len(self.rollout_logprobs)} != response_length={self.response_length}"
+            )
+        if self.token_versions is not None and len(self.token_versions) != self.response_length:
+            problems.append(
+                f"len(token_versions)={len(self.token_versions)} != response_length={self.response_length}"
             )
         if "segments" in self.metadata:  # a multi-turn trajectory built with append_turn
             from verst.rollout.agentic.trajectory import trajectory_problems

@@ -23,10 +23,12 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from verst.rollout.config import DataConfig, RolloutConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.importing import ImportPathError, import_object, split_import_path
-from verst.rollout.protocols import Capability
+from verst.rollout.protocols import Capability, strategy_options_model
 from verst.rollout.rewards.registry import BUILTIN_REWARDS, REMOTE, is_import_path, valid_reward_types
 from verst.rollout.selection import (
     LEGACY_FLAG,
@@ -243,20 +245,13 @@ def _check_partial_and_async(c: RolloutConfig) -> Iterator[Problem]:
             "it masks the off-policy part of resumed samples, but rollout.partial_rollout is off",
             "set rollout.partial_rollout = true, or turn mask_offpolicy_in_partial_rollout off",
         )
-    if c.fully_async:
-        if c.max_weight_staleness == 0:
-            yield Problem(
-                "rollout.max_weight_staleness",
-                "0 accepts only groups generated with the current weights, but fully-async "
-                "generation runs during training, so every group would be stale",
-                "set max_weight_staleness >= 1 (1 is typical), or turn rollout.fully_async off",
-            )
-        if c.async_buffer_groups < c.batch_size:
-            yield Problem(
-                "rollout.async_buffer_groups",
-                f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
-                f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
-            )
+    # (fully-async with max_weight_staleness = 0 is allowed: FullyAsyncRollout then runs synchronously)
+    if c.fully_async and c.async_buffer_groups < c.batch_size:
+        yield Problem(
+            "rollout.async_buffer_groups",
+            f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
+            f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
+        )
 
 
 def _module_missing(module: str) -> str | None:
@@ -441,6 +436,7 @@ def _strategy_problems(
             "give the class `capabilities: ClassVar[frozenset[Capability]] = frozenset({...})`",
         )
         return
+    yield from strategy_option_problems(obj, path, config.strategy_options)
     fixes = {f.capability: f.fix for f in FEATURE_CAPABILITIES}
     supported = sorted(c.value for c in caps)
     for cap, req_key in requests.items():
@@ -450,6 +446,26 @@ def _strategy_problems(
                 f"the selected strategy {path!r} does not support {cap.value} (it supports: {supported})",
                 fixes.get(cap, f"turn off {req_key}, or select a strategy that supports {cap.value}"),
             )
+
+
+def strategy_option_problems(strategy: Any, path: str, options: Mapping[str, Any]) -> Iterator[Problem]:
+    """`rollout.strategy_options` against the strategy's `Options` model (none = no options)."""
+    model = strategy_options_model(strategy)
+    if model is None:
+        if options:
+            yield Problem(
+                "rollout.strategy_options",
+                f"strategy {path!r} takes no options (it declares no `Options` model)",
+                "remove rollout.strategy_options, or give the strategy class an `Options` pydantic model",
+            )
+        return
+    try:
+        model.model_validate(dict(options))
+    except ValidationError as exc:
+        for err in exc.errors():
+            key = ".".join(["rollout.strategy_options", *map(str, err["loc"])])
+            fields = ", ".join(sorted(model.model_fields))
+            yield Problem(key, f"{err['msg']} (got {err.get('input')!r})", f"{path} options: {fields}")
 
 
 def validate_rollout_config(

@@ -24,12 +24,13 @@ from typing import Any
 
 from verst.rollout.config import RolloutConfig
 from verst.rollout.engine import SamplingParams
+from verst.rollout.errors import RolloutFailedError
 from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
 from verst.rollout.logging_utils import log_first_sample, log_rollout_finish, sample_text_preview
 from verst.rollout.protocols import DataSource, GenerateState
 from verst.rollout.sample import Sample, Status
 from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
-from verst.rollout.strategies.inference import sample_metrics
+from verst.rollout.strategies.inference import max_waves, sample_metrics
 from verst.rollout.v1_args import V1Args, build_v1_args
 from verst.rollout_legacy.runtime import LegacyRuntime, runtime_of
 
@@ -54,23 +55,6 @@ class RolloutFnEvalOutput:
     """Groups per eval dataset name."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Flat eval metrics (`eval/<name>/...`)."""
-
-
-class RolloutFailedError(RuntimeError):
-    """More groups failed (after their retries) than the batch needs: generation is failing
-    consistently, so the rollout stops instead of cycling through the dataset."""
-
-    def __init__(self, rollout_id: int, failed: list[list[Sample]]) -> None:
-        self.num_failed = len(failed)
-        """How many groups failed."""
-        self.errors = [s.metadata.get("error", "") for g in failed for s in g[:1]]
-        """One error message per failed group (the groups themselves go back to the data source)."""
-        super().__init__(
-            f"v1 rollout {rollout_id}: {len(failed)} groups failed after their retries, more than the "
-            f"batch needs; last error: {self.errors[-1] if self.errors else ''}. Fix the engine or the "
-            f"generate function (the log has each failure), or raise rollout.max_group_retries for "
-            f"transient errors"
-        )
 
 
 def build_legacy_args(runtime: LegacyRuntime) -> V1Args:
@@ -132,11 +116,22 @@ async def _train_rollout(
     failed_groups: list[list[Sample]] = []
     next_group = next_sample = 0
     exhausted = False
+    wave_limit = max_waves(rt.config)
     rt.current_state = state
     try:
         while len(kept) < target and not state.aborted.is_set():
             # slime's `remaining_batch_size < target`: another wave while kept + in flight fall short
             while not exhausted and len(kept) + len(in_flight) < target:
+                if tally["waves"] >= wave_limit:  # every group dropped: never cycle the dataset forever
+                    exhausted = True
+                    tally["wave_limit_hit"] = 1
+                    logger.warning(
+                        "v1 rollout %d: %d waves pulled; stopping (max_waves_per_rollout)",
+                        rollout_id,
+                        wave_limit,
+                    )
+                    break
+                tally["waves"] += 1
                 groups = data_source.get_samples(wave)
                 if not groups:
                     exhausted = True
@@ -156,7 +151,11 @@ async def _train_rollout(
                     tally["failed_groups"] += 1
                     failed_groups.append(group)
                     if len(failed_groups) > target:
-                        raise RolloutFailedError(rollout_id, failed_groups)
+                        raise RolloutFailedError(
+                            rollout_id,
+                            [g[0].metadata.get("error", "") for g in failed_groups if g],
+                            label="v1 rollout",
+                        )
                 elif len(kept) >= target:
                     unused.append(group)
                 else:
@@ -184,7 +183,8 @@ def _classify(
     unused: list[list[Sample]],
     tally: Counter[str],
 ) -> None:
-    """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+    """A generated group: hand it back if unfinished, else keep it or drop it (counted per
+    reason). Dynamic filters only ever see finished groups."""
     tally["finished_groups"] += 1
     tally["generated_tokens"] += sum(s.response_length for s in group)
     reward_errors = sum(s.status is Status.FAILED for s in group)
@@ -192,13 +192,14 @@ def _classify(
         tally["reward_errors"] += reward_errors
         tally["dropped/reward_error"] += 1
         return
+    if not all(s.status.is_finished for s in group):
+        unused.append(group)  # aborted: handed back; filters only ever see finished groups
+        return
     outcome = apply_filters(filters, group)
     if not outcome.keep:
         tally[f"dropped/{outcome.reason or 'filtered'}"] += 1
-    elif all(s.status.is_finished for s in group):
-        kept.append(group)
     else:
-        unused.append(group)
+        kept.append(group)
 
 
 async def _group_with_retries(
@@ -216,6 +217,7 @@ async def _group_with_retries(
         try:
             return await generate_and_rm_group(state, group, params, evaluation), False
         except GroupGenerationError as exc:
+            last = attempt == retries or not getattr(exc.cause, "retryable", True)  # a 4xx fails again
             first = group[0] if group else None
             logger.warning(
                 "v1 rollout %d: group %s failed (%s: %s) — %s; prompt=%r",
@@ -223,10 +225,10 @@ async def _group_with_retries(
                 first.group_index if first else None,
                 type(exc.cause).__name__,
                 sample_text_preview(str(exc.cause), 300),
-                "resubmitting" if attempt < retries else "giving up, marking it FAILED",
+                "giving up, marking it FAILED" if last else "resubmitting",
                 sample_text_preview(first.prompt if first else ""),
             )
-            if attempt == retries:
+            if last:
                 error = f"generate: {type(exc.cause).__name__}: {sample_text_preview(str(exc.cause), 300)}"
                 for sample in group:
                     sample.status = Status.FAILED
@@ -302,7 +304,15 @@ def _train_metrics(
     metrics = sample_metrics([s for g in kept for s in g], reward_key, "rollout")
     metrics["rollout/kept_groups"] = float(len(kept))
     metrics["rollout/dropped_groups"] = float(sum(v for k, v in tally.items() if k.startswith("dropped/")))
-    for key in ("failed_groups", "group_retries", "reward_errors", "returned_groups", "aborted"):
+    for key in (
+        "failed_groups",
+        "group_retries",
+        "reward_errors",
+        "returned_groups",
+        "aborted",
+        "waves",
+        "wave_limit_hit",
+    ):
         metrics[f"rollout/{key}"] = float(tally[key])
     metrics["rollout/generated_tokens"] = float(tally["generated_tokens"])
     metrics["rollout/time_s"] = elapsed

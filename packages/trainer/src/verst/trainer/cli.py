@@ -4,6 +4,7 @@
     verst sft CONFIG.toml [key=value ...]             supervised warm start (loss on response tokens)
     verst eval CONFIG.toml [CHECKPOINT]               evaluate a checkpoint on the config's eval sets
     verst serve ...                                   serve a model over SGLang's HTTP API (embedded engine)
+    verst dashboard RUN_DIR... / verst report RUN_DIR -o report.html   view runs (verst.trainer.dashboard)
 
 This is the edge of the program: it reads the environment once
 (`resolve_extra_env_vars(config.run.env)`) and passes that mapping down, and it turns
@@ -27,16 +28,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
+from verst.rollout.config import is_path_field
+from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem, RolloutError
 
 EXIT_USER_ERROR = 2
 """Exit code of a bad config, bad data or a missing optional package."""
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C."""
-
-PATH_FIELDS = ("train.model_path", "train.ref_model_path", "engine.model_path", "engine.tokenizer_path")
-"""Dotted config keys holding file paths that resolve against the config file's folder."""
-
+EXIT_ROLLOUT_FAILED = 3
+"""Exit code of a run stopped by a `RolloutError` (a dead engine, a function that always raises,
+every group filtered); the last checkpoint holds every prompt that was in play."""
 
 # ---------------------------------------------------------------- help generated from the schema
 
@@ -61,10 +62,25 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
+    """(type name, config model) of each built-in variant of a variant-table field, else []."""
+    from verst.rollout.variants import variant_table_of
+
+    table = variant_table_of(field)
+    return list(table.builtins.items()) if table is not None else []
+
+
 def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
-    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`."""
+    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`.
+    A variant field (e.g. `[engine]`) documents each built-in variant's fields."""
     nested: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
+        variants = _variants(field)
+        if variants:
+            for type_name, sub in variants:
+                doc = f'type = "{type_name}": {sub.__doc__ or ""}'.strip()
+                nested.append((name, sub, doc))
+            continue
         sub = _nested_model(field.annotation)
         if sub is not None:
             nested.append((name, sub, field.description or ""))
@@ -90,11 +106,18 @@ def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
         yield from describe_model(sub, key)
 
 
-def markdown_reference(model: type[BaseModel], section: str) -> str:
-    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections."""
-    rows = [f"### `[{section}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+def markdown_reference(model: type[BaseModel], section: str, variant: str | None = None) -> str:
+    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections;
+    `variant` names the variant `model` is (its `type`), shown in the heading."""
+    title = f"### `[{section}]`" + (f' — `type = "{variant}"`' if variant else "")
+    rows = [title, "", *([model.__doc__.strip(), ""] if variant and model.__doc__ else [])]
+    rows += ["| key | type | default | meaning |", "|---|---|---|---|"]
     subs: list[str] = []
     for name, field in model.model_fields.items():
+        variants = _variants(field)
+        if variants:
+            subs += [markdown_reference(m, f"{section}.{name}", t) for t, m in variants]
+            continue
         sub = _nested_model(field.annotation)
         if sub is not None:
             subs.append(markdown_reference(sub, f"{section}.{name}"))
@@ -106,6 +129,15 @@ def markdown_reference(model: type[BaseModel], section: str) -> str:
             f"| `{name}` | `{_type_name(field.annotation).replace('|', chr(92) + '|')}` | {shown} | {doc} |"
         )
     return "\n\n".join(["\n".join(rows), *subs])
+
+
+def markdown_section(model: type[BaseModel], name: str) -> str:
+    """The markdown tables of `model`'s field `name` (every variant of a variant field)."""
+    field = model.model_fields[name]
+    variants = _variants(field)
+    if variants:
+        return "\n\n".join(markdown_reference(m, name, t) for t, m in variants)
+    return markdown_reference(field.annotation, name)
 
 
 def config_reference() -> str:
@@ -120,29 +152,14 @@ def config_reference() -> str:
 # ---------------------------------------------------------------- config loading
 
 
-def _get(data: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = getattr(data, part, None)
-        if data is None:
-            return None
-    return data
-
-
-def _set(cfg: BaseModel, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node: Any = cfg
-    for part in parents:
-        node = getattr(node, part)
-    setattr(node, last, value)
-
-
 def resolve_paths(cfg: Any, config_path: Path) -> Any:
-    """Make relative model/data paths absolute: against the config's folder when they exist
-    there, else against the current directory when they exist there; otherwise leave them
-    (a Hub model id like `Qwen/Qwen2.5-0.5B-Instruct`, or a file validation will report)."""
+    """Make relative paths absolute — every field declared with `path_field`, in every section
+    and variant: against the config's folder when they exist there, else against the current
+    directory when they exist there; otherwise leave them (a Hub model id like
+    `Qwen/Qwen2.5-0.5B-Instruct`, or a file validation will report)."""
     base = config_path.resolve().parent
 
-    def fix(value: str | None) -> str | None:
+    def fix(value: str) -> str:
         if not value or Path(value).is_absolute():
             return value
         for candidate in (base / value, Path.cwd() / value):
@@ -150,17 +167,22 @@ def resolve_paths(cfg: Any, config_path: Path) -> Any:
                 return str(candidate)
         return value
 
-    for dotted in PATH_FIELDS:
-        value = _get(cfg, dotted)
-        if isinstance(value, str) and hasattr(_get(cfg, dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1]):
-            _set(cfg, dotted, fix(value))
-    data = cfg.rollout.data
-    data.path = fix(data.path)
-    for ds in cfg.rollout.eval.datasets.values():
-        ds.path = fix(ds.path)
-    for teacher in cfg.opd.teachers.values():  # on-policy distillation teachers
-        teacher.model_path = fix(teacher.model_path)
-        teacher.engine.model_path = fix(teacher.engine.model_path)
+    def walk(node: Any) -> None:
+        if isinstance(node, BaseModel):
+            for name, field in type(node).model_fields.items():
+                value = getattr(node, name)
+                if is_path_field(field) and isinstance(value, str):
+                    setattr(node, name, fix(value))
+                else:
+                    walk(value)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                walk(value)
+
+    walk(cfg)
     return cfg
 
 
@@ -176,9 +198,9 @@ def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dic
     from verst.rollout.selection import resolve_extra_env_vars
     from verst.trainer.config import load_run_config, validate_run_config
 
+    add_config_dir_to_path(Path(config))  # before loading: an engine `type` may be an import path
     cfg = load_run_config(config, list(overrides))
     cfg = resolve_paths(cfg, Path(config))
-    add_config_dir_to_path(Path(config))
     env = resolve_extra_env_vars(cfg.run.env)
     validate_run_config(cfg, env)
     return cfg, env
@@ -347,7 +369,7 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verst", description="verst: reinforcement-learning post-training for LLMs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve,dashboard,report}")
     fmt = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser(
         "train",
@@ -373,6 +395,9 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     sub.add_parser(
         "serve", help="serve a model over SGLang's HTTP API (args: verst serve --help)", add_help=False
     )
+    from verst.trainer.dashboard.cli import add_subcommands as add_dashboard_commands
+
+    add_dashboard_commands(sub)  # dashboard, report (each sets args.func)
     return parser
 
 
@@ -402,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USER_ERROR
     commands = {"train": cmd_train, "sft": cmd_sft, "eval": cmd_eval}
-    return _guarded(lambda: commands[args.command](args))
+    return _guarded(lambda: commands[args.command](args) if args.command in commands else args.func(args))
 
 
 def _guarded(fn: Any) -> int:
@@ -413,6 +438,9 @@ def _guarded(fn: Any) -> int:
     except (ConfigError, DataError, MissingOptionalDependency, ImportPathError) as exc:
         print_user_error(exc)
         return EXIT_USER_ERROR
+    except RolloutError as exc:
+        print(f"verst: run stopped: {type(exc).__name__}:\n{exc}", file=sys.stderr, flush=True)
+        return EXIT_ROLLOUT_FAILED
     except KeyboardInterrupt:
         print("verst: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -17,23 +17,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from verst.rollout.config import RolloutConfig, Section
-from verst.rollout.engines.config import EngineConfig
+from verst.rollout.config import RolloutConfig, Section, path_field
+from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.opd.config import OpdConfig
-from verst.trainer.placement.layout import RaySection
+from verst.trainer.opd.config import OpdConfig, opd_problems
+from verst.trainer.placement.layout import RaySection, placement_problems
 
 
 class TrainConfig(Section):
     """The policy model, its optimizer and how a step is computed."""
 
-    model_path: str | None = Field(
-        None,
-        description="Hugging Face model directory loaded with from_pretrained (None = the engine's model).",
+    model_path: str | None = path_field(
+        description="Hugging Face model directory loaded with from_pretrained (None = the engine's model)."
     )
-    ref_model_path: str | None = Field(
-        None, description="Frozen reference model for KL (None = the initial policy, model_path)."
+    ref_model_path: str | None = path_field(
+        description="Frozen reference model for KL (None = the initial policy, model_path)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the trained model (float32 on CPU)."
@@ -137,7 +136,10 @@ class RunConfig(Section):
     """A whole run: the composition of every component's section."""
 
     run: RunSection = Field(default_factory=RunSection, description="The run: steps, output, checkpoints.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine(s).")
+    engine: EngineConfig = Field(
+        default_factory=ENGINES.build_default,
+        description="The inference engine(s): a table whose `type` picks the engine and its fields.",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="How rollouts are generated.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The policy model and optimizer.")
     algorithm: AlgorithmConfig = Field(
@@ -151,10 +153,12 @@ class RunConfig(Section):
     def _off_policy_correction_default(self) -> RunConfig:
         """Fully-async rollout trains on samples from older weights: truncated importance sampling
         (`algorithm.tis`) is on by default then. An explicit `algorithm.tis` (true or false) wins,
-        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off."""
+        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off; so does
+        `max_weight_staleness = 0`, which is synchronous training (every sample on-policy)."""
         algo = self.algorithm
         if (
             self.rollout.fully_async
+            and self.rollout.max_weight_staleness > 0
             and "tis" not in algo.model_fields_set
             and not algo.use_rollout_logprobs_as_old
         ):
@@ -214,16 +218,23 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(problems_from_validation_error(exc, RunConfig)) from None
+        raise ConfigError(problems_from_validation_error(exc, RunConfig, data)) from None
 
 
-def _fields_at(model: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any] | None:
-    """The fields of the (nested) model at `loc`, or None if it is not a model."""
+def _fields_at(model: type[BaseModel], loc: Sequence[Any], data: Any = None) -> dict[str, Any] | None:
+    """The fields of the (nested) model at `loc`, or None if it is not a model. `data` (the
+    validated input) picks the variant of a variant field (e.g. `[engine]` by its `type`)."""
+    from verst.rollout.variants import variant_table_of
+
     current: Any = model
     for part in loc:
+        data = data.get(part) if isinstance(data, Mapping) else None
         if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
-            ann = current.model_fields[part].annotation
-            current = _model_in(ann)
+            field = current.model_fields[part]
+            current = _model_in(field.annotation)
+            table = variant_table_of(field)
+            if table is not None:
+                current = _variant_model(table, data) or current
         elif isinstance(part, str) and current is dict:
             current = None
         else:
@@ -233,6 +244,15 @@ def _fields_at(model: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any] | N
     if isinstance(current, type) and issubclass(current, BaseModel):
         return dict(current.model_fields)
     return None
+
+
+def _variant_model(table: Any, data: Any) -> type[BaseModel] | None:
+    """The config model a variant table selects for `data`, when it can tell."""
+    name = data.get("type", table.default) if isinstance(data, Mapping) else table.default
+    try:
+        return table.config_class(name) if isinstance(name, str) else None
+    except (ValueError, ImportError):
+        return None
 
 
 def _model_in(annotation: Any) -> Any:
@@ -245,21 +265,24 @@ def _model_in(annotation: Any) -> Any:
     return None
 
 
-def problems_from_validation_error(exc: ValidationError, model: type[BaseModel]) -> list[Problem]:
-    """Translate pydantic errors: key, why, fix; unknown keys suggest the closest valid key."""
+def problems_from_validation_error(
+    exc: ValidationError, model: type[BaseModel], data: Any = None
+) -> list[Problem]:
+    """Translate pydantic errors: key, why, fix; unknown keys suggest the closest valid key
+    (`data`, the input, tells which variant's keys are valid in a variant section)."""
     problems = []
     for err in exc.errors():
         loc = [p for p in err["loc"] if not isinstance(p, int)]
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            valid = _fields_at(model, loc[:-1]) or {}
+            valid = _fields_at(model, loc[:-1], data) or {}
             close = difflib.get_close_matches(str(loc[-1]), list(valid), n=1, cutoff=0.5)
             fix = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else ""
             fix += f" valid keys here: {', '.join(sorted(valid))}" if valid else " remove it"
             problems.append(Problem(key, "unknown key", fix.strip()))
             continue
         fix = "see `verst train --help` for this field's type and meaning"
-        valid = _fields_at(model, loc[:-1]) or {}
+        valid = _fields_at(model, loc[:-1], data) or {}
         field = valid.get(str(loc[-1])) if loc else None
         if field is not None and field.description:
             fix = f"expected: {field.description} (default {field.default!r})"
@@ -317,27 +340,46 @@ def train_problems(
                 "choose a divisor of rollout.batch_size * rollout.n_samples_per_prompt",
             )
         )
-    if cfg.train.weight_sync == "distributed" and cfg.engine.type == "embedded":
-        problems.append(
+    problems += weight_sync_problems(cfg.train, cfg.engine)
+    return problems
+
+
+def weight_sync_problems(train: TrainConfig, engine: EngineSection) -> list[Problem]:
+    """`train.weight_sync` against what the engine accepts (its capabilities)."""
+    mode = train.weight_sync
+    caps = engine.capabilities()
+    if mode == "auto":
+        return []
+    if mode not in caps.weight_sync:
+        where = (
+            "the engine lives in this process"
+            if caps.in_process
+            else f"engine.type={engine.type!r} does not accept it"
+        )
+        why = {
+            "distributed": "'distributed' broadcasts to an engine in another process",
+            "tensors": "'tensors' hands the engine in-memory weights",
+            "disk": "'disk' makes the engine load a checkpoint directory",
+        }[mode]
+        return [
             Problem(
                 "train.weight_sync",
-                "'distributed' broadcasts to an engine in another process; the embedded engine lives "
-                "in this process",
-                "use 'tensors' (or 'auto') with engine.type='embedded', or serve the model with "
-                "`verst serve` / SGLang and set engine.type='sglang'",
+                f"{why}; {where} (it accepts {', '.join(caps.weight_sync)})",
+                f"use {' or '.join(repr(m) for m in caps.weight_sync)} (or 'auto') with "
+                f"engine.type={engine.type!r}, or serve the model with `verst serve` / SGLang and "
+                "set engine.type='sglang'",
             )
-        )
-    several_engines = len(cfg.engine.urls) > 1 or cfg.engine.router_url or cfg.engine.num_engines > 1
-    if cfg.train.weight_sync == "distributed" and several_engines:
-        problems.append(
+        ]
+    if mode == "distributed" and caps.engine_count != 1:
+        return [
             Problem(
                 "train.weight_sync",
                 "'distributed' is wired for one engine process (a weight group of world size 2); "
                 "with several engines or a router the workers would need distinct ranks",
                 "use weight_sync='disk' with several engines, or serve one engine",
             )
-        )
-    return problems
+        ]
+    return []
 
 
 def _engine_model_path(cfg: RunConfig) -> str | None:
@@ -356,8 +398,6 @@ def validate_run_config(
     cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
 ) -> None:
     """Every cross-section check at once; raise one `ConfigError` listing each problem with its fix."""
-    from verst.rollout.engines.config import engine_problems
-
     problems: list[Problem] = []
     problems += engine_problems(cfg.engine, fallback_model_path=cfg.train.model_path)
     problems += list(cfg.algorithm.problems())
@@ -367,12 +407,10 @@ def validate_run_config(
         validate_rollout_config(cfg.rollout, env, extra_requests=cfg.opd.capability_requests())
     except ConfigError as exc:
         problems += exc.problems
-    from verst.trainer.opd.config import opd_problems
-
-    problems += opd_problems(cfg)
+    problems += opd_problems(
+        cfg.opd, student_model_path=cfg.train.model_path or cfg.engine.model_path, fsdp=cfg.train.fsdp
+    )
     problems += train_problems(cfg, env, cuda_available=cuda_available)
-    from verst.trainer.placement.layout import placement_problems
-
     problems += placement_problems(cfg, env)
     if problems:
         raise ConfigError(problems)

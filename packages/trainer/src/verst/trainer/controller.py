@@ -3,7 +3,11 @@
 validate → build (train side, rollout side, weight sync) → maybe resume → eval at start →
 for each step: rollout → train step → weight sync → eval every `rollout.eval.interval` →
 checkpoint every `run.save_interval` → metrics. SIGINT/SIGTERM finish the current step,
-checkpoint and return.
+checkpoint and return; during a rollout they cancel it (the engine requests are aborted and its
+groups handed back), checkpoint the last finished step and return within seconds. A rollout
+that cannot produce its batch (`RolloutError`: an engine, generate or reward function failing
+every group, every group filtered) checkpoints the same way and re-raises, so `verst train`
+exits non-zero with the error and a resume loses no prompt.
 
 The controller talks to the two sides only through their narrow interfaces (`TrainSide`,
 `RolloutSide`), so they can live in other processes. With torchrun-style launches (FSDP), every
@@ -23,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from verst.rollout.engine import InferenceEngine
+from verst.rollout.errors import RolloutError
 from verst.rollout.lifecycle import JsonlSink, NoopSink
 from verst.rollout.protocols import RolloutResult
 from verst.trainer.batch import build_train_batch
@@ -35,7 +40,8 @@ from verst.trainer.checkpoint import (
 )
 from verst.trainer.config import RunConfig, resolved_model_path, validate_run_config
 from verst.trainer.fsdp import DistInfo, broadcast_object, collective_device
-from verst.trainer.rollout_side import RolloutSide
+from verst.trainer.recording import RunRecorder
+from verst.trainer.rollout_side import RolloutInterrupted, RolloutSide
 from verst.trainer.signals import StopRequest
 from verst.trainer.train_side import TrainSide
 from verst.trainer.weight_sync import WeightSync
@@ -43,7 +49,8 @@ from verst.trainer.weight_sync import WeightSync
 
 @runtime_checkable
 class MetricsLogger(Protocol):
-    """Where metrics and progress go (helper F's logger writes metrics.jsonl, TensorBoard, a display)."""
+    """Where metrics and progress go (`verst.trainer.metrics.RunLogger` writes metrics.jsonl,
+    TensorBoard and a display)."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record the metrics of one step."""
@@ -135,6 +142,10 @@ class Trainer:
             (self.run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
         torch.manual_seed(config.run.seed)
         self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl") if self.dist.is_main else NoopSink()
+        self.recorder = (
+            RunRecorder(self.run_dir, total_steps=config.run.num_steps) if self.dist.is_main else None
+        )
+        """samples.jsonl and status.json for `verst dashboard` (main rank only)."""
         self.placement = None
         """The Ray actors and their proxies when run.placement='ray' (verst.trainer.placement)."""
         if config.run.placement == "ray":
@@ -146,7 +157,7 @@ class Trainer:
             from verst.trainer.placement import build_ray_placement
 
             self.placement = build_ray_placement(
-                config, self.run_dir, model_path=self.model_path, env=self.env
+                config, self.run_dir, model_path=self.model_path, env=self.env, sink=self.sink
             )
             self.train, self.rollout = self.placement.train, self.placement.rollout
         else:
@@ -182,6 +193,8 @@ class Trainer:
         cfg = self.config
         start = self._maybe_resume()
         summary = TrainingSummary(self.run_dir, start, start, self.sync.weight_version)
+        if self.recorder is not None:
+            self.recorder.resumed_at(start)
         if start == 0:
             self._evaluate(0, summary, log=True)
         step = start
@@ -189,7 +202,16 @@ class Trainer:
             while step < cfg.run.num_steps and not self.stop.requested:
                 t0 = time.perf_counter()
                 self._phase("rollout")
-                result = self.rollout.rollout(step, self.sync.weight_version) if self.rollout else None
+                try:
+                    result = self._rollout(step)
+                except RolloutInterrupted:
+                    summary.checkpoint = self._checkpoint(step)
+                    break
+                except RolloutError:
+                    summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
+                    raise
+                if self.recorder is not None and result is not None:
+                    self.recorder.record_rollout(step, result)
                 groups = broadcast_object(result.groups if result else None, self.dist)
                 t1 = time.perf_counter()
                 self._phase("train")
@@ -216,6 +238,8 @@ class Trainer:
                     metrics.update(self._evaluate(step, summary, log=False))
                 if self.dist.is_main:
                     self.logger.log(step, metrics)
+                if self.recorder is not None:
+                    self.recorder.step_done(step)
                 summary.last_metrics = metrics
                 summary.steps_done = step
                 save_every = cfg.run.save_interval
@@ -227,6 +251,8 @@ class Trainer:
             self._evaluate(step, summary, log=True)  # "0 = only at start and end"; the end if not just done
         summary.stopped_early = self.stop.requested and step < cfg.run.num_steps
         summary.weight_version = self.sync.weight_version
+        if self.recorder is not None:
+            self.recorder.finish(stopped_early=summary.stopped_early)
         return summary
 
     def close(self) -> None:
@@ -235,20 +261,35 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close(close_engine=self._owns_engine)
         self.sink.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.logger.close()
         self.train.close()
 
     # ------------------------------------------------------------ pieces
 
+    def _rollout(self, step: int) -> RolloutResult | None:
+        """This rank's rollout (rank 0 only); a local rollout side is cancelled by a stop request."""
+        if self.rollout is None:
+            return None
+        if isinstance(self.rollout, RolloutSide):
+            return self.rollout.rollout(step, self.sync.weight_version, stop=lambda: self.stop.requested)
+        return self.rollout.rollout(step, self.sync.weight_version)
+
     def _phase(self, name: str) -> None:
         if self.dist.is_main:
             self.logger.phase(name)
+        if self.recorder is not None:
+            self.recorder.phase(name)
 
     def _evaluate(self, step: int, summary: TrainingSummary, *, log: bool) -> dict[str, float]:
         if self.rollout is None or not self.rollout.has_eval:
             return {}
         self._phase("eval")
-        metrics = _eval_metrics(self.rollout.evaluate(step, self.sync.weight_version))
+        result = self.rollout.evaluate(step, self.sync.weight_version)
+        if self.recorder is not None:
+            self.recorder.record_eval(step, result)
+        metrics = _eval_metrics(result)
         summary.eval_history.append((step, metrics))
         if log:
             self.logger.log(step, metrics)
@@ -323,5 +364,9 @@ def run_training(
     trainer = Trainer(config, run_dir, env=env, logger=logger, engine=engine, stop=stop)
     try:
         return trainer.run()
+    except BaseException as exc:
+        if trainer.recorder is not None:
+            trainer.recorder.fail(exc)
+        raise
     finally:
         trainer.close()

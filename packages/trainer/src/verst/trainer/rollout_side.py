@@ -6,6 +6,12 @@ Ray actor can implement the same surface. It owns its own asyncio event loop: st
 engines are async, the training loop is not. The loop runs in a background thread for the
 side's whole life (calls are submitted with `run_coroutine_threadsafe`), so background work —
 the fully-async producer — keeps generating while the trainer trains.
+
+Before the first rollout the engine must answer its health check (`EngineUnavailableError`
+otherwise, naming it). `rollout` and `evaluate` take an optional `stop` callable, polled while
+the call runs: when it turns true the rollout is cancelled — its strategy aborts the engine
+requests in flight and hands every group back to the data source — and `RolloutInterrupted`
+is raised within seconds, so SIGTERM/SIGINT never wait for a rollout that cannot end.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Mapping
+import time
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verst.rollout.data_sources import build_data_source, build_eval_sets
-from verst.rollout.engine import InferenceEngine
+from verst.rollout.engine import EngineCapabilities, InferenceEngine, engine_capabilities
+from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
 from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResult
@@ -28,14 +36,40 @@ from verst.trainer.opd.scoring import TeacherScorer, build_teacher_engines
 
 T = TypeVar("T")
 
+HEALTH_WAIT_S = 5.0
+"""How long the engine may take to answer its first health check."""
+STOP_POLL_S = 0.1
+"""How often a running rollout checks its `stop` callable."""
+
+
+class RolloutInterrupted(Exception):
+    """A rollout was cancelled because a stop was requested (its groups were handed back)."""
+
+
+async def wait_healthy(engine: InferenceEngine, what: str, timeout_s: float = HEALTH_WAIT_S) -> None:
+    """Return once `engine.health()` is true; raise `EngineUnavailableError` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = "it answered unhealthy"
+    while True:
+        try:
+            if await asyncio.wait_for(engine.health(), timeout_s):
+                return
+        except Exception as exc:  # an unreachable or malformed URL, a timeout
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise EngineUnavailableError(
+                f"the engine {what} did not pass its health check within {timeout_s:.0f}s ({last}); "
+                f"fix: start the server (`verst serve --model PATH --port N`, or SGLang) and check "
+                f"engine.urls, or use engine.type = 'embedded'"
+            )
+        await asyncio.sleep(0.25)
+
 
 async def build_engine_from_config(config: RunConfig, model_path: str) -> InferenceEngine:
     """The engine the `[engine]` section describes; its model defaults to the trainer's."""
     from verst.rollout.engines.config import build_engine
 
-    engine_cfg = config.engine
-    if engine_cfg.model_path is None and engine_cfg.type != "sglang":
-        engine_cfg = engine_cfg.model_copy(update={"model_path": model_path})
+    engine_cfg = config.engine.with_model_path(model_path)
     return await build_engine(engine_cfg, max_concurrency=config.rollout.max_concurrency)
 
 
@@ -88,8 +122,16 @@ class RolloutSide:
         self.engine = (
             engine if engine is not None else self._run(build_engine_from_config(config, model_path))
         )
+        self.engine_capabilities: EngineCapabilities = (
+            engine_capabilities(engine) if engine is not None else config.engine.capabilities()
+        )
+        """What the engine can do: the config's declaration, or a given engine's own."""
+        self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
         rc = config.rollout
-        self.data_source = build_data_source(rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer)
+        limit = rc.max_context_len or model_context_length(model_path)
+        self.data_source = build_data_source(
+            rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit
+        )
         reward_fn, group_reward_fn = build_reward_fns(rc)
         self.strategy_path = resolve_strategy_path(rc, env)
         context = RolloutContext(
@@ -100,8 +142,9 @@ class RolloutSide:
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
             sink=sink or NoopSink(),
-            eval_datasets=build_eval_sets(rc.eval, tokenizer=self.tokenizer),
+            eval_datasets=build_eval_sets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
             env=dict(env),
+            v1_args=v1_args_for(config, model_path),
         )
         self.has_eval = bool(context.eval_datasets)
         self.strategy = load_rollout_strategy(self.strategy_path, context)
@@ -123,23 +166,45 @@ class RolloutSide:
             )
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _run_until_stopped(self, coro: Coroutine[Any, Any, T], stop: Callable[[], bool] | None) -> T:
+        """`_run`, but cancel `coro` (and wait for its clean-up) once `stop()` turns true."""
+        if stop is None:
+            return self._run(coro)
+        task_box: list[asyncio.Task[T]] = []
+
+        async def guarded() -> T:
+            task = asyncio.ensure_future(coro)
+            task_box.append(task)
+            return await task
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), self._loop)
+        while True:
+            try:
+                return future.result(timeout=STOP_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if stop():
+                    break
+        for task in task_box:
+            self._loop.call_soon_threadsafe(task.cancel)
+        try:
+            return future.result()  # the strategy hands its groups back before this returns
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
+            raise RolloutInterrupted(
+                "the rollout was stopped; its groups went back to the data source"
+            ) from None
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start `coro` on the side's loop without waiting (e.g. an engine call that must run
         while this thread broadcasts weights); `.result()` on the returned future waits."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    @property
-    def in_process_engine(self) -> bool:
-        """True when the engine lives in this process (weights can be pushed as tensors)."""
-        from verst.rollout.engines.embedded import EmbeddedEngine
-
-        return isinstance(self.engine, EmbeddedEngine)
-
-    def rollout(self, rollout_id: int, weight_version: int) -> RolloutResult:
-        """One training rollout."""
+    def rollout(
+        self, rollout_id: int, weight_version: int, *, stop: Callable[[], bool] | None = None
+    ) -> RolloutResult:
+        """One training rollout; `RolloutInterrupted` once `stop()` turns true (see the module doc)."""
         request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)
         if self.teacher_scorer is None:
-            return self._run(self.strategy(request))
+            return self._run_until_stopped(self.strategy(request), stop)
         scorer = self.teacher_scorer
 
         async def rollout_and_score() -> RolloutResult:
@@ -148,14 +213,16 @@ class RolloutSide:
             result.metrics.update(metrics)
             return result
 
-        return self._run(rollout_and_score())
+        return self._run_until_stopped(rollout_and_score(), stop)
 
-    def evaluate(self, rollout_id: int, weight_version: int) -> RolloutResult:
+    def evaluate(
+        self, rollout_id: int, weight_version: int, *, stop: Callable[[], bool] | None = None
+    ) -> RolloutResult:
         """One pass over the eval datasets (empty result when none are configured)."""
         if not self.has_eval:
             return RolloutResult()
         request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version, evaluation=True)
-        return self._run(self.strategy(request))
+        return self._run_until_stopped(self.strategy(request), stop)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, Any], weight_version: int) -> int:
         """Push in-memory weights to the engine; returns the engine's new weight version."""
@@ -210,3 +277,41 @@ class RolloutSide:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _describe_engine(config: RunConfig, engine: InferenceEngine) -> str:
+    """The engine as the user configured it (type and URLs), for error messages."""
+    urls = getattr(config.engine, "urls", None)
+    if urls:
+        return f"{engine!r} (engine.type = {config.engine.type!r}, engine.urls = {list(urls)!r})"
+    return repr(engine)
+
+
+def model_context_length(model_path: str) -> int | None:
+    """`max_position_embeddings` of a local model's config.json (None when unknown)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def v1_args_for(config: RunConfig, model_path: str) -> dict[str, Any]:
+    """What v1 (slime/miles-style) functions read from `args` beyond the rollout config: the
+    checkpoint their tokenizer loads from (`args.hf_checkpoint`) and, for HTTP engines, the
+    server or router they post to (`args.sglang_router_ip` / `args.sglang_router_port`)."""
+    from urllib.parse import urlsplit
+
+    engine = config.engine  # each engine type has its own fields; a custom one may have none of these
+    tokenizer_path = getattr(engine, "tokenizer_path", None) or getattr(engine, "model_path", None)
+    out: dict[str, Any] = {"hf_checkpoint": tokenizer_path or model_path}
+    url = getattr(engine, "router_url", None) or next(iter(getattr(engine, "urls", None) or ()), None)
+    if url:
+        parts = urlsplit(url)
+        if parts.hostname and parts.port:
+            out["sglang_router_ip"], out["sglang_router_port"] = parts.hostname, parts.port
+    return out

@@ -6,6 +6,8 @@ Layout (`RunDir` names each path)::
       config.toml          the resolved config (file + overrides + defaults), as TOML
       metrics.jsonl        one JSON object per logged step: {"step": n, "time": t, <metric>: value...}
       lifecycle.jsonl      rollout lifecycle events (attempt_start/gen_start/gen_end/attempt_end)
+      samples.jsonl        bounded per-sample previews and outcomes (verst.trainer.recording)
+      status.json          state, phase, step, phase times, ETA (verst.trainer.recording)
       tensorboard/         TensorBoard event files (`tensorboard --logdir runs/<name>/tensorboard`)
       checkpoints/         step_<n>/ checkpoints written by the trainer (atomic rename)
       curves.png           reward, eval reward, response length, KL, entropy, clip fraction and

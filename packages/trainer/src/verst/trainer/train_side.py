@@ -12,23 +12,83 @@ micro-batches and ranks equals the full-batch gradient.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from verst.trainer.algorithms import AlgorithmConfig, LossNorm, build_algorithm
+from verst.trainer.algorithms.aggregation import Aggregation
+from verst.trainer.algorithms.terms import LossTerm, compose, to_floats
 from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.opd.config import OpdConfig
-from verst.trainer.opd.train import OpdStepInputs, OpdTrainer
+from verst.trainer.opd.train import OpdTrainer
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
 """Algorithm metrics already normalised by the global LossNorm: summed over micro-batches."""
+
+
+@dataclass(frozen=True, slots=True)
+class _StepTensors:
+    """Whole-batch tensors of one train step (`[B, R]`, CPU), sliced per micro-batch."""
+
+    advantages: torch.Tensor
+    old: torch.Tensor | None
+    """Precomputed old log-probs (None = the micro-step's own detached log-probs)."""
+    ref: torch.Tensor | None
+    rollout: torch.Tensor | None
+
+
+@dataclass
+class _MetricSums:
+    """Micro-batch metrics accumulated over a step (token-weighted, summed, or max)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: Mapping[str, float], ntok: float) -> None:
+        for k, v in metrics.items():
+            if k in _SUMMED:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            elif k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, float("-inf")), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * ntok
+                self.weights[k] = self.weights.get(k, 0.0) + ntok
+
+
+class StepExtension(Protocol):
+    """Something that joins every train step besides the algorithm (on-policy distillation).
+
+    The train side knows extensions only through this surface: they prepare per step and may
+    change the advantages, may bring their own micro-step forward (whose extra per-token tensors
+    reach their loss terms through `MicroBatch.extras`), add loss terms, and report metrics."""
+
+    def begin_step(
+        self, module: torch.nn.Module, batch: TrainBatch, advantages: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-step work before the updates (no grad); returns the advantages `[B, R]` to train on."""
+        ...
+
+    def forward(
+        self, module: torch.nn.Module, batch: TrainBatch, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]] | None:
+        """Its own micro-step forward (log-probs, entropy, extras), or None for the default."""
+        ...
+
+    def terms(self, aggregate: Aggregation) -> Sequence[LossTerm]:
+        """Loss terms it adds to every micro-batch (aggregated like the policy loss)."""
+        ...
+
+    def step_metrics(self, mask: torch.Tensor) -> dict[str, float]:
+        """Metrics of the step (without the `train/` prefix)."""
+        ...
 
 
 class TrainSide:
@@ -69,19 +129,27 @@ class TrainSide:
             == "flash_attention_2"
         )
         """Sequences packed into one row (padding-free) rather than right-padded."""
-        self.opd: OpdTrainer | None = None
-        """On-policy distillation (`[opd]`), when enabled."""
-        if opd is not None and opd.enabled:
-            self.opd = OpdTrainer(
-                opd,
-                temperature=self.temperature,
-                chunk_size=cfg.logprob_chunk_size,
-                packing=self.packing,
-                micro_batch_size=cfg.micro_batch_size,
-                teacher_loader=lambda path, dtype: build_reference(
-                    cfg.model_copy(update={"dtype": dtype}), path, self.dist
-                ),
-            )
+        self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
+        """On-policy distillation (`[opd]`), when enabled: a step extension."""
+        self.extensions: list[StepExtension] = [self.opd] if self.opd is not None else []
+        """What joins every step besides the algorithm."""
+        self.extra_terms: list[LossTerm] = [
+            t for ext in self.extensions for t in ext.terms(self.algo.aggregate)
+        ]
+        """The extensions' loss terms, added to the algorithm's."""
+
+    def _opd_trainer(self, opd: OpdConfig) -> OpdTrainer:
+        cfg = self.cfg
+        return OpdTrainer(
+            opd,
+            temperature=self.temperature,
+            chunk_size=cfg.logprob_chunk_size,
+            packing=self.packing,
+            micro_batch_size=cfg.micro_batch_size,
+            teacher_loader=lambda path, dtype: build_reference(
+                cfg.model_copy(update={"dtype": dtype}), path, self.dist
+            ),
+        )
 
     # ------------------------------------------------------------ log-probs
 
@@ -163,90 +231,80 @@ class TrainSide:
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
         advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
-        opd_inputs = None
-        if self.opd is not None:
-            opd_inputs = self.opd.prepare(self.bundle.module, batch)
-            advantages = self.opd.fold_advantages(advantages, mask, opd_inputs)
+        for ext in self.extensions:
+            advantages = ext.begin_step(self.bundle.module, batch, advantages)
+        step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
 
         self.bundle.module.train()
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
         for rows in split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in micro_batches(
                 rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size
             ):
-                self._micro_step(
-                    batch, mb, norm, advantages, old_all, ref_lp, rollout_lp, sums, weights, opd_inputs
-                )
+                self._micro_step(batch, mb, norm, step, sums)
             step_metrics.append(self._optimizer_step())
-        metrics = reduce_metrics(sums, weights, _SUMMED, self.dist)
+        metrics = reduce_metrics(sums.sums, sums.weights, _SUMMED, self.dist)
         out = {f"train/{k}": v for k, v in metrics.items()}
         for k in step_metrics[-1]:
             out[f"train/{k}"] = step_metrics[-1][k]
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
-        if self.opd is not None and opd_inputs is not None:
-            out.update({f"train/{k}": v for k, v in self.opd.metrics(mask, opd_inputs).items()})
+        for ext in self.extensions:
+            out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
         out.update(batch.metrics)
         return out
 
+    def _forward_for_loss(
+        self, batch: TrainBatch, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The micro-step forward: an extension's own (e.g. top-k OPD), else the default."""
+        module = self.bundle.module
+        for ext in self.extensions if rows else ():
+            own = ext.forward(module, batch, rows)
+            if own is not None:
+                return own
+        lp, ent = self._forward(module, batch, rows, entropy=True)
+        return lp, ent, {}
+
     def _micro_step(
-        self,
-        batch: TrainBatch,
-        mb: list[int],
-        norm: LossNorm,
-        advantages: torch.Tensor,
-        old_all: torch.Tensor | None,
-        ref_lp: torch.Tensor | None,
-        rollout_lp: torch.Tensor | None,
-        sums: dict[str, float],
-        weights: dict[str, float],
-        opd_inputs: OpdStepInputs | None = None,
+        self, batch: TrainBatch, rows: list[int], norm: LossNorm, step: _StepTensors, sums: _MetricSums
     ) -> None:
-        opd_kl = None
-        if self.opd is not None and self.opd.k and opd_inputs is not None and mb:
-            lp, ent, opd_kl = self.opd.forward_with_kl(self.bundle.module, batch, mb, opd_inputs)
-        else:
-            lp, ent = self._forward(self.bundle.module, batch, mb, entropy=True)
-        if not mb:
+        lp, ent, extras = self._forward_for_loss(batch, rows)
+        if not rows:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
             self._backward(loss)
             return
         device = lp.device
-        m = batch.loss_mask[mb].to(device)
-        rl = rollout_lp[mb].to(device) if rollout_lp is not None else None
-        old = old_all[mb].to(device) if old_all is not None else lp.detach()
-        out = self.algo.loss(
+
+        def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[rows].to(device) if t is not None else None
+
+        m = batch.loss_mask[rows].to(device)
+        rl = rows_of(step.rollout)
+        old = rows_of(step.old) if step.old is not None else lp.detach()
+        mb, pre = self.algo.micro_batch(
             lp,
             old if self.algo.needs_old_logprobs else None,
-            advantages[mb].to(device),
+            rows_of(step.advantages),  # type: ignore[arg-type]
             m,
             rollout_logprobs=rl,
-            ref_logprobs=ref_lp[mb].to(device) if ref_lp is not None else None,
+            ref_logprobs=rows_of(step.ref),
             entropy=ent,
             norm=norm,
+            extras=extras,
         )
-        loss = out.loss
-        metrics = dict(out.metrics)
-        if opd_kl is not None:
-            loss = loss + self.opd.opd.coef * self.algo.aggregate(opd_kl, m, norm)  # type: ignore[union-attr]
-            kl_tok = float((opd_kl.detach() * m).sum()) / max(float(m.sum()), 1.0)
-            metrics["opd_topk_kl"] = kl_tok
+        out = self.algo.loss_of(mb, pre)
+        extra_loss, extra_metrics = compose(self.extra_terms, mb)
+        loss = out.loss if extra_loss is None else out.loss + extra_loss
+        metrics = {**out.metrics, **to_floats(extra_metrics)}
         self._backward(loss * self.dist.world_size)
         ntok = float(m.sum())
         if rl is not None:
             diff = (lp.detach() - rl).abs() * m
             metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
             metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
-        for k, v in metrics.items():
-            if k in _SUMMED:
-                sums[k] = sums.get(k, 0.0) + v
-            elif k.endswith("_max"):
-                sums[k] = max(sums.get(k, float("-inf")), v)
-            else:
-                sums[k] = sums.get(k, 0.0) + v * ntok
-                weights[k] = weights.get(k, 0.0) + ntok
+        sums.add(metrics, ntok)
 
     def _backward(self, loss: torch.Tensor) -> None:
         acc = self.bundle.accelerator

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from verst.rollout.engine import DistributedWeightReceiver, EngineCapabilities
 from verst.trainer.fsdp import DistInfo, broadcast_object
 
 SyncMode = Literal["auto", "tensors", "disk", "distributed"]
@@ -44,7 +45,7 @@ class _TrainSurface(Protocol):
 
 
 class _RolloutSurface(Protocol):
-    in_process_engine: bool
+    engine_capabilities: EngineCapabilities
     engine: Any
 
     def submit(self, coro: Any) -> Any: ...
@@ -80,22 +81,21 @@ class WeightSync:
         self.dist = dist_info
         self.weight_version = weight_version
         """The version the engines hold."""
-        if mode == "auto":
-            in_process = broadcast_object(
-                rollout.in_process_engine if rollout is not None else None, dist_info
-            )
-            mode = "tensors" if in_process else "disk"
-        if mode == "distributed" and rollout is not None and rollout.in_process_engine:
+        caps = rollout.engine_capabilities if rollout is not None else None
+        if mode == "auto":  # the engine's preferred mode
+            mode = broadcast_object(caps.weight_sync[0] if caps is not None else None, dist_info)
+        if caps is not None and mode not in caps.weight_sync:
             from verst.rollout.errors import ConfigError, Problem
 
+            where = "it lives in this process" if caps.in_process else "it does not accept it"
             raise ConfigError(
                 [
                     Problem(
                         "train.weight_sync",
-                        "'distributed' needs an engine in another process (it receives a broadcast "
-                        "over HTTP-initiated collectives); the embedded engine lives in this process",
-                        "use train.weight_sync='tensors' (or 'auto') with engine.type='embedded', or "
-                        "serve the model with `verst serve` / SGLang and set engine.type='sglang'",
+                        f"the engine cannot receive weights by {mode!r}: {where} (it accepts "
+                        f"{', '.join(caps.weight_sync)})",
+                        f"use train.weight_sync={caps.weight_sync[0]!r} (or 'auto'), or serve the "
+                        "model with `verst serve` / SGLang and set engine.type='sglang'",
                     )
                 ]
             )
@@ -148,13 +148,12 @@ class WeightSync:
         from verst.rollout.engines.weight_group import join_weight_group
 
         assert self.rollout is not None
+        engine: DistributedWeightReceiver = self.rollout.engine
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         port = _free_port(self.master_address)
         name = f"verst-refit-{uuid.uuid4().hex[:8]}"
         call = self.rollout.submit(
-            self.rollout.engine.init_weights_update_group(
-                self.master_address, port, 1, 2, name, backend=backend
-            )
+            engine.init_weights_update_group(self.master_address, port, 1, 2, name, backend=backend)
         )
         try:
             group = join_weight_group(

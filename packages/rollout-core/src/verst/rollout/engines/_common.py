@@ -13,8 +13,12 @@ from verst.rollout.errors import MissingOptionalDependency
 class InvalidRequest(EngineError, ValueError):
     """A request the engine refuses (bad parameters, prompt longer than the context).
 
-    The server answers these with HTTP 400; the client raises them without retrying.
+    The server answers these with HTTP 400; the client raises them without retrying, and a
+    strategy does not resubmit the group (`retryable` is False): the same request would fail
+    again.
     """
+
+    retryable = False
 
 
 def require(module: str, *, extra: str, feature: str) -> Any:

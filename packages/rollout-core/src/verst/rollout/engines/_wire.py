@@ -91,8 +91,20 @@ def _sampling(raw: Any) -> tuple[SamplingParams, int, bool, bool]:
     return params, n, raw.get("skip_special_tokens", True), raw.get("no_stop_trim", False)
 
 
-def parse_generate(body: Any, tokenizer: Any) -> tuple[list[WireItem], bool, bool]:
-    """A /generate body → (items, is_batch, stream)."""
+class RequestTooLarge(InvalidRequest):
+    """One /generate call asks for more tokens than the server allows (HTTP 413)."""
+
+    status = 413
+
+
+def parse_generate(
+    body: Any, tokenizer: Any, *, max_request_tokens: int | None = None
+) -> tuple[list[WireItem], bool, bool]:
+    """A /generate body → (items, is_batch, stream).
+
+    With `max_request_tokens`, a call whose prompts × n × max_new_tokens exceed it is refused
+    (`RequestTooLarge`) before any request is built or queued.
+    """
     _check(isinstance(body, dict), "the request body must be a JSON object")
     _check(("text" in body) != ("input_ids" in body), "give exactly one of 'text' and 'input_ids'")
     if "input_ids" in body:
@@ -131,9 +143,16 @@ def parse_generate(body: Any, tokenizer: Any) -> tuple[list[WireItem], bool, boo
     _check(start in (-1, 0), f"logprob_start_len must be -1 or 0 in verst serve, got {start}")
     token_ids = body.get("token_ids_logprob")
     _check(token_ids is None or _int_list(token_ids), "token_ids_logprob must be a list of ints")
+    parsed = [_sampling(sp) for sp in sps]
+    if max_request_tokens is not None:
+        asked = sum(n * max(1, params.max_new_tokens) for params, n, _, _ in parsed)
+        if asked > max_request_tokens:
+            raise RequestTooLarge(
+                f"the request asks for up to {asked} tokens (prompts × n × max_new_tokens), more than "
+                f"this server's --max-request-tokens {max_request_tokens}; split it into smaller requests"
+            )
     items: list[WireItem] = []
-    for prompt, sp, rid in zip(prompts, sps, rids, strict=True):
-        params, n, skip, no_trim = _sampling(sp)
+    for prompt, (params, n, skip, no_trim), rid in zip(prompts, parsed, rids, strict=True):
         for j in range(n):
             req = GenerateRequest(
                 input_ids=list(prompt),

@@ -1,160 +1,255 @@
-"""The `[engine]` config section and `build_engine`, which turns it into an `InferenceEngine`.
+"""The `[engine]` config section: one config model per engine, chosen by `type`.
 
-type = "embedded"        the model in this process (CPU or GPU), extra `local`
-type = "sglang"          existing SGLang servers (`urls`) or a router (`router_url`)
-type = "sglang_launch"   start SGLang servers (and a router) for the run, extra `sglang`
+type = "embedded"            the model in this process (CPU or GPU), extra `local`
+type = "sglang"              existing SGLang servers (`urls`) or a router (`router_url`)
+type = "sglang_launch"       start SGLang servers (and a router) for the run, extra `sglang`
+type = "pkg.module:Engine"   your own engine: a class whose nested `Config` subclasses `EngineSection`
+
+Each config owns its fields and knows three things: `capabilities()` (what the engine can do —
+validation asks this instead of comparing type names), `problems(key)` (its own config checks)
+and `build(max_concurrency=...)` (the engine). `ENGINES` is the one table of built-in engines;
+adding one is a config class here plus one entry (see docs/engines.md, "Adding an engine").
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section
-from verst.rollout.engine import InferenceEngine
+from verst.rollout.config import Section, path_field
+from verst.rollout.engine import EngineCapabilities, InferenceEngine
 from verst.rollout.errors import ConfigError, Problem
+from verst.rollout.variants import VariantTable
 
 
-class EngineConfig(Section):
-    """Which inference engine rollouts use, and how it is started."""
+class EngineSection(Section):
+    """Base of every engine's config: its `type` and the model it serves."""
 
-    type: Literal["embedded", "sglang", "sglang_launch"] = Field(
+    type: str = Field(
         "embedded",
-        description="embedded (in-process HF model), sglang (existing servers), sglang_launch (start them).",
+        description=(
+            "embedded (in-process HF model), sglang (existing servers), sglang_launch (start them), "
+            "or an import path 'pkg.module:Engine' (a class with a nested Config)."
+        ),
     )
-    model_path: str | None = Field(
-        None, description="Model directory (HF layout); None = the trainer's model."
+    model_path: str | None = path_field(
+        description="Model directory (HF layout); None = the trainer's model."
     )
-    tokenizer_path: str | None = Field(None, description="Tokenizer directory (None = model_path).")
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        "auto", description="Embedded engine device (auto = cuda if available)."
-    )
+
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine can do (override: the defaults are the least an engine offers)."""
+        return EngineCapabilities()
+
+    def problems(self, key: str = "engine") -> list[Problem]:
+        """This engine's own config problems, keyed under `key` (the model-path check is
+        `engine_problems`'s, from `capabilities().needs_model_path`)."""
+        return []
+
+    async def build(self, *, max_concurrency: int) -> InferenceEngine:
+        """Create the engine (the run's event loop is running); `max_concurrency` bounds requests."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def with_model_path(self, path: str | None) -> EngineSection:
+        """A copy whose `model_path` defaults to `path` (the trainer's or a teacher's model)."""
+        if self.model_path is None and path is not None:
+            return self.model_copy(update={"model_path": path})
+        return self
+
+
+class EmbeddedEngineConfig(EngineSection):
+    """The embedded engine: a Hugging Face causal LM in this process (extra `local`)."""
+
+    type: Literal["embedded"] = Field("embedded", description="The in-process engine.")
+    tokenizer_path: str | None = path_field(description="Tokenizer directory (None = model_path).")
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Device (auto = cuda if available).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="Embedded engine weight dtype (log-probs are always computed in float32)."
+        "float32", description="Weight dtype (log-probs are always computed in float32)."
     )
-    max_batch_size: int = Field(
-        64, ge=1, description="Embedded engine: rows decoded together; more requests queue."
-    )
-    num_engines: int = Field(1, ge=1, description="Number of engines (embedded copies or launched servers).")
-    num_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads for the embedded engine (None = torch's)."
-    )
-    urls: list[str] = Field(default_factory=list, description="type=sglang: base URLs of running servers.")
-    router_url: str | None = Field(
-        None, description="type=sglang: a router in front of the servers (aborts go to each worker)."
-    )
-    host: str = Field("127.0.0.1", description="type=sglang_launch: bind address of launched servers.")
-    port_base: int | None = Field(
-        None, ge=1, le=65535, description="type=sglang_launch: first port (None = free ports)."
-    )
-    tp_size: int = Field(1, ge=1, description="type=sglang_launch: tensor-parallel size per server.")
-    mem_fraction_static: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="type=sglang_launch: SGLang --mem-fraction-static (None = SGLang's default).",
-    )
-    launch_router: bool = Field(
-        True, description="type=sglang_launch: put a router in front of several servers."
-    )
-    router_policy: str = Field("cache_aware", description="type=sglang_launch: router --policy.")
-    extra_args: list[str] = Field(
-        default_factory=list, description="type=sglang_launch: extra launch_server arguments."
-    )
-    ready_timeout_s: float = Field(
-        900.0, gt=0, description="type=sglang_launch: seconds to wait for /health_generate."
-    )
-    request_timeout_s: float = Field(600.0, gt=0, description="HTTP engines: timeout of one request.")
-    max_retries: int = Field(
-        3, ge=0, description="HTTP engines: retries of a retryable failure (connection error, 5xx)."
-    )
-    backoff_s: float = Field(0.5, ge=0, description="HTTP engines: first retry delay, doubled each retry.")
-    pause_mode: Literal["abort", "retract", "in_place"] = Field(
-        "retract", description="HTTP engines: /pause_generation mode used during a weight refit."
-    )
+    max_batch_size: int = Field(64, ge=1, description="Rows decoded together; more requests queue.")
+    num_engines: int = Field(1, ge=1, description="Copies of the model (an EnginePool when more than one).")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's).")
 
-
-def engine_problems(c: EngineConfig, *, fallback_model_path: str | None = None) -> list[Problem]:
-    """The `[engine]` section's problems (checked before anything loads); `fallback_model_path`
-    is the model the engine gets when `engine.model_path` is unset (the trainer's)."""
-    out = []
-    if c.type in ("embedded", "sglang_launch") and not (c.model_path or fallback_model_path):
-        out.append(Problem("engine.model_path", f"type={c.type!r} needs a model", "set engine.model_path"))
-    if c.type == "sglang" and not (c.urls or c.router_url):
-        out.append(
-            Problem("engine.urls", "type='sglang' needs servers", "set engine.urls or engine.router_url")
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            in_process=True,
+            uses_gpu=self.device != "cpu",
+            needs_model_path=True,
+            weight_sync=("tensors", "disk"),
+            release_memory=True,
+            ray_engine_actors=True,
+            engine_count=self.num_engines,
         )
-    return out
 
-
-async def build_engine(config: EngineConfig, *, max_concurrency: int) -> InferenceEngine:
-    """Create the engine the config describes (an `EnginePool` when there are several)."""
-    from verst.rollout.engines.pool import EnginePool
-
-    problems = engine_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    if config.type == "embedded":
+    async def build(self, *, max_concurrency: int) -> InferenceEngine:
         from verst.rollout.engines.embedded import EmbeddedEngine
+        from verst.rollout.engines.pool import EnginePool
 
         def make() -> EmbeddedEngine:
-            assert config.model_path is not None
+            assert self.model_path is not None
             return EmbeddedEngine.from_pretrained(
-                config.model_path,
-                device=config.device,
-                dtype=config.dtype,
-                tokenizer=config.tokenizer_path,
-                num_threads=config.num_threads,
-                max_batch_size=config.max_batch_size,
+                self.model_path,
+                device=self.device,
+                dtype=self.dtype,
+                tokenizer=self.tokenizer_path,
+                num_threads=self.num_threads,
+                max_batch_size=self.max_batch_size,
             )
 
-        engines = [await asyncio.to_thread(make) for _ in range(config.num_engines)]
+        engines = [await asyncio.to_thread(make) for _ in range(self.num_engines)]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
 
-    from verst.rollout.engines.sglang_client import SGLangClient
 
-    def client(url: str, router: bool, share: int) -> SGLangClient:
+class HttpEngineConfig(EngineSection):
+    """Shared fields of engines reached over SGLang's HTTP API (`SGLangClient`)."""
+
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size per server.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one HTTP request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a retryable failure (connection error, 5xx).")
+    backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="/pause_generation mode used during a weight refit."
+    )
+
+    def _client(self, url: str, router: bool, share: int) -> InferenceEngine:
+        from verst.rollout.engines.sglang_client import SGLangClient
+
         return SGLangClient(
             url,
             max_connections=max(1, share),
-            timeout_s=config.request_timeout_s,
-            max_retries=config.max_retries,
-            backoff_s=config.backoff_s,
+            timeout_s=self.request_timeout_s,
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
             router=router,
-            pause_mode=config.pause_mode,
-            tp_size=config.tp_size,
+            pause_mode=self.pause_mode,
+            tp_size=self.tp_size,
         )
 
-    if config.type == "sglang":
-        if config.router_url:
-            return client(config.router_url, True, max_concurrency)
-        share = math.ceil(max_concurrency / len(config.urls))
-        clients = [client(u, False, share) for u in config.urls]
+    def _clients(
+        self, urls: list[str], router_url: str | None, max_concurrency: int
+    ) -> list[InferenceEngine]:
+        """One client for a router, else one per server sharing the concurrency."""
+        if router_url:
+            return [self._client(router_url, True, max_concurrency)]
+        share = math.ceil(max_concurrency / len(urls))
+        return [self._client(u, False, share) for u in urls]
+
+
+class SGLangEngineConfig(HttpEngineConfig):
+    """SGLang servers (or `verst serve`) that are already running, or a router in front of them."""
+
+    type: Literal["sglang"] = Field("sglang", description="Existing SGLang servers or a router.")
+    urls: list[str] = Field(default_factory=list, description="Base URLs of running servers.")
+    router_url: str | None = Field(
+        None, description="A router in front of the servers (aborts go to each worker)."
+    )
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            weight_sync=("disk", "distributed", "tensors"),
+            release_memory=True,
+            engine_count=None if self.router_url else len(self.urls),
+        )
+
+    def problems(self, key: str = "engine") -> list[Problem]:
+        if self.urls or self.router_url:
+            return []
+        return [Problem(f"{key}.urls", "type='sglang' needs servers", f"set {key}.urls or {key}.router_url")]
+
+    async def build(self, *, max_concurrency: int) -> InferenceEngine:
+        from verst.rollout.engines.pool import EnginePool
+
+        clients = self._clients(self.urls, self.router_url, max_concurrency)
         return clients[0] if len(clients) == 1 else EnginePool(clients)
 
-    from verst.rollout.engines.launcher import launch_sglang_servers
 
-    assert config.model_path is not None
-    with_router = config.launch_router and config.num_engines > 1
-    launched = await asyncio.to_thread(
-        launch_sglang_servers,
-        config.model_path,
-        num_servers=config.num_engines,
-        host=config.host,
-        port_base=config.port_base,
-        tp_size=config.tp_size,
-        mem_fraction_static=config.mem_fraction_static,
-        extra_args=config.extra_args,
-        router=with_router,
-        router_policy=config.router_policy,
-        ready_timeout_s=config.ready_timeout_s,
+class SGLangLaunchEngineConfig(HttpEngineConfig):
+    """SGLang servers (and a router) started for the run (extra `sglang`)."""
+
+    type: Literal["sglang_launch"] = Field("sglang_launch", description="Start SGLang servers for the run.")
+    num_engines: int = Field(1, ge=1, description="Servers to launch.")
+    host: str = Field("127.0.0.1", description="Bind address of launched servers.")
+    port_base: int | None = Field(None, ge=1, le=65535, description="First port (None = free ports).")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, le=1, description="SGLang --mem-fraction-static (None = SGLang's default)."
     )
-    if launched.router_url:
-        engines: list[InferenceEngine] = [client(launched.router_url, True, max_concurrency)]
-    else:
-        share = math.ceil(max_concurrency / len(launched.urls))
-        engines = [client(u, False, share) for u in launched.urls]
-    return EnginePool(engines, on_close=[launched.close])
+    launch_router: bool = Field(True, description="Put a router in front of several servers.")
+    router_policy: str = Field("cache_aware", description="Router --policy.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra launch_server arguments.")
+    ready_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for /health_generate.")
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            uses_gpu=True,
+            needs_model_path=True,
+            weight_sync=("disk", "distributed", "tensors"),
+            release_memory=True,
+            engine_count=self.num_engines,
+            launched_gpus=self.num_engines * self.tp_size,
+        )
+
+    async def build(self, *, max_concurrency: int) -> InferenceEngine:
+        from verst.rollout.engines.launcher import launch_sglang_servers
+        from verst.rollout.engines.pool import EnginePool
+
+        assert self.model_path is not None
+        launched = await asyncio.to_thread(
+            launch_sglang_servers,
+            self.model_path,
+            num_servers=self.num_engines,
+            host=self.host,
+            port_base=self.port_base,
+            tp_size=self.tp_size,
+            mem_fraction_static=self.mem_fraction_static,
+            extra_args=self.extra_args,
+            router=self.launch_router and self.num_engines > 1,
+            router_policy=self.router_policy,
+            ready_timeout_s=self.ready_timeout_s,
+        )
+        engines = self._clients(launched.urls, launched.router_url, max_concurrency)
+        return EnginePool(engines, on_close=[launched.close])
+
+
+ENGINES: VariantTable[EngineSection] = VariantTable(
+    "engine",
+    EngineSection,
+    {
+        "embedded": EmbeddedEngineConfig,
+        "sglang": SGLangEngineConfig,
+        "sglang_launch": SGLangLaunchEngineConfig,
+    },
+    default="embedded",
+)
+"""The engine table: built-in `type` → config model (import paths are resolved by the table)."""
+
+EngineConfig = ENGINES.field
+"""The annotation of an `[engine]`-like field: the config model its `type` selects."""
+
+
+def parse_engine_config(data: dict[str, Any] | None = None, **fields: Any) -> EngineSection:
+    """An engine config from a table (`{"type": "sglang", "urls": [...]}`) or keyword fields;
+    raises pydantic's `ValidationError` like a section would."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(EngineConfig).validate_python({**(data or {}), **fields})
+
+
+def engine_problems(
+    c: EngineSection, *, key: str = "engine", fallback_model_path: str | None = None
+) -> list[Problem]:
+    """The `[engine]` section's problems (checked before anything loads); `fallback_model_path`
+    is the model the engine gets when `engine.model_path` is unset (the trainer's)."""
+    out = []
+    if c.capabilities().needs_model_path and not (c.model_path or fallback_model_path):
+        out.append(Problem(f"{key}.model_path", f"type={c.type!r} needs a model", f"set {key}.model_path"))
+    return out + c.problems(key)
+
+
+async def build_engine(config: EngineSection, *, max_concurrency: int) -> InferenceEngine:
+    """Create the engine the config describes (an `EnginePool` when there are several)."""
+    problems = engine_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    return await config.build(max_concurrency=max_concurrency)

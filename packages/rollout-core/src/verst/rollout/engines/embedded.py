@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines._common import InvalidRequest, new_rid, require
 
 LOCAL_FEATURE = "the embedded engine"
@@ -142,6 +143,18 @@ class EmbeddedEngine:
         """The most rows decoded together so far (a batching statistic)."""
         self._thread = threading.Thread(target=self._run, name="verst-embedded-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """In this process (weights go over as tensors), on its device, memory releasable."""
+        return EngineCapabilities(
+            in_process=True,
+            uses_gpu=self._device.type == "cuda",
+            needs_model_path=True,
+            weight_sync=("tensors", "disk"),
+            release_memory=True,
+            ray_engine_actors=True,
+        )
 
     @classmethod
     def from_pretrained(
@@ -326,14 +339,16 @@ class EmbeddedEngine:
             )
         if s.max_new_tokens < 0:
             problems.append(f"max_new_tokens must be >= 0, got {s.max_new_tokens}")
-        if s.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {s.temperature}")
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):  # NaN fails every comparison
+            problems.append(f"temperature must be a finite number >= 0, got {s.temperature}")
         if not 0 < s.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {s.top_p}")
         if s.top_k == 0 or s.top_k < -1:
             problems.append(f"top_k must be -1 (all) or >= 1, got {s.top_k}")
         if s.stop and self.tokenizer is None:
             problems.append("stop strings need a tokenizer; pass one to the engine or use stop_token_ids")
+        if s.sampling_seed is not None and not -(2**63) <= s.sampling_seed < 2**64:
+            problems.append(f"sampling_seed must fit in 64 bits, got {s.sampling_seed}")
         if request.top_logprobs_num < 0:
             problems.append(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
         if request.token_ids_logprob and not all(0 <= i < self.vocab_size for i in request.token_ids_logprob):

@@ -12,7 +12,15 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest, InferenceEngine
+from verst.rollout.engine import (
+    EngineCapabilities,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    MemoryReleasable,
+    engine_capabilities,
+)
 
 
 class EnginePool:
@@ -28,6 +36,23 @@ class EnginePool:
         self._inflight = [0] * len(self.engines)
         self._rr = itertools.count()
         self._on_close = list(on_close)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What every engine of the pool can do (weight-sync modes all accept, in the first
+        engine's order of preference)."""
+        caps = [engine_capabilities(e) for e in self.engines]
+        modes = tuple(m for m in caps[0].weight_sync if all(m in c.weight_sync for c in caps))
+        counts = [c.engine_count for c in caps]
+        return EngineCapabilities(
+            in_process=all(c.in_process for c in caps),
+            uses_gpu=any(c.uses_gpu for c in caps),
+            needs_model_path=any(c.needs_model_path for c in caps),
+            weight_sync=modes,
+            release_memory=any(c.release_memory for c in caps),
+            engine_count=None if None in counts else sum(counts),  # type: ignore[arg-type]
+            lora=all(c.lora for c in caps),
+        )
 
     def _pick(self) -> int:
         low = min(self._inflight)
@@ -83,13 +108,13 @@ class EnginePool:
 
     async def release_memory_occupation(self) -> None:
         """Every engine that can frees its device memory (colocated training); others are skipped."""
-        hooks = [getattr(e, "release_memory_occupation", None) for e in self.engines]
-        await self._all("release_memory_occupation", [h() for h in hooks if h is not None])
+        hooks = [e.release_memory_occupation() for e in self.engines if isinstance(e, MemoryReleasable)]
+        await self._all("release_memory_occupation", hooks)
 
     async def resume_memory_occupation(self) -> None:
         """Every engine that can takes back what `release_memory_occupation` freed."""
-        hooks = [getattr(e, "resume_memory_occupation", None) for e in self.engines]
-        await self._all("resume_memory_occupation", [h() for h in hooks if h is not None])
+        hooks = [e.resume_memory_occupation() for e in self.engines if isinstance(e, MemoryReleasable)]
+        await self._all("resume_memory_occupation", hooks)
 
     async def close(self) -> None:
         try:

@@ -76,6 +76,11 @@ class _State:
 STATE = web.AppKey("verst_state", _State)
 OPENAI_ARGS = ("model_name", "tool_call_parser")
 REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
+MAX_REQUEST_TOKENS = web.AppKey("verst_max_request_tokens", object)
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
+"""Default bound of one /generate call: prompts × n × max_new_tokens (`--max-request-tokens`)."""
+SHUTDOWN_TIMEOUT_S = 3.0
+"""Seconds SIGTERM/SIGINT wait for handlers after aborting every request, before exiting."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -92,7 +97,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
             raise
         return _error(exc.status, exc.reason or str(exc))
     except InvalidRequest as exc:
-        return _error(400, str(exc))
+        return _error(getattr(exc, "status", 400), str(exc))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return _error(400, f"malformed JSON body: {exc}")
     except EngineError as exc:
@@ -108,7 +113,10 @@ async def _body(request: web.Request) -> Any:
     raw = await request.read()
     if not raw:
         return {}
-    return json.loads(raw)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest("malformed JSON body: nested too deeply") from None
 
 
 async def _run_one(state: _State, item: WireItem) -> GenerateOutput:
@@ -128,7 +136,9 @@ async def _run_one(state: _State, item: WireItem) -> GenerateOutput:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    items, batch, stream = parse_generate(await _body(request), state.engine.tokenizer)
+    items, batch, stream = parse_generate(
+        await _body(request), state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
+    )
     tok = state.engine.tokenizer
     start = time.perf_counter()
     if stream:
@@ -352,17 +362,24 @@ async def loads(request: web.Request) -> web.Response:
 
 
 def build_app(
-    engine: Any, *, latency: LatencyInjection | None = None, info: dict[str, Any] | None = None
+    engine: Any,
+    *,
+    latency: LatencyInjection | None = None,
+    info: dict[str, Any] | None = None,
+    max_request_tokens: int | None = DEFAULT_MAX_REQUEST_TOKENS,
 ) -> web.Application:
     """The aiohttp application serving `engine` (an `EmbeddedEngine`) over SGLang's native API.
 
-    The engine is closed when the app shuts down.
+    A /generate call asking for more than `max_request_tokens` (prompts × n × max_new_tokens;
+    None = unbounded) is refused with HTTP 413. On shutdown every request is aborted first (so
+    SIGTERM on a busy server exits in seconds), then the engine is closed.
     """
     latency = latency or LatencyInjection()
     latency.rng = random.Random(latency.seed)
     app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
     app[STATE] = _State(engine, dict(info or {}), latency)
     app[REFIT] = DistributedRefit()
+    app[MAX_REQUEST_TOKENS] = max_request_tokens
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
@@ -387,6 +404,16 @@ def build_app(
         app[REFIT].close()
         await app[STATE].engine.close()
 
+    async def _abort_all(app: web.Application) -> None:
+        state = app[STATE]
+        for event in list(state.delayed.values()):
+            event.set()
+        try:
+            await asyncio.wait_for(state.engine.abort(None), SHUTDOWN_TIMEOUT_S)
+        except Exception as exc:  # shutting down anyway
+            log.warning("abort on shutdown failed: %s: %s", type(exc).__name__, exc)
+
+    app.on_shutdown.append(_abort_all)
     app.on_cleanup.append(_close)
     return app
 
@@ -420,6 +447,12 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["hermes", "qwen25"],
         help="parse <tool_call> blocks in chat",
     )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        help=f"bound of one /generate call: prompts x n x max_new_tokens; 0 = none (default {DEFAULT_MAX_REQUEST_TOKENS})",
+    )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     return p
 
@@ -449,9 +482,11 @@ def main(argv: list[str] | None = None) -> None:
     info = {k: v for k, v in vars(args).items() if k != "log_level"}
     info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model
     latency = LatencyInjection(args.inject_latency_ms, args.inject_latency_fraction, args.inject_latency_seed)
-    app = build_app(engine, latency=latency, info=info)
+    app = build_app(engine, latency=latency, info=info, max_request_tokens=args.max_request_tokens or None)
     print(f"verst serve: {args.model} on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ class SGLangClient:
             async with session.request(method, url, json=body) as resp:
                 raw = await resp.read()
                 status = resp.status
+        except aiohttp.InvalidURL as exc:  # deterministic: retrying cannot help
+            raise InvalidRequest(f"{method} {url}: not a valid URL ({exc}); check engine.urls") from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
         text = raw.decode(errors="replace")

@@ -22,6 +22,12 @@ in flight, handed back, or dropped and counted (`rollout/stale_dropped`,
 resume loses none. `close()` stops the producer, aborts its engine requests and hands every
 unfinished and buffered group back to the data source.
 
+**`max_weight_staleness = 0` is synchronous training.** Every group must then come from the
+weights of the very call that takes it, so nothing may be generated ahead: each call runs one
+rollout exactly as `InferenceRollout` does (same waves, sample indices, per-sample seeds,
+filters, hand-backs) and no producer starts. With the same seeds and config a staleness-0 run
+gives the same batches and weights as `fully_async = false` (`test_fully_async_staleness0.py`).
+
 The producer runs on the event loop of whoever calls the strategy: it overlaps with training
 only if that loop keeps running between calls (the trainer's `RolloutSide` runs its loop in a
 background thread), or when the engine is another process (`verst serve`, SGLang).
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from verst.rollout.engine import SamplingParams
+from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
 from verst.rollout.logging_utils import log_first_sample, log_rollout_finish
 from verst.rollout.protocols import (
@@ -49,7 +56,14 @@ from verst.rollout.protocols import (
 )
 from verst.rollout.sample import Sample
 from verst.rollout.sampling import sampling_params_for
-from verst.rollout.strategies.inference import InferenceRollout, _mark_failed, _Tally
+from verst.rollout.strategies.inference import (
+    InferenceRollout,
+    RolloutStalledError,
+    _mark_failed,
+    _retryable,
+    _Tally,
+    max_waves,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +99,7 @@ class _Buffered:
         return min((v for s in self.group for v in s.weight_versions), default=self.fallback_version)
 
 
-class ProducerError(RuntimeError):
+class ProducerError(RolloutError):
     """The background producer stopped on an error; the training call cannot be served."""
 
 
@@ -131,6 +145,8 @@ class FullyAsyncRollout(InferenceRollout):
         self._closed = False
         self._next_group = 0
         self._next_sample = 0
+        self._pulled_since_kept = 0
+        self._stalled = False
         self._last_call = time.perf_counter()
 
     # ------------------------------------------------------------------ protocol
@@ -140,6 +156,8 @@ class FullyAsyncRollout(InferenceRollout):
             raise RuntimeError("FullyAsyncRollout is closed; build a new strategy to generate again")
         if request.evaluation:
             return await self._evaluate(request)
+        if self.context.config.max_weight_staleness == 0:
+            return await self._rollout(request)  # synchronous: nothing generated ahead (see above)
         return await self._take(request)
 
     def state_dict(self) -> dict[str, Any]:
@@ -231,11 +249,25 @@ class FullyAsyncRollout(InferenceRollout):
                     await self._cond.wait_for(
                         lambda: (
                             self._closing
-                            or (self._room() > 0 and (bool(self._resume) or not self._exhausted))
+                            or self._producer_error is not None
+                            or (
+                                self._room() > 0
+                                and not self._stalled
+                                and (bool(self._resume) or not self._exhausted)
+                            )
                         )
                     )
-                    if self._closing:
+                    if self._closing or self._producer_error is not None:
                         return
+                if self._pulled_since_kept >= max_waves(config) * wave:
+                    self._stalled = True  # every group is being dropped: wait for the next call
+                    logger.warning(
+                        "fully-async producer: %d groups pulled without keeping one; pausing "
+                        "(max_waves_per_rollout)",
+                        self._pulled_since_kept,
+                    )
+                    await self._notify()
+                    continue
                 room = self._room()
                 groups = [self._resume.pop(0) for _ in range(min(room, len(self._resume)))]
                 if len(groups) < room:
@@ -247,6 +279,7 @@ class FullyAsyncRollout(InferenceRollout):
                             self._cond.notify_all()
                         continue
                     groups += got
+                    self._pulled_since_kept += len(got)
                 for group in groups:
                     self._submit(group)
         except asyncio.CancelledError:
@@ -295,11 +328,13 @@ class FullyAsyncRollout(InferenceRollout):
                 if self._closing:
                     self._closing_unfinished.append(group)
                     return None
-                retry = retries < self.context.config.max_group_retries
+                retry = retries < self.context.config.max_group_retries and _retryable(err)
                 self._log_group_failure(err, retry)
                 if not retry:
                     self._failed.append(_mark_failed(group, err))
                     self._tally.failed_groups += 1
+                    self._tally.failure_streak.append(group)
+                    self._check_streak()
                     return None
                 retries += 1
                 self._tally.group_retries += 1
@@ -310,6 +345,9 @@ class FullyAsyncRollout(InferenceRollout):
         kept: list[list[Sample]] = []
         unfinished: list[list[Sample]] = []
         self._classify(samples, kept, unfinished, self._tally)
+        self._check_streak()
+        if kept:
+            self._pulled_since_kept = 0
         for g in kept:
             self.buffer.append(_Buffered(g, self._version))
             self.produced_groups += 1
@@ -323,6 +361,21 @@ class FullyAsyncRollout(InferenceRollout):
             else:
                 self._tally.aborted_dropped += 1
                 self._dropped.append(g)
+
+    def _check_streak(self) -> None:
+        """Past one batch of failed groups in a row: stop the producer with `RolloutFailedError`
+        and hand those groups back as fresh prompts (so a checkpoint holds them)."""
+        streak = self._tally.failure_streak
+        if len(streak) <= self.context.config.batch_size or self._producer_error is not None:
+            return
+        errors = [g[0].metadata.get("error", "") for g in streak if g]
+        self._producer_error = RolloutFailedError(
+            self._state.rollout_id if self._state else 0, errors, source=self.failure_source()
+        )
+        ids = {id(g) for g in streak}
+        self._failed = [g for g in self._failed if id(g) not in ids]
+        self._give_back(list(streak), fresh=True)
+        streak.clear()
 
     async def _notify(self) -> None:
         async with self._cond:
@@ -384,6 +437,7 @@ class FullyAsyncRollout(InferenceRollout):
     async def _take(self, request: RolloutRequest) -> RolloutResult:
         started = time.perf_counter()
         target = self.context.config.batch_size
+        self._stalled, self._pulled_since_kept = False, 0  # each call may pull its own waves
         self._start(request)
         taken: list[_Buffered] = []
         try:
@@ -395,11 +449,17 @@ class FullyAsyncRollout(InferenceRollout):
                     self._cond.notify_all()  # room for the producer; hand-backs to pick up
                     if len(taken) >= target:
                         break
+                    if isinstance(self._producer_error, RolloutError):
+                        raise self._producer_error
                     if self._producer_error is not None:
                         raise ProducerError(
                             f"the fully-async producer stopped: {type(self._producer_error).__name__}: "
                             f"{self._producer_error}"
                         ) from self._producer_error
+                    if self._stalled and not self._in_flight:
+                        if not taken:
+                            raise self._stalled_error(request)
+                        break
                     if self._exhausted and not self._in_flight and not self._resume:
                         logger.warning(
                             "rollout %d: the data source ran out; returning %d of %d groups",
@@ -414,9 +474,15 @@ class FullyAsyncRollout(InferenceRollout):
             raise
         return self._result(request, taken, started)
 
+    def _stalled_error(self, request: RolloutRequest) -> RolloutStalledError:
+        tally = self._tally
+        tally.waves = -(-self._pulled_since_kept // self.context.config.effective_over_sampling_batch_size)
+        return self._stall_error(request.rollout_id, 0, tally)
+
     def _result(self, request: RolloutRequest, taken: list[_Buffered], started: float) -> RolloutResult:
         kept = [b.group for b in taken]
-        tally, self._tally = self._tally, _AsyncTally()
+        tally, self._tally = self._tally, _AsyncTally(failure_streak=self._tally.failure_streak)
+        tally.wave_limit_hit = self._stalled and len(kept) < self.context.config.batch_size
         failed, self._failed = self._failed, []
         self.last_dropped_groups, self._dropped = self._dropped, []
         self.last_failed_groups = failed

@@ -10,8 +10,16 @@ One training rollout:
    `rollout/dropped/<reason>`). A group whose generation raised (`GroupGenerationError`) is
    logged and resubmitted up to `max_group_retries` times, then its samples are marked FAILED
    with the error in their metadata and counted (`rollout/failed_groups`) — never trained on,
-   never silently dropped.
-3. Once `batch_size` groups are kept: set `state.aborted`, abort this rollout's engine requests
+   never silently dropped. A group whose cause is not retryable (`EngineError.retryable` False:
+   a 4xx such as a prompt longer than the context) is marked FAILED at once. When more groups
+   fail in a row (FAILED, or dropped for a reward error) than one batch holds, the rollout raises
+   `RolloutFailedError` naming the engine, the functions and the last error — and hands every
+   group in play back to the data source.
+3. At most `max_waves_per_rollout` waves are pulled (default 10 × the waves one batch needs):
+   when every group is filtered (e.g. `nonzero_std` on a solved task) the rollout returns the
+   groups it kept (`rollout/wave_limit_hit = 1`), or raises `RolloutStalledError` naming the
+   drop reasons when it kept none — never cycling the dataset forever.
+4. Once `batch_size` groups are kept: set `state.aborted`, abort this rollout's engine requests
    by their id prefix, wait for the groups in flight, and hand every unused group back to the
    data source — with `partial_rollout` as they are (ABORTED samples keep their partial tokens
    and `start_rollout_id`), otherwise reset to fresh prompts. None is lost.
@@ -33,6 +41,7 @@ from typing import Any, ClassVar
 from verst.rollout.agentic.episode import episode_generate_fn
 from verst.rollout.agentic.metrics import agentic_metrics
 from verst.rollout.engine import SamplingParams
+from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
     GroupGenerationError,
     SingleTurnGenerate,
@@ -79,6 +88,24 @@ class _Tally:
     """Response tokens of every finished group (kept or dropped)."""
     finished_groups: int = 0
     """Groups that finished generating (kept, dropped or unfinished)."""
+    waves: int = 0
+    """Waves of groups pulled from the data source."""
+    wave_limit_hit: bool = False
+    """The rollout stopped pulling at `max_waves_per_rollout` without a full batch."""
+    failure_streak: list[list[Sample]] = field(default_factory=list)
+    """Groups that failed (FAILED after retries, or a reward error) since the last good group."""
+
+
+class RolloutStalledError(RolloutError):
+    """A rollout pulled `max_waves_per_rollout` waves and kept no group (all were dropped)."""
+
+
+def max_waves(config: Any) -> int:
+    """Waves one training rollout may pull: `max_waves_per_rollout`, or 10 × the waves a batch needs."""
+    if config.max_waves_per_rollout is not None:
+        return int(config.max_waves_per_rollout)
+    wave = config.effective_over_sampling_batch_size
+    return 10 * -(-config.batch_size // wave)
 
 
 def _scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
@@ -115,6 +142,8 @@ class InferenceRollout:
     capabilities: ClassVar[frozenset[Capability]] = frozenset(Capability) - {Capability.FULLY_ASYNC}
     abort_grace_s: ClassVar[float] = 60.0
     """Seconds to wait for in-flight groups after the engine abort before cancelling them."""
+    cancel_grace_s: ClassVar[float] = 3.0
+    """The same wait when the rollout itself is cancelled (a stop request must end in seconds)."""
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
@@ -179,6 +208,37 @@ class InferenceRollout:
             generate_fn_cache=self._generate_fn_cache,
         )
 
+    def failure_source(self) -> str:
+        """What a failing group may have failed in: the engine and the user functions."""
+        config = self.context.config
+        engine = repr(self.context.engine)
+        if " object at 0x" in engine:  # no useful repr: the class is what the user configured
+            engine = type(self.context.engine).__name__
+        parts = [f"engine: {engine}"]
+        parts.append(f"generate function: {config.generate_function_path or 'SingleTurnGenerate (default)'}")
+        parts.append(f"reward: {config.reward.type}")
+        return "; ".join(parts)
+
+    def _check_failures(self, tally: _Tally, rollout_id: int) -> None:
+        """Raise `RolloutFailedError` once more groups failed in a row than one batch holds."""
+        if len(tally.failure_streak) > self.context.config.batch_size:
+            errors = [g[0].metadata.get("error", "") for g in tally.failure_streak if g]
+            raise RolloutFailedError(rollout_id, errors, source=self.failure_source())
+
+    def _stall_error(
+        self, rollout_id: int, kept: int, tally: _Tally, unfinished: int = 0
+    ) -> RolloutStalledError:
+        config = self.context.config
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(tally.dropped.items())) or "none"
+        return RolloutStalledError(
+            f"rollout {rollout_id}: pulled {tally.waves} waves ({tally.finished_groups} groups finished) and "
+            f"kept {kept} of {config.batch_size} groups — the others were dropped ({reasons}) or came "
+            f"back unfinished ({unfinished}, aborted by the engine). "
+            f"With nonzero_std this means the task is solved (all rewards in a group equal); fix: stop "
+            f"training, remove the filter from rollout.dynamic_filters, or raise "
+            f"rollout.max_waves_per_rollout (now {max_waves(config)})"
+        )
+
     def _log_group_failure(self, err: GroupGenerationError, retry: bool) -> None:
         first = err.group[0] if err.group else None
         logger.warning(
@@ -223,6 +283,7 @@ class InferenceRollout:
         retries: dict[int, int] = {}
         next_group = next_sample = 0
         exhausted = False
+        wave_limit = max_waves(config)
 
         finished: asyncio.Queue[asyncio.Task[list[Sample]]] = asyncio.Queue()
 
@@ -232,9 +293,21 @@ class InferenceRollout:
             in_flight[task] = group
 
         completed = False
+        grace = self.abort_grace_s
         try:
             while len(kept) < target:
                 while not exhausted and len(kept) + len(in_flight) < target:
+                    if tally.waves >= wave_limit:
+                        exhausted = tally.wave_limit_hit = True
+                        logger.warning(
+                            "rollout %d: %d waves pulled, %d of %d groups kept; stopping (max_waves_per_rollout)",
+                            request.rollout_id,
+                            tally.waves,
+                            len(kept),
+                            target,
+                        )
+                        break
+                    tally.waves += 1
                     groups = self.context.data_source.get_samples(wave)
                     if not groups:
                         exhausted = True
@@ -259,7 +332,7 @@ class InferenceRollout:
                     error = task.exception()
                     if isinstance(error, GroupGenerationError):
                         used = retries.get(group[0].group_index, 0)
-                        retry = used < config.max_group_retries
+                        retry = used < config.max_group_retries and _retryable(error)
                         self._log_group_failure(error, retry)
                         if retry:
                             retries[group[0].group_index] = used + 1
@@ -267,20 +340,40 @@ class InferenceRollout:
                             submit([reset_sample(s, keep_attempt=True) for s in group])
                         else:
                             failed.append(_mark_failed(group, error))
-                            if len(failed) > config.max_failed_groups:
-                                raise TooManyFailedGroups(request.rollout_id, len(failed), error)
+                            tally.failure_streak.append(group)
+                            self._check_failures(tally, request.rollout_id)
                         continue
                     if error is not None:
                         unused.append(group)
                         raise error
                     self._classify(task.result(), kept, unused, tally)
+                    self._check_failures(tally, request.rollout_id)
+            if not kept and tally.wave_limit_hit:
+                raise self._stall_error(request.rollout_id, len(kept), tally, len(unused))
             completed = True
+        except RolloutError:
+            # the run stops: failed and reward-error groups go back too, as fresh prompts
+            seen = {id(g) for g in failed}
+            back = [*failed, *(g for g in tally.failure_streak if id(g) not in seen)]
+            unused.extend([reset_sample(s) for s in g] for g in back)
+            failed = []
+            raise
+        except asyncio.CancelledError:
+            grace = self.cancel_grace_s
+            raise
         finally:
             state.aborted.set()
             drained = False
             try:
-                await self._drain(state, in_flight)
+                await self._drain(state, in_flight, grace)
                 drained = True
+            except Exception as exc:
+                if completed:
+                    raise
+                # the rollout is already failing (e.g. a dead engine): keep its error, not the abort's
+                logger.warning(
+                    "rollout %d: engine abort failed: %s: %s", request.rollout_id, type(exc).__name__, exc
+                )
             finally:  # even if the abort itself failed: no group is lost
                 unused.extend(_group_of(task, group) for task, group in in_flight.items())
                 if not (completed and drained):  # the rollout raises: its kept groups go back too
@@ -300,40 +393,45 @@ class InferenceRollout:
     def _classify(
         self, samples: list[Sample], kept: list[list[Sample]], unused: list[list[Sample]], tally: _Tally
     ) -> None:
-        """A finished group: keep it, drop it (counted per reason), or hand it back if unfinished."""
+        """A generated group: hand it back if unfinished (some sample aborted), else keep it or
+        drop it (counted per reason). Dynamic filters only ever see finished groups."""
         tally.finished_groups += 1
         tally.generated_tokens += sum(s.response_length for s in samples)
         reward_errors = sum(s.status is Status.FAILED for s in samples)
         if reward_errors:
             tally.reward_errors += reward_errors
             tally.dropped["reward_error"] = tally.dropped.get("reward_error", 0) + 1
+            tally.failure_streak.append(samples)
             return
+        if not all(s.status.is_finished for s in samples):
+            unused.append(samples)  # aborted: handed back; filters only ever see finished groups
+            return
+        tally.failure_streak.clear()  # generated and scored: whatever the filters say, it works
         outcome = apply_filters(self.filters, samples)
         if not outcome.keep:
             reason = outcome.reason or "filtered"
             tally.dropped[reason] = tally.dropped.get(reason, 0) + 1
             return
-        if all(s.status.is_finished for s in samples):
-            kept.append(samples)
-        else:
-            unused.append(samples)
+        kept.append(samples)
 
     async def _drain(
-        self, state: GenerateState, in_flight: dict[asyncio.Task[list[Sample]], list[Sample]]
+        self,
+        state: GenerateState,
+        in_flight: dict[asyncio.Task[list[Sample]], list[Sample]],
+        grace: float | None = None,
     ) -> None:
-        """Abort this rollout's requests and wait for the groups in flight to return."""
+        """Abort this rollout's requests and wait (up to `grace` s) for the groups in flight."""
         if not in_flight:
             return
+        grace = self.abort_grace_s if grace is None else grace
         try:
-            await self.context.engine.abort(state.request_prefix + "-")
+            await asyncio.wait_for(self.context.engine.abort(state.request_prefix + "-"), grace)
         finally:
-            _, pending = await asyncio.wait(in_flight, timeout=self.abort_grace_s)
+            _, pending = await asyncio.wait(in_flight, timeout=grace)
             for task in pending:
                 task.cancel()
             if pending:
-                logger.warning(
-                    "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
-                )
+                logger.warning("%d groups ignored the abort for %.0fs; cancelled", len(pending), grace)
                 await asyncio.wait(pending)
 
     def _metrics(
@@ -351,6 +449,8 @@ class InferenceRollout:
                 "rollout/reward_errors": float(tally.reward_errors),
                 "rollout/returned_groups": float(tally.returned_groups),
                 "rollout/aborted": float(tally.aborted_samples),
+                "rollout/waves": float(tally.waves),
+                "rollout/wave_limit_hit": float(tally.wave_limit_hit),
                 "rollout/generated_tokens": float(tally.generated_tokens),
                 "rollout/time_s": elapsed,
                 "rollout/tokens_per_s": tally.generated_tokens / elapsed if elapsed > 0 else 0.0,
@@ -398,8 +498,9 @@ class InferenceRollout:
             try:
                 return await generate_and_rm_group(state, group, params, evaluation=True)
             except GroupGenerationError as err:
-                self._log_group_failure(err, attempt < retries)
-                if attempt >= retries:
+                retry = attempt < retries and _retryable(err)
+                self._log_group_failure(err, retry)
+                if not retry:
                     return _mark_failed(group, err)
             attempt += 1
             for s in group:
@@ -417,16 +518,9 @@ def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sam
     return task.result()
 
 
-class TooManyFailedGroups(RuntimeError):
-    """More groups of one rollout failed than `rollout.max_failed_groups`: stop instead of drawing
-    prompts forever from a data source whose every episode fails."""
-
-    def __init__(self, rollout_id: int, n: int, last: GroupGenerationError) -> None:
-        super().__init__(
-            f"rollout {rollout_id}: {n} groups failed after their retries (more than rollout.max_failed_groups); "
-            f"the last error: {type(last.cause).__name__}: {sample_text_preview(str(last.cause), 300)}; "
-            "fix the environment or engine it names, or raise rollout.max_failed_groups"
-        )
+def _retryable(err: GroupGenerationError) -> bool:
+    """Whether resubmitting the group may help: not for a request the engine refused (4xx)."""
+    return bool(getattr(err.cause, "retryable", True))
 
 
 def _mark_failed(group: list[Sample], err: GroupGenerationError) -> list[Sample]:

@@ -18,39 +18,59 @@ All of them compute in float64; all-equal scores in a group give exactly zero ad
 - ``reinforce_pp_baseline``: ``s_i − mean_g s`` broadcast over the response, then the same
   batch-wide whitening (REINFORCE++-baseline; verl's ``reinforce_plus_plus_baseline``).
 
-A new estimator is a kw_only dataclass with ``from_config`` and ``__call__`` plus one entry in
-`ADVANTAGE_ESTIMATORS`.
+Each estimator owns its config: a nested ``Config`` (an `AdvantageConfig`, the
+``[algorithm.advantage]`` table chosen by ``type``) whose ``build()`` makes it. A new estimator is
+a kw_only dataclass with ``__call__`` and a nested ``Config``, plus one entry in
+`ADVANTAGE_ESTIMATORS` (or none: ``type = "pkg.module:MyEstimator"`` loads it by import path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, Self
+from typing import ClassVar, Literal, Protocol
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from verst.trainer.algorithms.config import AlgorithmConfig
+from verst.rollout.config import Section
+from verst.rollout.errors import Problem
+from verst.rollout.variants import VariantTable
 
 WHITEN_EPS = 1e-8
 """Added to the variance in batch whitening (REINFORCE++), as verl's ``masked_whiten``."""
 
 
 class AdvantageEstimator(Protocol):
-    """Rewards → token-level advantages. Implementations are kw_only dataclasses (their config)."""
+    """Rewards → token-level advantages. Implementations are kw_only dataclasses built by their
+    nested ``Config``."""
 
     default_loss_agg: ClassVar[str | None]
     """Aggregation used when `AlgorithmConfig.loss_agg` is None (None = no preference)."""
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        """Build from the algorithm config (picking the fields this estimator uses)."""
-        ...
-
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         """rewards [G, n], mask [G·n, T], kl_penalty [G·n, T] or None → advantages [G·n, T] (float64)."""
         ...
+
+
+class AdvantageConfig(Section):
+    """Base of every estimator's config: the ``[algorithm.advantage]`` table (or just its name)."""
+
+    type: str = Field(
+        "grpo",
+        description=(
+            "grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or an import path "
+            "'pkg.module:Estimator' (a class with a nested Config)."
+        ),
+    )
+
+    def build(self) -> AdvantageEstimator:
+        """The estimator this config describes."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def problems(self, key: str = "algorithm.advantage") -> list[Problem]:
+        """This estimator's own config problems, keyed under `key`."""
+        return []
 
 
 def group_center(scores: Tensor) -> Tensor:
@@ -122,14 +142,21 @@ class Grpo:
     """GRPO: group-relative advantage, optionally divided by the group std."""
 
     normalize_std: bool = True
-    """Divide by the group's (unbiased) std + eps (config: `normalize_std`)."""
+    """Divide by the group's (unbiased) std + eps."""
     eps: float = 1e-6
     """Added to the std before dividing."""
     default_loss_agg: ClassVar[str | None] = None
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls(normalize_std=config.normalize_std)
+    class Config(AdvantageConfig):
+        """GRPO: group-relative advantage, optionally divided by the group std."""
+
+        type: Literal["grpo"] = Field("grpo", description="GRPO.")
+        normalize_std: bool = Field(
+            True, description="Divide the group-centred reward by the group std (+1e-6)."
+        )
+
+        def build(self) -> Grpo:
+            return Grpo(normalize_std=self.normalize_std)
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         scores = outcome_scores(rewards, kl_penalty)  # [G, n]
@@ -145,9 +172,13 @@ class DrGrpo:
 
     default_loss_agg: ClassVar[str | None] = "seq_mean_token_sum_norm"
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls()
+    class Config(AdvantageConfig):
+        """Dr.GRPO: group-centred reward, no std normalisation."""
+
+        type: Literal["dr_grpo"] = Field("dr_grpo", description="Dr.GRPO.")
+
+        def build(self) -> DrGrpo:
+            return DrGrpo()
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         return broadcast(group_center(outcome_scores(rewards, kl_penalty)), mask)
@@ -159,9 +190,13 @@ class Rloo:
 
     default_loss_agg: ClassVar[str | None] = None
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls()
+    class Config(AdvantageConfig):
+        """RLOO: leave-one-out baseline."""
+
+        type: Literal["rloo"] = Field("rloo", description="RLOO.")
+
+        def build(self) -> Rloo:
+            return Rloo()
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         scores = outcome_scores(rewards, kl_penalty)  # [G, n]
@@ -176,12 +211,17 @@ class ReinforcePP:
     """REINFORCE++: per-token discounted return of (last-token reward − KL penalty), batch-whitened."""
 
     gamma: float = 1.0
-    """Discount of the return-to-go (config: `gamma`)."""
+    """Discount of the return-to-go."""
     default_loss_agg: ClassVar[str | None] = None
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls(gamma=config.gamma)
+    class Config(AdvantageConfig):
+        """REINFORCE++: per-token discounted return, batch-whitened."""
+
+        type: Literal["reinforce_pp"] = Field("reinforce_pp", description="REINFORCE++.")
+        gamma: float = Field(1.0, gt=0, le=1, description="Discount of the per-token return-to-go.")
+
+        def build(self) -> ReinforcePP:
+            return ReinforcePP(gamma=self.gamma)
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         flat = rewards.reshape(-1)  # [B]
@@ -201,9 +241,15 @@ class ReinforcePPBaseline:
 
     default_loss_agg: ClassVar[str | None] = None
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls()
+    class Config(AdvantageConfig):
+        """REINFORCE++-baseline: group-centred reward, batch-whitened."""
+
+        type: Literal["reinforce_pp_baseline"] = Field(
+            "reinforce_pp_baseline", description="REINFORCE++-baseline."
+        )
+
+        def build(self) -> ReinforcePPBaseline:
+            return ReinforcePPBaseline()
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         centered = group_center(outcome_scores(rewards, kl_penalty))  # [G, n]
@@ -217,4 +263,12 @@ ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
     "reinforce_pp": ReinforcePP,
     "reinforce_pp_baseline": ReinforcePPBaseline,
 }
-"""Advantage estimators by config name (`AlgorithmConfig.advantage`)."""
+"""Advantage estimators by config name (`[algorithm.advantage] type`)."""
+
+ADVANTAGES: VariantTable[AdvantageConfig] = VariantTable(
+    "advantage estimator",
+    AdvantageConfig,
+    {name: cls.Config for name, cls in ADVANTAGE_ESTIMATORS.items()},  # type: ignore[attr-defined]
+    default="grpo",
+)
+"""The config table of `[algorithm.advantage]` (built-in names, or import paths)."""

@@ -1,6 +1,6 @@
 """`Algorithm`: the selected estimator, policy loss, aggregation and KL estimator, composed.
 
-Total loss of a micro-batch (every term aggregated with the step-global `LossNorm`, so summing
+Total loss of a micro-batch — the sum of `terms` (see `verst.trainer.algorithms.terms`) (every term aggregated with the step-global `LossNorm`, so summing
 micro-batch losses equals the full-batch loss):
 
     L = agg(w_t · l_t)  +  kl_coef · agg(KL_est(logp − logp_ref))  [use_kl_loss]
@@ -12,16 +12,27 @@ with ``l_t`` the policy loss per token (`policy_losses`) and ``w_t`` the truncat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from verst.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from verst.trainer.algorithms.advantages import AdvantageEstimator
 from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, LossNorm
 from verst.trainer.algorithms.config import AlgorithmConfig
 from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
-from verst.trainer.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss
+from verst.trainer.algorithms.policy_losses import PolicyLoss
+from verst.trainer.algorithms.terms import (
+    EntropyTerm,
+    KlTerm,
+    LossTerm,
+    MicroBatch,
+    PolicyTerm,
+    compose,
+    masked_mean,
+    to_floats,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,19 +43,6 @@ class LossOutput:
     """Scalar loss (with grad), already normalised by the step-global `LossNorm`."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Micro-batch diagnostics, token means over its loss mask: pg_loss, clip_frac, ratio_mean, ..."""
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``x`` over ``mask`` (0 for an empty mask), detached, as a 0-d tensor (no host sync)."""
-    return (x.detach().to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1e-8)
-
-
-def _to_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """0-d metric tensors → Python floats with a single device-to-host copy."""
-    if not metrics:
-        return {}
-    values = torch.stack([v.detach().to(torch.float64).reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
 
 
 def _same_shape(name: str, t: Tensor | None, shape: torch.Size) -> None:
@@ -119,7 +117,17 @@ class Algorithm:
         adv = self.estimator(rewards.detach().to(torch.float64), mask, penalty)
         return (adv * mask).to(torch.float32)
 
-    def loss(
+    @property
+    def terms(self) -> tuple[LossTerm, ...]:
+        """The loss terms, summed in this order: policy loss (TIS-weighted), KL, entropy bonus."""
+        c = self.config
+        return (
+            PolicyTerm(self.policy_loss, self.aggregate, tis=c.tis, tis_cap=c.tis_cap),
+            KlTerm(self.kl_estimator, self.aggregate, coef=c.kl_coef, as_loss=c.use_kl_loss),
+            EntropyTerm(self.aggregate, coef=c.entropy_coef),
+        )
+
+    def micro_batch(
         self,
         logprobs: Tensor,
         old_logprobs: Tensor | None,
@@ -130,13 +138,10 @@ class Algorithm:
         ref_logprobs: Tensor | None = None,
         entropy: Tensor | None = None,
         norm: LossNorm,
-    ) -> LossOutput:
-        """Loss of one micro-batch. All tensors [B, T]; ``logprobs`` (and ``entropy``) carry grad.
-
-        ``old_logprobs`` may be None with `use_rollout_logprobs_as_old` (then ``rollout_logprobs``
-        stands in). ``norm`` holds the normalisers of the whole optimizer step.
-        """
-        c = self.config
+        extras: Mapping[str, Tensor] | None = None,
+    ) -> tuple[MicroBatch, dict[str, Tensor]]:
+        """Check and convert one micro-batch's tensors (see `loss`); also returns the metrics
+        known before any term runs (`logprob_mismatch` of old vs rollout log-probs)."""
         shape = logprobs.shape
         for name, t in (
             ("old_logprobs", old_logprobs),
@@ -160,50 +165,59 @@ class Algorithm:
         )
         metrics: dict[str, Tensor] = {}
         if rollout_logprobs is not None and old_logprobs is not None:
-            metrics["logprob_mismatch"] = _masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
-        if c.use_rollout_logprobs_as_old:
+            metrics["logprob_mismatch"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
+        if self.config.use_rollout_logprobs_as_old:
             old_logprobs = rollout_logprobs
         if old_logprobs is None:
             raise ValueError("old_logprobs is None: pass them, or set use_rollout_logprobs_as_old = true")
-        old_logprobs = old_logprobs.detach()
+        mb = MicroBatch(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs.detach(),
+            advantages=advantages.detach(),
+            mask=mask,
+            norm=norm,
+            rollout_logprobs=rollout_logprobs,
+            ref_logprobs=ref_logprobs,
+            entropy=entropy,
+            extras=dict(extras or {}),
+        )
+        return mb, metrics
 
-        terms = self.policy_loss(logprobs, old_logprobs, advantages.detach(), mask)
-        per_token = terms.loss  # [B, T]
-        if c.tis:
-            weight = (
-                torch.exp(old_logprobs - rollout_logprobs.detach()).clamp(max=c.tis_cap).detach()
-            )  # [B, T]
-            per_token = per_token * weight
-            metrics["tis_weight_mean"] = _masked_mean(weight, mask)
-            metrics["tis_clip_frac"] = _masked_mean((weight >= c.tis_cap).to(mask.dtype), mask)
-        pg_loss = self.aggregate(per_token, mask, norm)
-        total = pg_loss
-        metrics["pg_loss"] = pg_loss
-        metrics["clip_frac"] = _masked_mean(terms.clipped.to(mask.dtype), mask)
-        if c.dual_clip_c is not None:
-            metrics["dual_clip_frac"] = _masked_mean(terms.dual_clipped.to(mask.dtype), mask)
-        metrics["ratio_mean"] = _masked_mean(terms.ratio, mask)
-        metrics["ratio_max"] = torch.where(mask > 0, terms.ratio, torch.zeros_like(terms.ratio)).max()
-        metrics["approx_kl"] = _masked_mean(old_logprobs - logprobs.detach(), mask)  # k1 of old vs new
+    def loss_of(self, mb: MicroBatch, metrics: Mapping[str, Tensor] | None = None) -> LossOutput:
+        """The algorithm's loss of a micro-batch: its `terms`, summed (metric `loss` = the sum)."""
+        total, term_metrics = compose(self.terms, mb)
+        assert total is not None  # the policy term always contributes
+        out = {**(metrics or {}), **term_metrics, "loss": total}
+        return LossOutput(loss=total, metrics=to_floats(out))
 
-        if ref_logprobs is not None:
-            kl = self.kl_estimator(logprobs - ref_logprobs.detach())  # [B, T]
-            metrics["kl"] = _masked_mean(kl, mask)
-            if c.use_kl_loss and c.kl_coef > 0:
-                kl_loss = self.aggregate(kl, mask, norm)
-                metrics["kl_loss"] = kl_loss
-                total = total + c.kl_coef * kl_loss
-        elif c.use_kl_loss and c.kl_coef > 0:
-            raise ValueError("use_kl_loss is on: pass ref_logprobs (the frozen reference's log-probs)")
-        if entropy is not None:
-            metrics["entropy"] = _masked_mean(entropy, mask)
-            if c.entropy_coef != 0:
-                ent = self.aggregate(entropy, mask, norm)
-                total = total - c.entropy_coef * ent
-        elif c.entropy_coef != 0:
-            raise ValueError("entropy_coef != 0: pass entropy ([B, T]) to the loss")
-        metrics["loss"] = total
-        return LossOutput(loss=total, metrics=_to_floats(metrics))
+    def loss(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        rollout_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        entropy: Tensor | None = None,
+        norm: LossNorm,
+    ) -> LossOutput:
+        """Loss of one micro-batch. All tensors [B, T]; ``logprobs`` (and ``entropy``) carry grad.
+
+        ``old_logprobs`` may be None with `use_rollout_logprobs_as_old` (then ``rollout_logprobs``
+        stands in). ``norm`` holds the normalisers of the whole optimizer step.
+        """
+        mb, metrics = self.micro_batch(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            rollout_logprobs=rollout_logprobs,
+            ref_logprobs=ref_logprobs,
+            entropy=entropy,
+            norm=norm,
+        )
+        return self.loss_of(mb, metrics)
 
 
 def build_algorithm(config: AlgorithmConfig) -> Algorithm:
@@ -212,8 +226,8 @@ def build_algorithm(config: AlgorithmConfig) -> Algorithm:
     loss_agg = config.resolved_loss_agg()
     return Algorithm(
         config=config,
-        estimator=ADVANTAGE_ESTIMATORS[config.advantage].from_config(config),
-        policy_loss=POLICY_LOSSES[config.policy_loss].from_config(config),
+        estimator=config.advantage.build(),
+        policy_loss=config.policy_loss.build(),
         aggregate=AGGREGATIONS[loss_agg],
         kl_estimator=KL_ESTIMATORS[config.kl_estimator],
         loss_agg=loss_agg,

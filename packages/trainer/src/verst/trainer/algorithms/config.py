@@ -1,51 +1,44 @@
 """The ``[algorithm]`` section: advantage estimator, policy loss, aggregation, KL, entropy, TIS.
 
-Each pluggable part (estimator, loss, aggregation, KL estimator) is chosen by name from one table
-and built from the fields it reads (its ``from_config``). `AlgorithmConfig.problems` reports every
+The estimator and the policy loss own their options: `[algorithm.advantage]` and
+`[algorithm.policy_loss]` are each variant's config, chosen by `type` (a plain name works too;
+flat keys of earlier configs are migrated, see `migration`). Aggregation and the KL estimator are
+chosen by name from their tables. `AlgorithmConfig.problems` reports every
 cross-field problem at once; `AlgorithmConfig.check` raises them as one `ConfigError`.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from verst.rollout.config import Section
 from verst.rollout.errors import ConfigError, Problem
-from verst.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from verst.trainer.algorithms.advantages import ADVANTAGES
 from verst.trainer.algorithms.aggregation import AGGREGATIONS
 from verst.trainer.algorithms.kl import KL_ESTIMATORS
-from verst.trainer.algorithms.policy_losses import POLICY_LOSSES
+from verst.trainer.algorithms.migration import migrate_flat_keys
+from verst.trainer.algorithms.policy_losses import POLICY_LOSS_CONFIGS
 
 
 class AlgorithmConfig(Section):
     """How rewards become advantages and advantages become a loss."""
 
-    advantage: str = Field(
-        "grpo",
-        description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline.",
+    advantage: ADVANTAGES.field = Field(  # type: ignore[valid-type]
+        default_factory=ADVANTAGES.build_default,
+        description=(
+            "Advantage estimator: a name (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, "
+            "or 'pkg.module:Estimator') or a table with `type` and the estimator's own options."
+        ),
     )
-    normalize_std: bool = Field(
-        True, description="GRPO: divide the group-centred reward by the group std (+1e-6)."
-    )
-    gamma: float = Field(1.0, gt=0, le=1, description="REINFORCE++: discount of the per-token return-to-go.")
-    policy_loss: str = Field("ppo", description="Policy loss: ppo (clipped, clip-higher, dual-clip) or gspo.")
-    eps_clip_low: float = Field(
-        0.2, ge=0, lt=1, description="PPO: the ratio is clipped below at 1 - eps_clip_low."
-    )
-    eps_clip_high: float = Field(
-        0.2,
-        ge=0,
-        description="PPO: the ratio is clipped above at 1 + eps_clip_high (clip-higher, e.g. 0.28).",
-    )
-    dual_clip_c: float | None = Field(
-        None,
-        description="PPO dual-clip: for A < 0 the per-token loss is capped at c*|A| (c > 1; None = off).",
-    )
-    gspo_eps_clip_low: float = Field(
-        3e-4, ge=0, lt=1, description="GSPO: lower clip of the sequence-level ratio (paper: 3e-4)."
-    )
-    gspo_eps_clip_high: float = Field(
-        4e-4, ge=0, description="GSPO: upper clip of the sequence-level ratio (paper: 4e-4)."
+    policy_loss: POLICY_LOSS_CONFIGS.field = Field(  # type: ignore[valid-type]
+        default_factory=POLICY_LOSS_CONFIGS.build_default,
+        description=(
+            "Policy loss: a name (ppo: clipped, clip-higher, dual-clip; gspo; or 'pkg.module:Loss') "
+            "or a table with `type` and the loss's own options."
+        ),
     )
     loss_agg: str | None = Field(
         None,
@@ -74,14 +67,27 @@ class AlgorithmConfig(Section):
         False, description="Use the engine's rollout log-probs as the old policy (skips recomputing them)."
     )
 
+    _deferred: dict[str, list[Problem]] = PrivateAttr(default_factory=dict)
+    """Problems found while reading the section (unknown variants, misplaced flat keys)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _migrate(cls, data: Any, handler: ModelWrapValidatorHandler[AlgorithmConfig]) -> AlgorithmConfig:
+        """Flat keys of earlier configs move into the variant tables (`migration`)."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        data, deferred = migrate_flat_keys(dict(data))
+        config = handler(data)
+        config._deferred = deferred
+        return config
+
     def resolved_loss_agg(self) -> str:
         """`loss_agg`, or the default of the selected policy loss / estimator when it is None."""
         if self.loss_agg is not None:
             return self.loss_agg
-        for table, name in ((POLICY_LOSSES, self.policy_loss), (ADVANTAGE_ESTIMATORS, self.advantage)):
-            cls = table.get(name)
-            if cls is not None and cls.default_loss_agg is not None:
-                return cls.default_loss_agg
+        for part in (self.policy_loss.build(), self.advantage.build()):
+            if part.default_loss_agg is not None:
+                return part.default_loss_agg
         return "token_mean"
 
     def problems(self, prefix: str = "algorithm") -> list[Problem]:
@@ -91,9 +97,11 @@ class AlgorithmConfig(Section):
         def key(name: str) -> str:
             return f"{prefix}.{name}" if prefix else name
 
+        def deferred(where: str) -> list[Problem]:
+            return [Problem(key(p.key), p.why, p.fix) for p in self._deferred.get(where, [])]
+
+        out += deferred("names")
         for name, value, table in (
-            ("advantage", self.advantage, ADVANTAGE_ESTIMATORS),
-            ("policy_loss", self.policy_loss, POLICY_LOSSES),
             ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
             ("loss_agg", self.loss_agg, AGGREGATIONS),
         ):
@@ -124,23 +132,7 @@ class AlgorithmConfig(Section):
                     f"set kl_coef > 0 (e.g. 0.001), or {flag} = false",
                 )
             )
-        if self.dual_clip_c is not None:
-            if self.dual_clip_c <= 1:
-                out.append(
-                    Problem(
-                        key("dual_clip_c"),
-                        f"dual_clip_c = {self.dual_clip_c} must be > 1 (the cap c*|A| must lie above the clipped loss)",
-                        "set dual_clip_c = 3.0 (a common value), or None to turn dual-clip off",
-                    )
-                )
-            if self.policy_loss != "ppo":
-                out.append(
-                    Problem(
-                        key("dual_clip_c"),
-                        f"dual-clip is implemented by the ppo loss only, not {self.policy_loss!r}",
-                        "set dual_clip_c = None, or policy_loss = 'ppo'",
-                    )
-                )
+        out += self.policy_loss.problems(key("policy_loss")) + deferred("policy_loss")
         if self.tis and self.use_rollout_logprobs_as_old:
             out.append(
                 Problem(
@@ -149,14 +141,7 @@ class AlgorithmConfig(Section):
                     "turn one off (tis corrects trainer/engine mismatch when old log-probs are recomputed)",
                 )
             )
-        if self.gamma != 1.0 and self.advantage != "reinforce_pp":
-            out.append(
-                Problem(
-                    key("gamma"),
-                    f"gamma = {self.gamma} is only used by advantage = 'reinforce_pp', not {self.advantage!r}",
-                    "set gamma = 1.0, or advantage = 'reinforce_pp'",
-                )
-            )
+        out += self.advantage.problems(key("advantage")) + deferred("advantage")
         return out
 
     def check(self, prefix: str = "algorithm") -> None:

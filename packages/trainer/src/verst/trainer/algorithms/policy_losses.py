@@ -12,20 +12,24 @@
   per token ``log s_it = logp_it − sg(logp_it) + sg(log s_i)`` (log clamped at 10), so the value is
   ``s_i`` and, under ``seq_mean_token_mean`` (its default aggregation), the gradient is GSPO's.
 
-A new loss is a kw_only dataclass with ``from_config`` and ``__call__`` plus one entry in
-`POLICY_LOSSES`.
+Each loss owns its config: a nested ``Config`` (a `PolicyLossConfig`, the
+``[algorithm.policy_loss]`` table chosen by ``type``) whose ``build()`` makes it. A new loss is a
+kw_only dataclass with ``__call__`` and a nested ``Config``, plus one entry in `POLICY_LOSSES` (or
+none: ``type = "pkg.module:MyLoss"`` loads it by import path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, Self
+from typing import ClassVar, Literal, Protocol
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from verst.trainer.algorithms.config import AlgorithmConfig
+from verst.rollout.config import Section
+from verst.rollout.errors import Problem
+from verst.rollout.variants import VariantTable
 
 LOG_RATIO_CLAMP = 20.0
 """|logp − logp_old| is clamped to this before exp (PPO)."""
@@ -43,26 +47,38 @@ class PolicyLossTerms:
     """[B, T] importance ratio used (token or sequence level), detached."""
     clipped: Tensor
     """[B, T] bool: the clipped branch was taken (the gradient is zero there)."""
-    dual_clipped: Tensor
-    """[B, T] bool: the dual-clip cap was taken (always False without dual-clip)."""
+    dual_clipped: Tensor | None = None
+    """[B, T] bool: the dual-clip cap was taken; None when the loss has no dual-clip."""
 
 
 class PolicyLoss(Protocol):
-    """Per-token policy loss. Implementations are kw_only dataclasses (their config)."""
+    """Per-token policy loss. Implementations are kw_only dataclasses built by their nested
+    ``Config``."""
 
     default_loss_agg: ClassVar[str | None]
     """Aggregation used when `AlgorithmConfig.loss_agg` is None (None = no preference)."""
-
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        """Build from the algorithm config (picking the fields this loss uses)."""
-        ...
 
     def __call__(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
     ) -> PolicyLossTerms:
         """logprobs (grad), old_logprobs, advantages, mask: [B, T] → `PolicyLossTerms`."""
         ...
+
+
+class PolicyLossConfig(Section):
+    """Base of every policy loss's config: the ``[algorithm.policy_loss]`` table (or its name)."""
+
+    type: str = Field(
+        "ppo", description="ppo, gspo, or an import path 'pkg.module:Loss' (a class with a nested Config)."
+    )
+
+    def build(self) -> PolicyLoss:
+        """The loss this config describes."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def problems(self, key: str = "algorithm.policy_loss") -> list[Problem]:
+        """This loss's own config problems, keyed under `key`."""
+        return []
 
 
 def _clipped_surrogate(
@@ -79,20 +95,37 @@ class PpoClip:
     """PPO clipped surrogate with separate low/high clip and optional dual-clip."""
 
     eps_clip_low: float = 0.2
-    """Lower clip: ratio floor is 1 − eps_clip_low (config: `eps_clip_low`)."""
+    """Lower clip: ratio floor is 1 − eps_clip_low."""
     eps_clip_high: float = 0.2
-    """Upper clip: ratio ceiling is 1 + eps_clip_high; > eps_clip_low is DAPO's clip-higher (config: `eps_clip_high`)."""
+    """Upper clip: ratio ceiling is 1 + eps_clip_high; > eps_clip_low is DAPO's clip-higher."""
     dual_clip_c: float | None = None
-    """Dual-clip constant c > 1: for A < 0 the loss is capped at c·|A| (config: `dual_clip_c`)."""
+    """Dual-clip constant c > 1: for A < 0 the loss is capped at c·|A|."""
     default_loss_agg: ClassVar[str | None] = None
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls(
-            eps_clip_low=config.eps_clip_low,
-            eps_clip_high=config.eps_clip_high,
-            dual_clip_c=config.dual_clip_c,
+    class Config(PolicyLossConfig):
+        """PPO clipped surrogate (clip-higher, dual-clip)."""
+
+        type: Literal["ppo"] = Field("ppo", description="PPO clipped surrogate.")
+        eps_clip_low: float = Field(
+            0.2, ge=0, lt=1, description="The ratio is clipped below at 1 - eps_clip_low."
         )
+        eps_clip_high: float = Field(
+            0.2, ge=0, description="The ratio is clipped above at 1 + eps_clip_high (clip-higher, e.g. 0.28)."
+        )
+        dual_clip_c: float | None = Field(
+            None,
+            description="Dual-clip: for A < 0 the per-token loss is capped at c*|A| (c > 1; None = off).",
+        )
+
+        def build(self) -> PpoClip:
+            return PpoClip(
+                eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high, dual_clip_c=self.dual_clip_c
+            )
+
+        def problems(self, key: str = "algorithm.policy_loss") -> list[Problem]:
+            if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+                return [dual_clip_c_problem(f"{key}.dual_clip_c", self.dual_clip_c)]
+            return []
 
     def __call__(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
@@ -100,7 +133,7 @@ class PpoClip:
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
         ratio = torch.exp(log_ratio)
         loss, clipped = _clipped_surrogate(ratio, advantages, self.eps_clip_low, self.eps_clip_high)
-        dual = torch.zeros_like(clipped)
+        dual = None
         if self.dual_clip_c is not None:
             cap = -advantages * self.dual_clip_c  # = c·|A| where A < 0
             dual = (advantages < 0) & (loss > cap)
@@ -113,14 +146,24 @@ class Gspo:
     """GSPO: sequence-level (length-normalised) importance ratio, clipped per sequence."""
 
     eps_clip_low: float = 3e-4
-    """Lower clip of the sequence ratio (config: `gspo_eps_clip_low`; GSPO paper: 3e-4)."""
+    """Lower clip of the sequence ratio (GSPO paper: 3e-4)."""
     eps_clip_high: float = 4e-4
-    """Upper clip of the sequence ratio (config: `gspo_eps_clip_high`; GSPO paper: 4e-4)."""
+    """Upper clip of the sequence ratio (GSPO paper: 4e-4)."""
     default_loss_agg: ClassVar[str | None] = "seq_mean_token_mean"
 
-    @classmethod
-    def from_config(cls, config: AlgorithmConfig) -> Self:
-        return cls(eps_clip_low=config.gspo_eps_clip_low, eps_clip_high=config.gspo_eps_clip_high)
+    class Config(PolicyLossConfig):
+        """GSPO: sequence-level importance ratio, clipped per sequence."""
+
+        type: Literal["gspo"] = Field("gspo", description="GSPO.")
+        eps_clip_low: float = Field(
+            3e-4, ge=0, lt=1, description="Lower clip of the sequence-level ratio (paper: 3e-4)."
+        )
+        eps_clip_high: float = Field(
+            4e-4, ge=0, description="Upper clip of the sequence-level ratio (paper: 4e-4)."
+        )
+
+        def build(self) -> Gspo:
+            return Gspo(eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high)
 
     def __call__(
         self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
@@ -131,10 +174,25 @@ class Gspo:
         token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, T]
         ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
         loss, clipped = _clipped_surrogate(ratio, advantages, self.eps_clip_low, self.eps_clip_high)
-        return PolicyLossTerms(
-            loss=loss, ratio=ratio.detach(), clipped=clipped, dual_clipped=torch.zeros_like(clipped)
-        )
+        return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=clipped)
 
 
 POLICY_LOSSES: dict[str, type[PolicyLoss]] = {"ppo": PpoClip, "gspo": Gspo}
-"""Policy losses by config name (`AlgorithmConfig.policy_loss`)."""
+"""Policy losses by config name (`[algorithm.policy_loss] type`)."""
+
+POLICY_LOSS_CONFIGS: VariantTable[PolicyLossConfig] = VariantTable(
+    "policy loss",
+    PolicyLossConfig,
+    {name: cls.Config for name, cls in POLICY_LOSSES.items()},  # type: ignore[attr-defined]
+    default="ppo",
+)
+"""The config table of `[algorithm.policy_loss]` (built-in names, or import paths)."""
+
+
+def dual_clip_c_problem(key: str, c: float) -> Problem:
+    """dual_clip_c must exceed 1."""
+    return Problem(
+        key,
+        f"dual_clip_c = {c} must be > 1 (the cap c*|A| must lie above the clipped loss)",
+        "set dual_clip_c = 3.0 (a common value), or None to turn dual-clip off",
+    )

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section
-from verst.rollout.engines.config import EngineConfig
+from verst.rollout.config import Section, path_field
+from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection
 from verst.rollout.errors import Problem
 from verst.rollout.protocols import Capability
 from verst.trainer.opd.token_sets import (
@@ -42,9 +42,6 @@ from verst.trainer.opd.token_sets import (
     TOKEN_SET_STRATEGIES,
     WEIGHTINGS,
 )
-
-if TYPE_CHECKING:
-    from verst.trainer.config import RunConfig
 
 
 class TeacherConfig(Section):
@@ -58,15 +55,14 @@ class TeacherConfig(Section):
             "trainer process and run with the chunked kernels (supports every token set)."
         ),
     )
-    model_path: str | None = Field(
-        None,
+    model_path: str | None = path_field(
         description=(
             "Hugging Face directory of the teacher. type='trainer': required. type='engine': the "
             "embedded engine's model when engine.model_path is unset."
         ),
     )
     engine: EngineConfig = Field(
-        default_factory=EngineConfig,
+        default_factory=ENGINES.build_default,
         description=(
             "type='engine': the teacher's engine, an [engine]-like table (type='sglang' with urls for "
             "a served teacher; type='embedded' runs it in this process)."
@@ -76,17 +72,16 @@ class TeacherConfig(Section):
         "float32", description="type='trainer': parameter dtype of the teacher model."
     )
 
-    def resolved_engine(self) -> EngineConfig:
+    def resolved_engine(self) -> EngineSection:
         """The engine config with `model_path` filled in from the teacher's."""
-        if self.engine.model_path is None and self.model_path is not None:
-            return self.engine.model_copy(update={"model_path": self.model_path})
-        return self.engine
+        return self.engine.with_model_path(self.model_path)
 
     def model_dir(self) -> str | None:
-        """The teacher's local model directory, when known."""
-        if self.type == "trainer":
+        """The teacher's local model directory, when known (an engine that loads no model
+        itself, e.g. SGLang servers, leaves it to the teacher's `model_path`)."""
+        if self.type == "trainer" or not self.engine.capabilities().needs_model_path:
             return self.model_path
-        return self.resolved_engine().model_path if self.engine.type != "sglang" else self.model_path
+        return self.resolved_engine().model_path
 
 
 class OpdConfig(Section):
@@ -178,9 +173,9 @@ def read_vocab_size(model_dir: str | None) -> int | None:
     return int(vocab) if isinstance(vocab, int) else None
 
 
-def opd_problems(cfg: RunConfig) -> list[Problem]:
-    """Every problem of the `[opd]` section in the context of the run (empty when OPD is off)."""
-    o = cfg.opd
+def opd_problems(o: OpdConfig, *, student_model_path: str | None, fsdp: bool) -> list[Problem]:
+    """Every problem of the `[opd]` section in the context of the run (empty when OPD is off):
+    `student_model_path` is the trained model's directory, `fsdp` whether the trainer shards."""
     if not o.enabled:
         return []
     out: list[Problem] = []
@@ -222,8 +217,7 @@ def opd_problems(cfg: RunConfig) -> list[Problem]:
                 "set opd.coef > 0, or opd.with_task_reward = true",
             )
         )
-    student_dir = cfg.train.model_path or cfg.engine.model_path
-    student_vocab = read_vocab_size(student_dir)
+    student_vocab = read_vocab_size(student_model_path)
     if o.top_k and student_vocab is not None and o.log_prob_top_k > student_vocab:
         out.append(
             Problem(
@@ -235,7 +229,7 @@ def opd_problems(cfg: RunConfig) -> list[Problem]:
     for name, t in o.teachers.items():
         key = f"opd.teachers.{name}"
         out += _teacher_problems(key, t, o, student_vocab)
-        if t.type == "trainer" and cfg.train.fsdp:
+        if t.type == "trainer" and fsdp:
             out.append(
                 Problem(
                     f"{key}.type",
@@ -255,7 +249,7 @@ def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: i
         )
     if t.type == "engine":
         e = t.resolved_engine()
-        if e.type in ("embedded", "sglang_launch") and not e.model_path:
+        if e.capabilities().needs_model_path and not e.model_path:
             out.append(
                 Problem(
                     f"{key}.model_path",
@@ -263,14 +257,7 @@ def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: i
                     f"set {key}.model_path (or {key}.engine.model_path)",
                 )
             )
-        if e.type == "sglang" and not (e.urls or e.router_url):
-            out.append(
-                Problem(
-                    f"{key}.engine.urls",
-                    "an SGLang teacher needs its servers",
-                    f"set {key}.engine.urls (e.g. ['http://127.0.0.1:30000']) or {key}.engine.router_url",
-                )
-            )
+        out += e.problems(f"{key}.engine")
         if o.top_k and o.token_set in STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS:
             out.append(
                 Problem(

@@ -14,7 +14,11 @@ Per train step (`OpdTrainer`):
 4. Top-k OPD (`log_prob_top_k > 0`): `forward_with_kl` is the micro-step forward; the student's
    differentiable log-probs of the candidates (its top-k ids from step 2, then the teacher's
    top-k ids: `[N, 2k]`) come from the same chunked kernel call, `topk_opd_kl` gives the
-   per-token KL, aggregated with the policy loss's `LossNorm` and added with weight `coef`.
+   per-token KL, and `OpdTopKTerm` (a loss term) aggregates it with the policy loss's
+   `LossNorm` and adds it with weight `coef`.
+
+`OpdTrainer` is a step extension of the train side (`begin_step` = 2 + 3, `forward` and `terms`
+= 4, `step_metrics`); the train side knows nothing else of OPD.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 from torch import Tensor
 
 from verst.rollout.sample import Sample
+from verst.trainer.algorithms.aggregation import Aggregation
+from verst.trainer.algorithms.terms import LossTerm, MicroBatch, TermOutput
 from verst.trainer.logprobs import PackedInputs, PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.scoring import (
@@ -118,8 +124,27 @@ def _flatten_k(x: Tensor, response_lengths: Sequence[int]) -> Tensor:
     return torch.cat([x[i, :r] for i, r in enumerate(response_lengths)], dim=0)
 
 
+OPD_TOPK_KL = "opd_topk_kl"
+"""`MicroBatch.extras` key of the top-k OPD per-token KL `[b, R]` (and its metric)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpdTopKTerm:
+    """``coef · agg(KL_topk)``: top-k OPD's loss term (nothing when the forward gave no KL)."""
+
+    coef: float
+    aggregate: Aggregation
+
+    def __call__(self, mb: MicroBatch) -> TermOutput:
+        kl = mb.extras.get(OPD_TOPK_KL)
+        if kl is None:
+            return TermOutput(None)
+        mean = (kl.detach() * mb.mask).sum().double() / mb.mask.sum().double().clamp(min=1.0)
+        return TermOutput(self.coef * self.aggregate(kl, mb.mask, mb.norm), {OPD_TOPK_KL: mean})
+
+
 class OpdTrainer:
-    """The train-side half of OPD for one `TrainSide` (see module doc)."""
+    """The train-side half of OPD for one `TrainSide` (see module doc); a step extension."""
 
     def __init__(
         self,
@@ -140,11 +165,37 @@ class OpdTrainer:
         self.micro_batch_size = micro_batch_size
         self.teachers: dict[str, PolicyLogprobs] = {}
         """Trainer teachers by name (frozen, eval mode)."""
+        self.inputs: OpdStepInputs | None = None
+        """The current step's inputs (set by `begin_step`)."""
         for name, t in opd.teachers.items():
             if t.type == "trainer":
                 if teacher_loader is None:
                     raise ValueError("trainer teachers need a teacher_loader")
                 self.teachers[name] = teacher_loader(str(t.model_path), t.dtype)
+
+    # ------------------------------------------------------------ the step extension
+
+    def begin_step(self, module: torch.nn.Module, batch: Any, advantages: Tensor) -> Tensor:
+        """`prepare` the step's OPD inputs, then fold sampled-token OPD into the advantages."""
+        self.inputs = self.prepare(module, batch)
+        return self.fold_advantages(advantages, batch.loss_mask, self.inputs)
+
+    def forward(
+        self, module: torch.nn.Module, batch: Any, rows: list[int]
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]] | None:
+        """Top-k OPD's micro-step forward (None for sampled-token OPD: the default forward)."""
+        if not self.k or self.inputs is None:
+            return None
+        lp, ent, kl = self.forward_with_kl(module, batch, rows, self.inputs)
+        return lp, ent, {OPD_TOPK_KL: kl}
+
+    def terms(self, aggregate: Aggregation) -> list[LossTerm]:
+        """Top-k OPD's KL term (sampled-token OPD lives in the advantages)."""
+        return [OpdTopKTerm(self.opd.coef, aggregate)] if self.k else []
+
+    def step_metrics(self, mask: Tensor) -> dict[str, float]:
+        """`opd/*` metrics of the step just run."""
+        return self.metrics(mask, self.inputs) if self.inputs is not None else {}
 
     # ------------------------------------------------------------ forwards
 

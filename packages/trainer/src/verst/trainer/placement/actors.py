@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from verst.rollout.engine import MemoryReleasable
 from verst.rollout.selection import LEGACY_FLAG, resolve_strategy_path
 from verst.trainer.config import RunConfig
 
@@ -231,16 +232,16 @@ class RolloutManagerActor(ActorBase):
 
         `engine_actors`: (handle, name) of the run's engine actors; the engine is then an
         `EnginePool` of `ActorEngine` clients instead of one built here."""
-        from verst.rollout.lifecycle import JsonlSink
+        from verst.trainer.recording import BufferedSink
         from verst.trainer.rollout_side import RolloutSide
 
         engine = None
         if engine_actors:
             from verst.rollout.engines.pool import EnginePool
-            from verst.trainer.placement.engine_actors import ActorEngine
+            from verst.trainer.placement.actor_engine import ActorEngine
 
             engine = EnginePool([ActorEngine(h, name) for h, name in engine_actors])
-        self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl")
+        self.sink = BufferedSink()  # the driver drains it into its lifecycle.jsonl (drain_events)
         self.side = RolloutSide(
             self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
         )
@@ -249,29 +250,30 @@ class RolloutManagerActor(ActorBase):
         strategy = type(self.side.strategy)
         info = {
             "has_eval": self.side.has_eval,
-            # engine actors take tensors too (through Ray's object store)
-            "in_process_engine": self.side.in_process_engine or bool(engine_actors),
+            # engine actors take tensors too (through Ray's object store): their capabilities say so
+            "engine_capabilities": self.side.engine_capabilities,
             "strategy_path": self.side.strategy_path,
             "strategy_class": f"{strategy.__module__}:{strategy.__qualname__}",
-            "engine_can_release": self._hook("release_memory_occupation") is not None,
+            "engine_can_release": isinstance(self.side.engine, MemoryReleasable),
         }
         self.log.info("rollout side ready: %s", info)
         return info
 
-    def _hook(self, name: str) -> Callable[[], Any] | None:
-        return getattr(self.side.engine, name, None)
+    def _releasable(self) -> MemoryReleasable | None:
+        engine = self.side.engine
+        return engine if isinstance(engine, MemoryReleasable) else None
 
     def _release(self) -> None:
-        hook = self._hook("release_memory_occupation")
-        if self.colocated and hook is not None and not self.released:
-            self.side._run(hook())
+        engine = self._releasable()
+        if self.colocated and engine is not None and not self.released:
+            self.side._run(engine.release_memory_occupation())
             self.released = True
             self.log.info("engine memory released for training")
 
     def _resume(self) -> None:
-        hook = self._hook("resume_memory_occupation")
-        if self.released and hook is not None:
-            self.side._run(hook())
+        engine = self._releasable()
+        if self.released and engine is not None:
+            self.side._run(engine.resume_memory_occupation())
             self.released = False
             self.log.info("engine memory resumed")
 
@@ -304,6 +306,19 @@ class RolloutManagerActor(ActorBase):
 
     def load_state_dict(self, state: dict) -> None:
         self.side.load_state_dict(state)
+
+    def drain_events(self) -> list:
+        """The lifecycle events emitted since the last drain (the driver writes them)."""
+        sink = getattr(self, "sink", None)
+        return sink.drain() if sink is not None else []
+
+    def close_side(self, close_engine: bool) -> list:
+        """Close the rollout side (strategy, engine) and return its last lifecycle events."""
+        side = getattr(self, "side", None)
+        if side is not None:
+            self._resume()
+            side.close(close_engine=close_engine)
+        return self.drain_events()
 
     def close(self, close_engine: bool) -> None:
         """Close the strategy (unfinished samples go back to the data source), the engine, the sink."""

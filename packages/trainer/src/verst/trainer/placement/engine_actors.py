@@ -1,6 +1,7 @@
 """Embedded engines as their own Ray actors (`run.ray.engine_actors = N`).
 
-`EngineActor` wraps one `verst.rollout.engines.embedded.EmbeddedEngine` in a Ray async actor
+`EngineActor` wraps one engine built from `[engine]` (one whose capabilities allow engine
+actors: the embedded engine) in a Ray async actor
 (its methods mirror the `InferenceEngine` protocol, plus memory release/resume and `stats`);
 `ActorEngine` is the client inside the rollout manager: an `InferenceEngine` that awaits the
 actor's ObjectRefs. The rollout manager puts its N clients in an `EnginePool`, so strategies
@@ -18,8 +19,11 @@ import inspect
 import os
 from typing import Any
 
-from verst.rollout.engine import GenerateOutput, GenerateRequest
+from verst.rollout.engine import GenerateOutput, GenerateRequest, engine_capabilities
+from verst.trainer.placement.actor_engine import ActorEngine
 from verst.trainer.placement.actors import ActorBase
+
+__all__ = ["ActorEngine", "EngineActor"]
 
 
 class EngineActor(ActorBase):
@@ -46,24 +50,15 @@ class EngineActor(ActorBase):
         return result, self.handler.drain()
 
     async def setup(self, model_path: str) -> dict[str, Any]:
-        """Load the model (off the event loop) from `[engine]`; the engine then serves."""
-        from verst.rollout.engines.embedded import EmbeddedEngine
-
+        """Build one engine from `[engine]` (validated to be one that runs as an engine actor,
+        with one copy); the engine then serves."""
         self._init_engine_state()
-        ec = self.config.engine
-        path = ec.model_path or model_path
-        self.engine = await asyncio.to_thread(
-            EmbeddedEngine.from_pretrained,
-            path,
-            device=ec.device,
-            dtype=ec.dtype,
-            tokenizer=ec.tokenizer_path,
-            num_threads=ec.num_threads,
-            max_batch_size=ec.max_batch_size,
-        )
+        ec = self.config.engine.with_model_path(model_path)
+        self.engine = await ec.build(max_concurrency=self.config.rollout.max_concurrency)
+        device = "gpu" if engine_capabilities(self.engine).uses_gpu else "cpu"
         self._ready.set()
-        self.log.info("engine ready: %s on %s", path, self.engine._device)
-        return {"name": self.name, "device": str(self.engine._device)}
+        self.log.info("engine ready: %s on %s", ec.model_path, device)
+        return {"name": self.name, "device": device}
 
     async def _engine(self) -> Any:
         self._init_engine_state()
@@ -115,56 +110,3 @@ class EngineActor(ActorBase):
         if self.engine is not None:
             await self.engine.close()
         self.handler.close()
-
-
-class ActorEngine:
-    """An `InferenceEngine` whose engine is an `EngineActor` (awaits its ObjectRefs)."""
-
-    def __init__(self, handle: Any, name: str = "engine") -> None:
-        self.handle = handle
-        """The Ray actor handle."""
-        self.name = name
-        """The actor's short name (for messages)."""
-
-    async def _await(self, ref: Any) -> Any:
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            import ray
-
-            ray.cancel(ref)  # cancels the actor's coroutine: the engine aborts the request
-            raise
-
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        return await self._await(self.handle.generate.remote(request))
-
-    async def abort(self, rid_prefix: str | None = None) -> None:
-        await self.handle.abort.remote(rid_prefix)
-
-    async def update_weights_from_tensors(
-        self, named_tensors: dict[str, Any], weight_version: int | None = None
-    ) -> int:
-        return await self.handle.update_weights_from_tensors.remote(named_tensors, weight_version)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
-        return await self.handle.update_weights_from_disk.remote(model_path, weight_version)
-
-    async def health(self) -> bool:
-        try:
-            return bool(await self.handle.health.remote())
-        except Exception:  # a dead actor is an unhealthy engine
-            return False
-
-    async def get_weight_version(self) -> int:
-        return await self.handle.get_weight_version.remote()
-
-    async def release_memory_occupation(self) -> None:
-        """Free the actor's device memory (colocated training)."""
-        await self.handle.release_memory.remote()
-
-    async def resume_memory_occupation(self) -> None:
-        """Take back what `release_memory_occupation` freed."""
-        await self.handle.resume_memory.remote()
-
-    async def close(self) -> None:
-        """Nothing: the driver owns (and ends) the engine actors."""

@@ -10,7 +10,7 @@ Two layouts, chosen with `run.ray.layout` and validated before anything starts:
   `/release_memory_occupation`).
 - `run.ray.engine_actors = N` (either layout): N embedded engines as their own actors, each on
   its own bundle of the placement group (a GPU each on GPU clusters); the rollout manager
-  load-balances over them (`engine_actors.ActorEngine` in an `EnginePool`).
+  load-balances over them (`actor_engine.ActorEngine` in an `EnginePool`).
 - `disaggregated`: the train actors get their own placement group; the rollout manager gets its
   own resources (`run.ray.rollout_num_gpus`), so generation can overlap training. Fully-async
   rollouts require it.
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import Field
 
-from verst.rollout.config import Section
+from verst.rollout.config import RolloutConfig, Section
+from verst.rollout.engines.config import EngineSection
 from verst.rollout.errors import Problem
-
-if TYPE_CHECKING:
-    from verst.trainer.config import RunConfig
 
 Layout = Literal["colocated", "disaggregated"]
 Device = Literal["cpu", "gpu"]
@@ -70,7 +68,7 @@ class RaySection(Section):
         description=(
             "Embedded engines as their own Ray actors (each on its own bundle: a GPU each on GPU "
             "clusters), load-balanced by the rollout manager; 0 = the engine lives inside the "
-            "rollout manager. Needs engine.type='embedded' (engine.num_engines is then ignored)."
+            "rollout manager. Needs an engine that can run as one (the embedded engine), with one copy."
         ),
     )
     cpus_per_engine_actor: float = Field(1.0, gt=0, description="CPUs reserved for each engine actor.")
@@ -83,7 +81,21 @@ class RaySection(Section):
 # ---------------------------------------------------------------- validation
 
 
-def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
+class RunSections(Protocol):
+    """The sections the placement checks read: a `verst.trainer.config.RunConfig` (typed
+    structurally, so this module does not import the run config that embeds `RaySection`)."""
+
+    @property
+    def run(self) -> Any: ...  # RunSection: placement, ray_address, ray
+    @property
+    def train(self) -> Any: ...  # TrainConfig: fsdp
+    @property
+    def engine(self) -> EngineSection: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+
+
+def placement_problems(cfg: RunSections, env: Mapping[str, str]) -> list[Problem]:
     """Up-front checks of `run.placement`, `run.ray_address` and `run.ray` (no Ray import)."""
     run = cfg.run
     ray = run.ray
@@ -124,37 +136,44 @@ def placement_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[Problem]:
                 "set run.ray.num_train_actors=2 (or more), or train.fsdp=false",
             )
         )
-    engines = cfg.engine.num_engines * cfg.engine.tp_size
-    if ray.layout == "colocated" and cfg.engine.type == "sglang_launch" and engines > 1:
+    problems += engine_placement_problems(cfg)
+    return problems
+
+
+def engine_placement_problems(cfg: RunSections) -> list[Problem]:
+    """The engine's capabilities against the Ray layout (devices, engine actors)."""
+    ray = cfg.run.ray
+    caps = cfg.engine.capabilities()
+    kind = f"engine.type={cfg.engine.type!r}"
+    problems: list[Problem] = []
+    if ray.layout == "colocated" and caps.launched_gpus > 1:
         problems.append(
             Problem(
                 "run.ray.layout",
                 f"a colocated rollout manager shares train bundle 0 (one device), but engine asks for "
-                f"{engines} GPUs (num_engines x tp_size)",
+                f"{caps.launched_gpus} GPUs (num_engines x tp_size)",
                 "use run.ray.layout='disaggregated' with run.ray.rollout_num_gpus, or one single-GPU engine",
             )
         )
-    if ray.engine_actors and cfg.engine.type != "embedded":
+    if ray.engine_actors and not caps.ray_engine_actors:
         problems.append(
             Problem(
                 "run.ray.engine_actors",
-                f"engine actors run the embedded engine, but engine.type is '{cfg.engine.type}'",
-                "set engine.type='embedded', or run.ray.engine_actors=0 (SGLang servers are their own processes)",
+                f"engine actors run an engine inside each actor, and {kind} cannot run as one "
+                "(e.g. SGLang servers are their own processes)",
+                "set engine.type='embedded', or run.ray.engine_actors=0",
             )
         )
-    if ray.engine_actors and cfg.engine.num_engines > 1:
+    elif ray.engine_actors and caps.engine_count != 1:
         problems.append(
             Problem(
                 "run.ray.engine_actors",
-                f"engine.num_engines={cfg.engine.num_engines} and run.ray.engine_actors="
+                f"engine.num_engines={caps.engine_count} and run.ray.engine_actors="
                 f"{ray.engine_actors} both ask for several engines",
                 "set engine.num_engines=1 and choose the count with run.ray.engine_actors",
             )
         )
-    engine_on_gpu = cfg.engine.type == "sglang_launch" or (
-        cfg.engine.type == "embedded" and cfg.engine.device != "cpu"
-    )
-    if ray.layout == "disaggregated" and ray.device == "gpu" and ray.rollout_num_gpus == 0 and engine_on_gpu:
+    if ray.layout == "disaggregated" and ray.device == "gpu" and ray.rollout_num_gpus == 0 and caps.uses_gpu:
         problems.append(
             Problem(
                 "run.ray.rollout_num_gpus",

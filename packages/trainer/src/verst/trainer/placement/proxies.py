@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verst.rollout.engine import EngineCapabilities
 from verst.rollout.errors import ConfigError, Problem
+from verst.rollout.lifecycle import LifecycleSink
 from verst.trainer.checkpoint import latest_checkpoint
 from verst.trainer.config import RunConfig
 from verst.trainer.placement.layout import PlacementPlan, plan_placement, resolve_device
@@ -127,9 +129,18 @@ class RayPlacement:
 
     @classmethod
     def start(
-        cls, config: RunConfig, run_dir: str | Path, *, model_path: str, env: Mapping[str, str]
+        cls,
+        config: RunConfig,
+        run_dir: str | Path,
+        *,
+        model_path: str,
+        env: Mapping[str, str],
+        sink: LifecycleSink | None = None,
     ) -> RayPlacement:
-        """Connect, reserve the bundles, start and build every actor (torn down on any failure)."""
+        """Connect, reserve the bundles, start and build every actor (torn down on any failure).
+
+        `sink` receives the rollout manager's lifecycle events (drained after each call), so
+        they land in the driver's run directory."""
         ray = require_ray()
         rc = config.run.ray
         cpu_plan = plan_placement(rc, "cpu")  # CPU reservations do not depend on the device
@@ -150,6 +161,7 @@ class RayPlacement:
                 ]
             )
         self = cls(config, Path(run_dir), conn, plan_placement(rc, device), uuid.uuid4().hex[:8])
+        self.rollout.sink = sink
         try:
             self._start_actors(ray, env, model_path)
         except BaseException:
@@ -410,17 +422,20 @@ class RolloutProxy:
         self._p = placement
         self.has_eval = False
         """Eval datasets are configured."""
-        self.in_process_engine = False
-        """The engine lives in the rollout manager (weights go as tensors through the object store)."""
+        self.engine_capabilities = EngineCapabilities()
+        """What the rollout manager's engine can do (e.g. take weights as tensors, which then go
+        through Ray's object store)."""
         self.strategy_path = ""
         """The strategy the rollout manager resolved from its environment."""
         self.info: dict[str, Any] = {}
         """Everything the rollout manager reported after setup."""
+        self.sink: LifecycleSink | None = None
+        """Where the rollout manager's lifecycle events go (the driver's `lifecycle.jsonl`)."""
 
     def _set_info(self, info: dict[str, Any]) -> None:
         self.info = dict(info)
         self.has_eval = bool(info["has_eval"])
-        self.in_process_engine = bool(info["in_process_engine"])
+        self.engine_capabilities = info["engine_capabilities"]
         self.strategy_path = str(info["strategy_path"])
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -429,11 +444,21 @@ class RolloutProxy:
             raise RuntimeError("the rollout manager is closed")
         return self._p.call([actor], method, *args)[0]
 
+    def _relay_events(self) -> None:
+        """Write the lifecycle events the rollout manager buffered since the last call."""
+        if self.sink is not None:
+            for event in self._call("drain_events"):
+                self.sink.emit(event)
+
     def rollout(self, rollout_id: int, weight_version: int) -> Any:
-        return self._call("rollout", rollout_id, weight_version)
+        result = self._call("rollout", rollout_id, weight_version)
+        self._relay_events()
+        return result
 
     def evaluate(self, rollout_id: int, weight_version: int) -> Any:
-        return self._call("evaluate", rollout_id, weight_version)
+        result = self._call("evaluate", rollout_id, weight_version)
+        self._relay_events()
+        return result
 
     def update_weights_from_tensors(self, named_tensors: Any, weight_version: int) -> int:
         arg = named_tensors.ref if isinstance(named_tensors, RemoteStateDict) else named_tensors
@@ -452,5 +477,9 @@ class RolloutProxy:
         self._call("load_state_dict", state)
 
     def close(self, *, close_engine: bool = True) -> None:
-        """Close the strategy and the engines inside the actor, then end it."""
+        """Close the strategy and the engines inside the actor (relaying its last events), then end it."""
+        if self.sink is not None and self._p.rollout_actor is not None and not self._p.closed:
+            with contextlib.suppress(Exception):  # as before: a failing close must not mask the run's result
+                for event in self._call("close_side", close_engine):
+                    self.sink.emit(event)
         self._p.close_rollout(close_engine)

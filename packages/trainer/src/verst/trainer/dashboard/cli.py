@@ -1,0 +1,68 @@
+"""The `verst dashboard` and `verst report` subcommands (added to the `verst` parser by `cli.py`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from verst.rollout.errors import ConfigError, Problem
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add `dashboard` and `report` to the `verst` subparsers; each sets `func`."""
+    dash = sub.add_parser(
+        "dashboard",
+        help="a live web view of runs: curves, rollout timeline, samples",
+        description="Serve a read-only web page for one or more run directories (live while they run).",
+    )
+    dash.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.output_dir)")
+    dash.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    dash.add_argument("--port", type=int, default=8265, help="port (default 8265; 0 picks a free one)")
+    dash.set_defaults(func=cmd_dashboard)
+    rep = sub.add_parser(
+        "report",
+        help="write the dashboard's views of runs as one self-contained HTML file",
+        description="Write an HTML file with the overview, curves, timeline and samples; it opens offline.",
+    )
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.output_dir)")
+    rep.add_argument(
+        "-o", "--output", default="report.html", help="the HTML file to write (default report.html)"
+    )
+    rep.set_defaults(func=cmd_report)
+
+
+def _check_dirs(paths: list[str]) -> None:
+    from pathlib import Path
+
+    problems = [
+        Problem(
+            p,
+            "not a run directory (does not exist)",
+            "pass the run.output_dir of a run, e.g. runs/reverse_digits",
+        )
+        for p in paths
+        if not Path(p).is_dir()
+    ]
+    if problems:
+        raise ConfigError(problems)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """`verst dashboard RUN_DIR...`: serve until Ctrl-C."""
+    _check_dirs(args.run_dirs)
+    from verst.trainer.dashboard.server import serve
+
+    serve(args.run_dirs, host=args.host, port=args.port, on_ready=lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """`verst report RUN_DIR... -o report.html`."""
+    _check_dirs(args.run_dirs)
+    from verst.trainer.dashboard.report import build_report
+
+    path = build_report(args.run_dirs, args.output)
+    print(f"verst report: wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return 0

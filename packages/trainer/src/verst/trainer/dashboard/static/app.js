@@ -1,0 +1,418 @@
+// verst dashboard: overview, curves, rollout timeline and samples of one or more runs.
+// Served by `verst dashboard` (polls the JSON views every POLL_MS) or inlined by `verst report`
+// (the views are embedded in #verst-data; no network at all). Charts: plotly.js.
+"use strict";
+
+const POLL_MS = 2000;
+const PAGE = 50;
+const MAX_ROW_LABELS = 80;
+const STATUS_COLORS = {
+  completed: "#2ca02c", truncated: "#ff7f0e", aborted: "#8c8c8c", failed: "#d62728",
+  cancelled: "#9467bd", unfinished: "#e377c2", running: "#17becf",
+};
+const SUB_COLORS = ["#1f3b73", "#b8860b", "#008b8b", "#8b4513", "#556b2f"];
+const QUEUED_COLOR = "#d4d8de";
+
+const EMBED = (() => {
+  const el = document.getElementById("verst-data");
+  return el ? JSON.parse(el.textContent) : null;
+})();
+
+const state = {
+  runs: [], run: 0, tab: "overview", steps: null, step: null, followLatest: true,
+  split: "train", q: "", offset: 0, metrics: new Set(), overlay: new Set(), smoothing: 0,
+  curveCache: {}, metricNames: [],
+};
+
+const $ = (sel) => document.querySelector(sel);
+const $$ = (sel) => Array.from(document.querySelectorAll(sel));
+const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+const fmt = (v, d = 4) => (typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toPrecision(d)) : v == null ? "–" : String(v));
+
+function duration(s) {
+  if (s == null) return "–";
+  s = Math.max(0, Math.round(s));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
+  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
+}
+
+// ------------------------------------------------------------------ data access
+
+async function api(path, params = {}) {
+  if (EMBED) return embedded(path, params);
+  const qs = new URLSearchParams(params).toString();
+  const resp = await fetch(path + (qs ? "?" + qs : ""), { cache: "no-store" });
+  if (!resp.ok) throw new Error(`${path}: ${resp.status} ${await resp.text()}`);
+  return resp.json();
+}
+
+function embedded(path, params) {
+  const views = EMBED.views;
+  if (path.endsWith("/timeline")) {
+    const v = views[`${path}?step=${params.step}`];
+    return v || { rows: [], total: 0, offset: 0, limit: 0, step: params.step, summary: { attempts: 0, status_counts: {} } };
+  }
+  if (path.endsWith("/samples")) {
+    const all = (views[`${path}?step=${params.step}&split=${params.split}`] || { items: [] }).items;
+    const q = (params.q || "").toLowerCase();
+    const hit = (r) => [r.prompt, r.response, r.label, r.error, r.status, JSON.stringify(r.reward)].join(" ").toLowerCase().includes(q);
+    const items = q ? all.filter(hit) : all;
+    const offset = Number(params.offset || 0), limit = Number(params.limit || PAGE);
+    return { step: params.step, split: params.split, total: items.length, offset, limit, items: items.slice(offset, offset + limit) };
+  }
+  if (path.endsWith("/curves")) {
+    const v = views[path];
+    if (!params.names) return v;
+    const wanted = params.names.split(",");
+    return { ...v, series: Object.fromEntries(wanted.filter((n) => v.series[n]).map((n) => [n, v.series[n]])) };
+  }
+  return views[path];
+}
+
+const runPath = (id, view) => `/api/runs/${id}/${view}`;
+
+// ------------------------------------------------------------------ tabs and run selection
+
+function showTab(tab) {
+  state.tab = tab;
+  $$(".tab").forEach((el) => el.classList.toggle("active", el.id === `tab-${tab}`));
+  $$("#tabs a").forEach((a) => a.classList.toggle("active", a.dataset.tab === tab));
+  return renderTab();
+}
+
+async function renderTab() {
+  if (state.tab === "overview") return renderOverview();
+  if (state.tab === "curves") return renderCurves();
+  if (state.tab === "timeline") return renderTimeline();
+  if (state.tab === "samples") return renderSamples();
+}
+
+// ------------------------------------------------------------------ overview
+
+async function renderOverview() {
+  const o = await api(runPath(state.run, "overview"));
+  const s = o.status;
+  const total = s.total_steps ?? "?";
+  const pct = s.total_steps ? Math.min(100, (100 * s.step) / s.total_steps) : 0;
+  const phases = Object.entries(s.phase_seconds || {}).sort((a, b) => b[1] - a[1]);
+  const evalKeys = [...new Set(o.eval.flatMap((e) => Object.keys(e).filter((k) => k !== "step")))];
+  const health = o.files.map((f) => `<tr><td>${esc(f.file)}</td><td>${f.lines}</td>
+      <td class="${f.malformed ? "warn" : ""}">${f.malformed}${f.first_malformed_line ? ` (first at line ${f.first_malformed_line})` : ""}</td>
+      <td>${f.partial_last_line ? "yes" : "no"}</td></tr>`).join("");
+  $("#tab-overview").innerHTML = `
+    <div class="cards">
+      <div class="card"><div class="k">status</div><div class="v"><span id="overview-state" class="badge state-${esc(s.state)}">${esc(s.state.replace("_", " "))}</span></div>
+        ${s.phase ? `<div class="k">phase: <b id="overview-phase">${esc(s.phase)}</b></div>` : ""}</div>
+      <div class="card"><div class="k">step</div><div class="v" id="overview-step">${s.step} / ${total}</div>
+        <div class="progress"><div style="width:${pct}%"></div></div></div>
+      <div class="card"><div class="k">time left</div><div class="v" id="overview-eta">${s.state === "running" ? duration(s.eta_s) : "–"}</div></div>
+      <div class="card"><div class="k">lifecycle events</div><div class="v" id="overview-events">${o.n_events}</div></div>
+      <div class="card"><div class="k">samples recorded</div><div class="v" id="overview-samples">${o.n_samples}</div></div>
+    </div>
+    ${s.note ? `<p class="warn">${esc(s.note)}</p>` : ""}
+    ${s.error ? `<p class="warn" id="overview-error">error: ${esc(s.error)}</p>` : ""}
+    <div class="grid2">
+      <div><h3>Time per phase</h3><table id="overview-phases"><tr><th>phase</th><th>seconds</th><th>share</th></tr>
+        ${phases.map(([k, v]) => `<tr><td>${esc(k)}</td><td>${v.toFixed(1)}</td><td>${(100 * v / Math.max(1e-9, phases.reduce((a, p) => a + p[1], 0))).toFixed(0)}%</td></tr>`).join("")}</table></div>
+      <div><h3>Eval rewards</h3>${o.eval.length ? `<table id="overview-eval"><tr><th>step</th>${evalKeys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>
+        ${o.eval.map((e) => `<tr><td>${e.step}</td>${evalKeys.map((k) => `<td>${fmt(e[k])}</td>`).join("")}</tr>`).join("")}</table>` : '<p class="muted">no evaluation yet</p>'}</div>
+      <div><h3>Config</h3><table id="overview-config">${Object.entries(o.config_summary).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(JSON.stringify(v))}</td></tr>`).join("")}</table>
+        ${o.config_error ? `<p class="warn">${esc(o.config_error)}</p>` : ""}
+        <details><summary>full config (${Object.keys(o.config).length} fields)</summary><pre>${esc(Object.entries(o.config).map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join("\n"))}</pre></details></div>
+      <div><h3>Files</h3><table id="overview-files"><tr><th>file</th><th>lines</th><th>malformed (skipped)</th><th>partial last line</th></tr>${health}</table>
+        <p class="muted">${esc(o.path)}</p></div>
+    </div>`;
+}
+
+// ------------------------------------------------------------------ curves
+
+function smooth(ys, alpha) {
+  // TensorBoard-style exponential moving average, debiased at the start
+  if (!alpha) return ys;
+  let acc = 0, n = 0;
+  return ys.map((y) => {
+    if (y == null) return null;
+    n += 1;
+    acc = alpha * acc + (1 - alpha) * y;
+    return acc / (1 - Math.pow(alpha, n));
+  });
+}
+
+function defaultMetrics(names) {
+  const prefer = [/reward_mean$/, /^eval\/.*reward/, /response_len.*mean/, /^train\/loss$/];
+  const chosen = [];
+  for (const re of prefer) for (const n of names) if (re.test(n) && !chosen.includes(n) && chosen.length < 4) chosen.push(n);
+  return chosen.length ? chosen : names.slice(0, 2);
+}
+
+async function renderCurves() {
+  if (!state.overlay.size) state.overlay.add(state.run);
+  const ids = [...state.overlay];
+  const lists = await Promise.all(ids.map((id) => api(runPath(id, "curves"), { names: "" })));
+  const names = [...new Set(lists.flatMap((l) => l.metrics))].sort();
+  state.metricNames = names;
+  if (!state.metrics.size) defaultMetrics(names).forEach((n) => state.metrics.add(n));
+  renderMetricList();
+  $("#curve-runs").innerHTML = "<b>runs</b>" + state.runs.map((r) =>
+    `<label><input type="checkbox" data-run="${r.id}" ${state.overlay.has(r.id) ? "checked" : ""}> ${esc(r.name)}</label>`).join("");
+  $$("#curve-runs input").forEach((el) => el.addEventListener("change", () => {
+    const id = Number(el.dataset.run);
+    el.checked ? state.overlay.add(id) : state.overlay.delete(id);
+    renderCurves();
+  }));
+  const wanted = [...state.metrics].filter((n) => names.includes(n));
+  const data = await Promise.all(ids.map((id) => api(runPath(id, "curves"), { names: wanted.join(",") })));
+  const box = $("#curve-charts");
+  const keep = new Set(wanted.map((n) => `curve-${n}`));
+  Array.from(box.children).forEach((el) => { if (!keep.has(el.dataset.key)) { Plotly.purge(el); el.remove(); } });
+  const els = wanted.map((name) => {
+    let el = Array.from(box.children).find((c) => c.dataset.key === `curve-${name}`);
+    if (!el) { el = document.createElement("div"); el.className = "chart"; el.dataset.key = `curve-${name}`; box.appendChild(el); }
+    return el;
+  });
+  for (const [k, name] of wanted.entries()) {
+    const el = els[k];
+    const traces = [];
+    data.forEach((d, i) => {
+      const s = d.series[name];
+      if (!s) return;
+      if (state.smoothing) traces.push({ x: s.x, y: s.y, mode: "lines", line: { width: 1 }, opacity: 0.25, name: `${d.name} (raw)`, hoverinfo: "skip", showlegend: false, legendgroup: d.name });
+      traces.push({ x: s.x, y: smooth(s.y, state.smoothing), mode: "lines+markers", marker: { size: 3 }, name: d.name, legendgroup: d.name });
+    });
+    await Plotly.react(el, traces, {
+      title: { text: name, font: { size: 13 } }, margin: { l: 50, r: 10, t: 30, b: 35 }, hovermode: "x unified",
+      xaxis: { title: { text: "step" }, zeroline: false }, showlegend: ids.length > 1, legend: { orientation: "h" },
+    }, { displaylogo: false, responsive: true });
+  }
+  document.body.dataset.curves = wanted.join(",");
+}
+
+function renderMetricList() {
+  const filter = $("#metric-filter").value.toLowerCase();
+  $("#metric-list").innerHTML = state.metricNames.filter((n) => n.toLowerCase().includes(filter)).map((n) =>
+    `<label><input type="checkbox" data-metric="${esc(n)}" ${state.metrics.has(n) ? "checked" : ""}> ${esc(n)}</label>`).join("");
+  $$("#metric-list input").forEach((el) => el.addEventListener("change", () => {
+    el.checked ? state.metrics.add(el.dataset.metric) : state.metrics.delete(el.dataset.metric);
+    renderCurves();
+  }));
+}
+
+// ------------------------------------------------------------------ steps
+
+async function loadSteps() {
+  const s = await api(runPath(state.run, "steps"));
+  const all = [...new Set([...s.timeline_steps.map((r) => r.step), ...s.sample_steps])].sort((a, b) => a - b);
+  const latest = all.length ? all[all.length - 1] : null;
+  if (state.step == null || (state.followLatest && latest != null)) state.step = latest;
+  state.steps = { ...s, all };
+  for (const sel of $$(".step-select")) {
+    if (sel.options.length !== all.length || sel.dataset.last !== String(latest)) {
+      sel.innerHTML = all.map((n) => `<option value="${n}">${n}</option>`).join("");
+      sel.dataset.last = String(latest);
+    }
+    if (state.step != null) sel.value = String(state.step);
+  }
+  const splits = s.splits.length ? s.splits : ["train"];
+  const split = $("#samples-split");
+  if (split.options.length !== splits.length) split.innerHTML = splits.map((n) => `<option>${esc(n)}</option>`).join("");
+  if (!splits.includes(state.split)) state.split = splits.includes("train") ? "train" : splits[0];
+  split.value = state.split;
+  return s;
+}
+
+function setStep(step) {
+  if (step == null) return;
+  const all = state.steps ? state.steps.all : [];
+  state.step = step;
+  state.followLatest = all.length > 0 && step === all[all.length - 1];
+  state.offset = 0;
+  $$(".step-select").forEach((sel) => (sel.value = String(step)));
+  return renderTab();
+}
+
+function stepBy(delta) {
+  const all = state.steps ? state.steps.all : [];
+  const i = all.indexOf(state.step);
+  const next = all[Math.max(0, Math.min(all.length - 1, i + delta))];
+  return setStep(next);
+}
+
+// ------------------------------------------------------------------ timeline
+
+function rowLabel(r) {
+  const g = r.group == null ? "?" : r.group, s = r.sample == null ? "?" : r.sample;
+  return `g${g} s${s} #${r.attempt}`;
+}
+
+function hoverText(r) {
+  const queued = r.queued_end - r.start;
+  const gen = r.gen.reduce((a, [s, e]) => a + (e - s), 0);
+  const score = r.score_start == null ? 0 : r.end - r.score_start;
+  let t = `<b>${rowLabel(r)}</b> — ${r.status}${r.finished ? "" : " (no attempt_end)"}<br>` +
+    `queued ${queued.toFixed(3)} s · generating ${gen.toFixed(3)} s · scoring ${score.toFixed(3)} s<br>` +
+    `start +${r.start.toFixed(3)} s, end +${r.end.toFixed(3)} s`;
+  if (r.response_tokens != null) t += `<br>${r.response_tokens} response tokens`;
+  if (r.retry_of != null) t += `<br>retry of attempt #${r.attempt - 1}`;
+  if (r.error) t += `<br>error: ${esc(r.error)}${r.message ? ": " + esc(r.message) : ""}`;
+  return t;
+}
+
+async function renderTimeline() {
+  if (!state.steps) await loadSteps();
+  drawStepsChart();
+  const step = state.step;
+  if (step == null) { $("#timeline-count").textContent = "no lifecycle events yet"; return; }
+  const t = await api(runPath(state.run, "timeline"), { step, limit: 2000 });
+  if (step !== state.step) return;  // a newer selection superseded this one
+  const rows = t.rows;
+  const y = rows.map((_, i) => i + t.offset);
+  const traces = [];
+  const bars = (name, color, pick, extra = {}) => {
+    const xs = [], bases = [], ys = [], texts = [];
+    rows.forEach((r, i) => pick(r).forEach(([s, e]) => { if (e != null && s != null) { bases.push(s); xs.push(Math.max(e - s, 1e-4)); ys.push(y[i]); texts.push(hoverText(r)); } }));
+    if (xs.length) traces.push({ type: "bar", orientation: "h", name, x: xs, base: bases, y: ys, marker: { color, ...(extra.marker || {}) },
+      hovertext: texts, hoverinfo: "text", width: extra.width || 0.8, offset: extra.offset, showlegend: extra.showlegend ?? true });
+  };
+  bars("queued", QUEUED_COLOR, (r) => [[r.start, r.queued_end]]);
+  const statuses = [...new Set(rows.map((r) => r.status))];
+  for (const st of statuses) {
+    const color = STATUS_COLORS[st] || "#444";
+    bars(`generating · ${st}`, color, (r) => (r.status === st ? r.gen : []));
+    bars(`scoring · ${st}`, color, (r) => (r.status === st && r.score_start != null ? [[r.score_start, r.end]] : []),
+      { marker: { pattern: { shape: "/", fgcolor: "#fff", size: 5 } }, showlegend: false });
+  }
+  const kinds = [...new Set(rows.flatMap((r) => r.sub.map((s) => s.kind)))];
+  kinds.forEach((kind, k) => {
+    const xs = [], bases = [], ys = [], texts = [];
+    rows.forEach((r, i) => r.sub.filter((s) => s.kind === kind).forEach((s) => {
+      bases.push(s.start); xs.push(Math.max(s.end - s.start, 1e-4)); ys.push(y[i] + (k % 2 ? 0.2 : -0.2));
+      texts.push(`<b>${esc(s.name)}</b> ${(s.end - s.start).toFixed(3)} s${s.detail ? "<br>" + esc(JSON.stringify(s.detail)) : ""}<br>${rowLabel(r)}`);
+    }));
+    traces.push({ type: "bar", orientation: "h", name: kind, x: xs, base: bases, y: ys, width: 0.3,
+      marker: { color: SUB_COLORS[k % SUB_COLORS.length] }, hovertext: texts, hoverinfo: "text" });
+  });
+  const lx = [], ly = [];
+  rows.forEach((r, i) => {
+    const j = r.retry_of == null ? -1 : r.retry_of - t.offset;
+    if (j >= 0 && j < rows.length) { lx.push(rows[j].end, r.start, null); ly.push(y[j], y[i], null); }
+  });
+  if (lx.length) traces.push({ type: "scatter", mode: "lines", name: "retry", x: lx, y: ly, line: { dash: "dot", color: "#333", width: 1 }, hoverinfo: "skip" });
+  const swatch = (color, text, style = "") => `<span><i style="background:${color};${style}"></i>${esc(text)}</span>`;
+  $("#timeline-legend").innerHTML = swatch(QUEUED_COLOR, "queued (waiting for a slot)") +
+    statuses.map((st) => swatch(STATUS_COLORS[st] || "#444", `generating · ${st}`)).join("") +
+    swatch("repeating-linear-gradient(45deg,#555 0 2px,#fff 2px 4px)", "scoring (hatched)") +
+    kinds.map((k, i) => swatch(SUB_COLORS[i % SUB_COLORS.length], `${k} (sub-span)`, "height:5px")).join("") +
+    (lx.length ? swatch("#333", "retry link (dotted)", "height:2px") : "");
+  const every = Math.ceil(rows.length / MAX_ROW_LABELS);
+  const ticks = y.filter((_, i) => i % every === 0);
+  const el = $("#timeline-chart");
+  const height = Math.max(260, (rows.length > 200 ? 8 : 18) * rows.length + 90);
+  await Plotly.react(el, traces, {
+    barmode: "overlay", height, margin: { l: 110, r: 20, t: 50, b: 10 }, hovermode: "closest", showlegend: false,
+    xaxis: { title: { text: `seconds since the step's first attempt_start`, standoff: 4 }, rangemode: "tozero", side: "top", zeroline: false },
+    // plotly lays out every tick label it is given (slow past ~100): label at most MAX_ROW_LABELS rows
+    yaxis: { tickvals: ticks, ticktext: ticks.map((v) => rowLabel(rows[v - t.offset])), autorange: "reversed", tickfont: { size: 10 }, automargin: false },
+  }, { displaylogo: false, responsive: true });
+  const counts = Object.entries(t.summary.status_counts).map(([k, v]) => `${v} ${k}`).join(", ");
+  $("#timeline-count").textContent = `${t.total} attempts`;
+  $("#timeline-count").dataset.attempts = String(t.total);
+  $("#timeline-summary").textContent = t.total ? `step ${step}: ${counts}; mean queued ${t.summary.queue_s_mean.toFixed(3)} s, generating ${t.summary.gen_s_mean.toFixed(3)} s, scoring ${t.summary.score_s_mean.toFixed(3)} s; wall ${t.summary.wall_s.toFixed(2)} s` : "";
+  $("#timeline-more").textContent = t.total > rows.length ? `showing attempts ${t.offset + 1}–${t.offset + rows.length} of ${t.total}` : "";
+  document.body.dataset.timelineStep = String(step);
+}
+
+function drawStepsChart() {
+  const rows = state.steps ? state.steps.timeline_steps : [];
+  const x = rows.map((r) => r.step);
+  const mk = (key, name, color) => ({ type: "bar", x, y: rows.map((r) => r[key]), name, marker: { color } });
+  Plotly.react($("#steps-chart"), [mk("queue_s_mean", "queued (mean s)", "#9aa3ad"), mk("gen_s_mean", "generating (mean s)", "#2d6cdf"), mk("score_s_mean", "scoring (mean s)", "#b8860b")], {
+    barmode: "stack", height: 260, margin: { l: 50, r: 10, t: 10, b: 40 }, xaxis: { title: { text: "step" } },
+    yaxis: { title: { text: "seconds per attempt" } }, hovermode: "x unified", legend: { orientation: "h" },
+  }, { displaylogo: false, responsive: true });
+}
+
+// ------------------------------------------------------------------ samples
+
+function rewardCell(r) {
+  if (r == null) return "–";
+  if (typeof r === "object") return Object.entries(r).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join("<br>");
+  return fmt(r);
+}
+
+async function renderSamples() {
+  if (!state.steps) await loadSteps();
+  const step = state.step;
+  if (step == null) { $("#samples-count").textContent = "no samples yet"; return; }
+  const p = await api(runPath(state.run, "samples"), { step, split: state.split, q: state.q, offset: state.offset, limit: PAGE });
+  if (step !== state.step) return;
+  $("#samples-table tbody").innerHTML = p.items.map((s) => `<tr data-sample="${s.sample_index}" data-reward="${typeof s.reward === "number" ? s.reward : ""}">
+      <td>g${s.group_index} / s${s.sample_index}${s.attempt ? ` (attempt ${s.attempt})` : ""}</td>
+      <td><span style="color:${STATUS_COLORS[s.status] || "#444"}">${esc(s.status)}</span></td>
+      <td class="reward">${rewardCell(s.reward)}</td>
+      <td>${esc((s.weight_versions || []).join(", "))}</td>
+      <td>${s.prompt_tokens} + ${s.response_tokens}</td>
+      <td class="text">${esc(s.prompt)}</td><td class="text">${esc(s.response)}</td>
+      <td class="text warn">${esc(s.error || "")}</td></tr>`).join("");
+  const end = Math.min(p.total, p.offset + p.items.length);
+  $("#samples-count").textContent = p.total ? `${p.offset + 1}–${end} of ${p.total} samples` : "no matching samples";
+  $("#samples-count").dataset.total = String(p.total);
+  $("#samples-prev").disabled = p.offset <= 0;
+  $("#samples-next").disabled = end >= p.total;
+  document.body.dataset.samplesStep = String(step);
+}
+
+// ------------------------------------------------------------------ live updates
+
+async function poll() {
+  try {
+    const before = state.steps ? state.steps.all.join(",") : "";
+    await loadSteps();
+    const changed = state.steps.all.join(",") !== before;
+    const live = state.steps.live;
+    if (state.tab === "overview" || (state.tab === "curves" && live) || changed || (state.followLatest && live)) await renderTab();
+    else if (state.tab === "timeline") drawStepsChart();  // summaries still being computed come in
+    $("#live-note").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    $("#live-note").textContent = `update failed: ${err.message}`;
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+// ------------------------------------------------------------------ start
+
+async function main() {
+  state.runs = await api("/api/runs");
+  $("#run-select").innerHTML = state.runs.map((r) => `<option value="${r.id}">${esc(r.name)}</option>`).join("");
+  $("#run-select").addEventListener("change", async (e) => {
+    state.run = Number(e.target.value); state.steps = null; state.step = null; state.followLatest = true;
+    await loadSteps(); renderTab();
+  });
+  $$("#tabs a").forEach((a) => a.addEventListener("click", (e) => { e.preventDefault(); history.replaceState(null, "", `#${a.dataset.tab}`); showTab(a.dataset.tab); }));
+  $$(".step-select").forEach((sel) => sel.addEventListener("change", () => setStep(Number(sel.value))));
+  $$(".step-prev").forEach((b) => b.addEventListener("click", () => stepBy(-1)));
+  $$(".step-next").forEach((b) => b.addEventListener("click", () => stepBy(1)));
+  $("#samples-split").addEventListener("change", (e) => { state.split = e.target.value; state.offset = 0; renderSamples(); });
+  let timer = null;
+  $("#sample-search").addEventListener("input", (e) => {
+    clearTimeout(timer);
+    timer = setTimeout(() => { state.q = e.target.value; state.offset = 0; renderSamples(); }, 200);
+  });
+  $("#samples-prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE); renderSamples(); });
+  $("#samples-next").addEventListener("click", () => { state.offset += PAGE; renderSamples(); });
+  $("#metric-filter").addEventListener("input", renderMetricList);
+  window.addEventListener("hashchange", () => { const t = location.hash.slice(1); if (t !== state.tab && $(`#tab-${t}`)) showTab(t); });
+  $("#smoothing").addEventListener("input", (e) => { state.smoothing = Number(e.target.value); $("#smoothing-value").textContent = e.target.value; renderCurves(); });
+  if (state.runs.length > 1) state.runs.forEach((r) => state.overlay.add(r.id));
+  await loadSteps();
+  const tab = (location.hash || "#overview").slice(1);
+  await showTab(["overview", "curves", "timeline", "samples"].includes(tab) ? tab : "overview");
+  document.body.dataset.ready = "1";
+  if (EMBED) $("#live-note").textContent = `report of ${state.runs.length} run(s), written ${EMBED.generated_at}`;
+  else setTimeout(poll, POLL_MS);
+}
+
+main().catch((err) => {
+  document.body.dataset.error = err.message;
+  $("main").insertAdjacentHTML("afterbegin", `<p class="warn">dashboard error: ${esc(err.message)}</p>`);
+});

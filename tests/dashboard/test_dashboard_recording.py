@@ -1,0 +1,112 @@
+"""What a run records for the dashboard: bounded `samples.jsonl` lines, `status.json` through a
+run's life, and the buffered sink that carries the Ray rollout manager's events to the driver."""
+
+from __future__ import annotations
+
+import json
+
+from verst.rollout.lifecycle import EventKind, LifecycleEvent
+from verst.rollout.protocols import RolloutResult
+from verst.rollout.sample import Sample, Status
+from verst.trainer import recording
+from verst.trainer.recording import BufferedSink, RunRecorder
+
+
+def _sample(i: int, **kw) -> Sample:
+    base = dict(
+        prompt="p",
+        tokens=[1, 2, 3],
+        response_length=1,
+        response="r",
+        reward=0.5,
+        status=Status.COMPLETED,
+        weight_versions=[3],
+        group_index=i // 2,
+        sample_index=i,
+    )
+    base.update(kw)
+    return Sample(**base)
+
+
+def test_sample_lines_are_bounded_whatever_the_sample(tmp_path):
+    huge = "x" * 200_000 + "\n" + "y" * 100_000
+    samples = [
+        _sample(
+            0,
+            response=huge,
+            prompt=[{"role": "user", "content": "q" * 50_000}],
+            reward={f"k{i}": float(i) for i in range(500)},
+            weight_versions=list(range(100)),
+            metadata={"error": "generate: RuntimeError: " + "e" * 10_000, "attempt": 2},
+            status=Status.FAILED,
+            label="l" * 9_999,
+        ),
+        _sample(1, reward=float("nan")),
+    ]
+    rec = RunRecorder(tmp_path, total_steps=4)
+    rec.record_rollout(0, RolloutResult(groups=[samples]))
+    rec.close()
+    lines = (tmp_path / recording.SAMPLES_FILE).read_text().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert len(lines[0]) < 8_000
+    assert first["step"] == 1 and first["rollout_id"] == 0 and first["split"] == "train"
+    assert len(first["response"]) <= recording.RESPONSE_PREVIEW + 48 and first["response"].startswith("xxx")
+    assert first["response"].endswith("yyy") and "chars omitted" in first["response"]
+    assert first["prompt"].startswith("user: qqq") and len(first["prompt"]) <= recording.PROMPT_PREVIEW + 48
+    assert len(first["reward"]) == recording.MAX_REWARD_KEYS and first["reward"]["k3"] == 3.0
+    assert first["weight_versions"] == list(range(84, 100))
+    assert first["status"] == "failed" and first["error"].startswith("generate: RuntimeError")
+    assert len(first["error"]) <= recording.TEXT_PREVIEW + 48 and first["attempt"] == 2
+    assert second["reward"] is None  # NaN is not JSON
+
+
+def test_samples_per_step_are_capped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(recording, "MAX_SAMPLES_PER_STEP", 5)
+    rec = RunRecorder(tmp_path, total_steps=2)
+    rec.record_rollout(0, RolloutResult(groups=[[_sample(i) for i in range(8)]]))
+    rec.record_eval(1, RolloutResult(eval={"heldout": [[_sample(i) for i in range(3)]]}))
+    rec.close()
+    rows = [json.loads(x) for x in (tmp_path / recording.SAMPLES_FILE).read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in rows] == [(1, "train")] * 5 + [(1, "eval/heldout")] * 3
+    assert rec.samples_written == 8 and rec.samples_dropped == 3
+
+
+def _status(tmp_path):
+    return json.loads((tmp_path / recording.STATUS_FILE).read_text())
+
+
+def test_status_through_a_run(tmp_path):
+    rec = RunRecorder(tmp_path, total_steps=3)
+    assert _status(tmp_path)["state"] == "running" and _status(tmp_path)["step"] == 0
+    rec.resumed_at(1)
+    for name in ("eval", "rollout", "train", "sync"):
+        rec.phase(name)
+    rec.step_done(2)
+    status = _status(tmp_path)
+    assert status["state"] == "running" and status["phase"] == "sync" and status["step"] == 2
+    assert set(status["phase_seconds"]) == {"eval", "rollout", "train", "sync"}
+    assert status["eta_s"] is not None and status["eta_s"] >= 0
+    assert status["pid"] > 0 and status["host"]
+    rec.finish(stopped_early=False)
+    assert _status(tmp_path)["state"] == "finished" and _status(tmp_path)["eta_s"] is None
+
+    rec2 = RunRecorder(tmp_path / "b", total_steps=3)
+    rec2.fail(RuntimeError("CUDA out of memory"))
+    assert _status(tmp_path / "b")["state"] == "failed"
+    assert _status(tmp_path / "b")["error"] == "RuntimeError: CUDA out of memory"
+    rec3 = RunRecorder(tmp_path / "c", total_steps=3)
+    rec3.fail(KeyboardInterrupt())
+    assert _status(tmp_path / "c")["state"] == "stopped_early"
+    assert not list(tmp_path.glob(".status.json.*"))  # written atomically, no temp file left
+
+
+def test_buffered_sink_drains_in_order_and_bounds_memory():
+    sink = BufferedSink(maxlen=3)
+    events = [LifecycleEvent(EventKind.ATTEMPT_START, 0, 0, i, 0, {"attempt": 0}) for i in range(5)]
+    for e in events[:2]:
+        sink.emit(e)
+    assert sink.drain() == events[:2] and sink.drain() == []
+    for e in events:
+        sink.emit(e)
+    assert sink.drain() == events[2:] and sink.dropped == 2
