@@ -115,11 +115,11 @@ def test_bad_rows_name_file_and_line(tmp_path):
 
 
 async def test_an_env_that_always_fails_stops_the_rollout_instead_of_hanging(tool_model, tmp_path):
-    """Every episode's /verify answers 500: each group is retried, marked FAILED and counted; once
-    more than rollout.max_failed_groups failed the rollout stops with an error naming the cause
-    (an infinite data source would otherwise be drawn from forever)."""
+    """Every episode's /verify answers 500: each group is retried, then marked FAILED; once more
+    groups failed in a row than the batch holds, the rollout stops with an error naming the cause
+    (the data source would otherwise be cycled forever)."""
     from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.strategies.inference import TooManyFailedGroups
+    from verst.rollout.errors import RolloutFailedError
 
     path = tmp_path / "fail.jsonl"
     path.write_text(json.dumps({**ROW, "fail_verify": True}) + "\n")
@@ -128,8 +128,8 @@ async def test_an_env_that_always_fails_stops_the_rollout_instead_of_hanging(too
     try:
         source = build_data_source(DataConfig(source="nemo_gym", options={"path": str(path)}), 2)
         env = {"type": "nemo_gym", "options": {"resources_server_url": url}, "max_turns": 3}
-        with pytest.raises(TooManyFailedGroups, match=r"3 groups failed .*POST /verify answered 500"):
-            await run_rollout(engine, engine.tokenizer, source, env, max_failed_groups=2)
+        with pytest.raises(RolloutFailedError, match=r"2 groups in a row failed .*POST /verify answered 500"):
+            await run_rollout(engine, engine.tokenizer, source, env)
     finally:
         await engine.close()
         await runner.cleanup()
