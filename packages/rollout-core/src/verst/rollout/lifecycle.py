@@ -18,12 +18,23 @@ from typing import Any, Protocol, runtime_checkable
 
 
 class EventKind(enum.StrEnum):
-    """The four lifecycle events of one attempt at one sample."""
+    """The lifecycle events of one attempt at one sample.
+
+    Every attempt: `attempt_start`, `gen_start`, `gen_end`, `attempt_end`. Agentic episodes add,
+    between `gen_start` and `gen_end`, one `turn_start` / `turn_end` pair per turn (detail:
+    `turn`, and on the end `duration_s`, `queue_s`, `gen_s`, `env_s`, token counts) and one
+    `tool_start` / `tool_end` pair per traced tool call (detail: `turn`, `tool`, `call`, and on
+    the end `duration_s`, `status`).
+    """
 
     ATTEMPT_START = "attempt_start"
     GEN_START = "gen_start"
     GEN_END = "gen_end"
     ATTEMPT_END = "attempt_end"
+    TURN_START = "turn_start"
+    TURN_END = "turn_end"
+    TOOL_START = "tool_start"
+    TOOL_END = "tool_end"
 
 
 @dataclass(frozen=True, slots=True)

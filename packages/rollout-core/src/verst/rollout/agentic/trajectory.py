@@ -1,0 +1,160 @@
+"""Building a multi-turn trajectory: one `Sample` per episode, turns added only by `append_turn`.
+
+The sample's response (everything after the prompt) is a sequence of **segments**, recorded in
+`sample.metadata["segments"]` (response-relative, in order, covering the response exactly):
+
+    {"source": "model" | "env", "start": int, "length": int, "turn": int,
+     "weight_version": int | None, "trainable": bool}
+
+- model segments hold the exact ids the engine generated; loss mask 1 (0 when masked as
+  off-policy), `rollout_logprobs` the engine's log-probs;
+- env segments hold observation ids exactly as they were fed to the engine; loss mask 0,
+  `rollout_logprobs` = `MASKED_LOGPROB`;
+- `sample.weight_versions` gets one entry per model segment (per engine request).
+
+`trajectory_problems` checks these invariants; `Sample.validate` calls it for samples that
+carry segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from verst.rollout.sample import Sample
+
+MASKED_LOGPROB = 0.0
+"""`rollout_logprobs` value on injected (non-model) tokens; never trained on (loss mask 0)."""
+
+SEGMENTS_KEY = "segments"
+"""`sample.metadata` key of the segment list."""
+
+Source = Literal["model", "env"]
+
+
+def segments_of(sample: Sample) -> list[dict[str, Any]]:
+    """The sample's segments (an empty list for a sample without turns)."""
+    return sample.metadata.get(SEGMENTS_KEY, [])
+
+
+def append_turn(
+    sample: Sample,
+    ids: Sequence[int],
+    logprobs: Sequence[float] | None,
+    trainable: bool,
+    weight_version: int | None = None,
+    *,
+    source: Source | None = None,
+    text: str | None = None,
+    turn: int | None = None,
+) -> None:
+    """Append one turn's tokens to `sample` — the only way turns are added.
+
+    `ids`: the exact token ids (model output as generated, or an observation tokenized once).
+    `logprobs`: the engine's log-prob per id (model turns); None for injected tokens, or for a
+    model turn the engine gave none for (then the sample's `rollout_logprobs` become None).
+    `trainable`: loss mask value for these ids (model tokens: True unless masked off-policy;
+    injected tokens: always False). `weight_version`: the engine weight version of a model turn.
+    `source` defaults to "model" when `trainable` else "env". `text` is appended to
+    `sample.response`. `turn` is the model-turn index (default: the number of model turns so far
+    for model tokens, the last one for env tokens).
+    """
+    ids = list(ids)
+    source = source or ("model" if trainable else "env")
+    if source not in ("model", "env"):
+        raise ValueError(f"source must be 'model' or 'env', got {source!r}")
+    if source == "env" and trainable:
+        raise ValueError("injected (env) tokens are never trainable: pass trainable=False")
+    if logprobs is not None and len(logprobs) != len(ids):
+        raise ValueError(f"{len(logprobs)} log-probs for {len(ids)} ids")
+    if source == "model" and weight_version is None:
+        raise ValueError("a model turn needs the weight_version it was generated with")
+    segments = sample.metadata.setdefault(SEGMENTS_KEY, [])
+    if not segments and sample.response_length:
+        raise ValueError(
+            "append_turn on a sample whose response was built without it "
+            f"(response_length={sample.response_length}, no segments)"
+        )
+    model_turns = sum(1 for s in segments if s["source"] == "model")
+    if turn is None:
+        turn = model_turns if source == "model" else max(model_turns - 1, 0)
+    start = sample.response_length
+    previous_mask = sample.effective_loss_mask()
+    sample.loss_mask = previous_mask + [int(trainable)] * len(ids)
+    if source == "model":
+        if logprobs is None or (sample.rollout_logprobs is None and start > 0):
+            sample.rollout_logprobs = None
+        else:
+            sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *map(float, logprobs)]
+        sample.weight_versions = [*sample.weight_versions, int(weight_version)]  # type: ignore[arg-type]
+    elif sample.rollout_logprobs is not None or start == 0:
+        sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *[MASKED_LOGPROB] * len(ids)]
+    sample.tokens = [*sample.tokens, *ids]
+    sample.response_length = start + len(ids)
+    if text:
+        sample.response += text
+    segments.append(
+        {
+            "source": source,
+            "start": start,
+            "length": len(ids),
+            "turn": turn,
+            "weight_version": None if weight_version is None else int(weight_version),
+            "trainable": bool(trainable),
+        }
+    )
+
+
+def mask_turns_before(sample: Sample, weight_version: int) -> int:
+    """Loss-mask every model segment generated under a weight version older than
+    `weight_version` (partial rollout with `mask_offpolicy_in_partial_rollout`); returns the
+    number of tokens newly masked."""
+    mask = sample.effective_loss_mask()
+    masked = 0
+    for seg in segments_of(sample):
+        if seg["source"] == "model" and seg["trainable"] and seg["weight_version"] < weight_version:
+            seg["trainable"] = False
+            for i in range(seg["start"], seg["start"] + seg["length"]):
+                masked += mask[i]
+                mask[i] = 0
+    sample.loss_mask = mask
+    return masked
+
+
+def model_token_positions(sample: Sample) -> list[int]:
+    """Response-relative positions of every model-generated token, in order."""
+    return [
+        i
+        for seg in segments_of(sample)
+        if seg["source"] == "model"
+        for i in range(seg["start"], seg["start"] + seg["length"])
+    ]
+
+
+def trajectory_problems(sample: Sample) -> list[str]:
+    """Broken multi-turn invariants of `sample` (empty when it has no segments or is fine)."""
+    segments = segments_of(sample)
+    if not segments:
+        return []
+    problems = []
+    pos = 0
+    mask = sample.effective_loss_mask() if sample.loss_mask is None or len(sample.loss_mask) == sample.response_length else None
+    for k, seg in enumerate(segments):
+        if seg["start"] != pos:
+            problems.append(f"segment {k} starts at {seg['start']}, expected {pos} (segments must be contiguous)")
+        pos = seg["start"] + seg["length"]
+        if mask is None:
+            continue
+        span = mask[seg["start"] : pos]
+        if seg["source"] == "env" and any(span):
+            problems.append(f"segment {k} (env) has loss mask 1 on injected tokens")
+        if seg["source"] == "model" and seg["trainable"] and not all(span):
+            problems.append(f"segment {k} (model, trainable) has loss mask 0")
+        if seg["source"] == "model" and not seg["trainable"] and any(span):
+            problems.append(f"segment {k} (model, masked) has loss mask 1")
+    if pos != sample.response_length:
+        problems.append(f"segments cover {pos} tokens, response_length={sample.response_length}")
+    n_model = sum(1 for s in segments if s["source"] == "model")
+    if len(sample.weight_versions) != n_model:
+        problems.append(f"{len(sample.weight_versions)} weight_versions for {n_model} model segments")
+    return problems
