@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from verst.rollout.agentic.config import EnvConfig
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, fields are validated on assignment."""
@@ -147,6 +149,9 @@ class RolloutConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    env: EnvConfig | None = Field(
+        None, description="Agentic multi-turn episodes in an environment (None = single-turn generation)."
+    )
 
     @property
     def effective_over_sampling_batch_size(self) -> int:

@@ -15,9 +15,11 @@ the abort flag, the per-sample generate override, the reward, and the lifecycle 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
 from typing import Any
 
+from verst.rollout.agentic.episode import METADATA_KEYS as EPISODE_METADATA_KEYS
 from verst.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.logging_utils import sample_text_preview
@@ -32,8 +34,12 @@ STATUS_BY_FINISH_REASON: dict[str, Status] = {
 }
 """Engine finish reason → sample status."""
 
-_RUN_METADATA_KEYS = ("attempt", "error", "start_rollout_id")
+_RUN_METADATA_KEYS = ("attempt", "error", "start_rollout_id", *EPISODE_METADATA_KEYS)
 """Per-run metadata removed when a sample is reset to a fresh prompt."""
+
+
+class GenerateContractError(TypeError):
+    """A generate function returned something the rollout cannot train on (never retried)."""
 
 
 class GroupGenerationError(RuntimeError):
@@ -294,10 +300,11 @@ async def generate_and_rm(
     try:
         if state.aborted.is_set():
             return _mark_aborted(sample, state)
-        async with state.semaphore:
+        fn = generate_fn_for(state, sample)
+        # an agentic episode takes the semaphore per engine request itself (not per episode)
+        async with contextlib.nullcontext() if getattr(fn, "acquires_semaphore", False) else state.semaphore:
             if state.aborted.is_set():
                 return _mark_aborted(sample, state)
-            fn = generate_fn_for(state, sample)
             # SamplingParams is frozen, so sharing it is as safe as a copy; a seed makes a new one.
             params = sampling_params
             if params.sampling_seed is not None:
@@ -382,10 +389,27 @@ async def generate_and_rm_group(
         raise GroupGenerationError(group, cause) from cause
     except Exception as exc:
         raise GroupGenerationError(group, exc) from exc
-    samples = [s for r in results for s in (r if isinstance(r, list) else (r,))]
+    samples = [_one_sample(r, s) for r, s in zip(results, group, strict=True)]
     if state.config.reward.group:
         await _score_group(state, samples)
     return samples
+
+
+def _one_sample(result: Sample | list[Sample], submitted: Sample) -> Sample:
+    """The one sample a generate call must produce (a multi-turn episode is ONE sample)."""
+    if isinstance(result, Sample):
+        return result
+    if isinstance(result, list) and len(result) == 1 and isinstance(result[0], Sample):
+        return result[0]
+    got = f"a list of {len(result)} samples" if isinstance(result, list) else type(result).__name__
+    raise GenerateContractError(
+        f"the generate function returned {got} for sample {submitted.sample_index}; a generate "
+        "function must return exactly one Sample per input sample (groups of unequal size cannot "
+        "be trained on, and regrouping turns as samples would bias GRPO advantages). For a "
+        "multi-turn episode, build ONE sample with verst.rollout.agentic.append_turn (one call "
+        "per turn; loss mask 0 on injected tokens), or configure [rollout.env] and let the "
+        "built-in episode loop do it; see docs/agentic.md"
+    )
 
 
 def _first_leaf(eg: BaseException) -> BaseException:

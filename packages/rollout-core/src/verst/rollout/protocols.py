@@ -42,6 +42,7 @@ class Capability(enum.StrEnum):
     OPD_SAMPLED_TOKEN = "opd_sampled_token"
     OPD_TOP_K = "opd_top_k"
     RESUMABLE_STATE = "resumable_state"
+    MULTI_TURN_ENV = "multi_turn_env"
 
 
 @runtime_checkable
@@ -228,6 +229,13 @@ class GenerateInput:
 
 @runtime_checkable
 class GenerateFn(Protocol):
-    """Generates one sample; may return several (e.g. one per turn of an agentic episode)."""
+    """Generates one sample and returns it (or a one-element list).
+
+    A multi-turn episode is still ONE sample (prompt + every turn, built with
+    `verst.rollout.agentic.append_turn`); returning several samples for one input is refused
+    with `GenerateContractError` (regrouping turns as samples would bias GRPO advantages).
+    A function with `acquires_semaphore = True` takes `state.semaphore` per engine request
+    itself instead of having `generate_and_rm` hold it for the whole call.
+    """
 
     async def __call__(self, inp: GenerateInput) -> Sample | list[Sample]: ...

@@ -137,7 +137,9 @@ class Sample:
         return float(self.reward)
 
     def validate(self) -> None:
-        """Check the length invariants; raise `SampleInvariantError` naming the first broken one."""
+        """Check the length invariants (and, for a multi-turn trajectory, its segments: contiguous,
+        covering the response, loss mask 0 on injected tokens; see `verst.rollout.agentic`);
+        raise `SampleInvariantError` naming every broken one."""
         problems = []
         if not 0 <= self.response_length <= len(self.tokens):
             problems.append(
@@ -158,6 +160,10 @@ class Sample:
             problems.append(
                 f"len(token_versions)={len(self.token_versions)} != response_length={self.response_length}"
             )
+        if "segments" in self.metadata:  # a multi-turn trajectory built with append_turn
+            from verst.rollout.agentic.trajectory import trajectory_problems
+
+            problems += trajectory_problems(self)
         if problems:
             raise SampleInvariantError(f"sample {self.sample_index}: " + "; ".join(problems))
 

@@ -110,6 +110,13 @@ FEATURE_CAPABILITIES: tuple[FeatureRequest, ...] = (
         "unset rollout.generate_function_path, or use a strategy that supports custom generate functions",
     ),
     FeatureRequest(
+        Capability.MULTI_TURN_ENV,
+        "rollout.env",
+        lambda c: c.env is not None,
+        "remove [rollout.env], or use a strategy that supports multi-turn environments "
+        "(the default class-based rollout does; unset VERST_USE_LEGACY_ROLLOUT_V1)",
+    ),
+    FeatureRequest(
         Capability.EVAL,
         "rollout.eval.datasets",
         lambda c: bool(c.eval.datasets),
@@ -304,7 +311,42 @@ def _check_data(d: DataConfig, key: str, *, required: bool) -> Iterator[Problem]
         )
 
 
+def _check_env(c: RolloutConfig) -> Iterator[Problem]:
+    """`[rollout.env]`: its type resolves, its options fit the environment's Config, and the
+    loop's settings agree with the rest of the rollout section."""
+    if c.env is None:
+        return
+    from verst.rollout.agentic.loading import env_config_problems
+
+    yield from env_config_problems(c.env)
+    if c.generate_function_path is not None:
+        yield Problem(
+            "rollout.generate_function_path",
+            "a custom generate function and [rollout.env] both decide how samples are generated",
+            "remove one: [rollout.env] runs environment episodes with the built-in loop; a custom "
+            "generate function builds its own samples (with verst.rollout.agentic.append_turn)",
+        )
+    if c.env.on_abort == "resume" and not c.partial_rollout:
+        yield Problem(
+            "rollout.env.on_abort",
+            "'resume' keeps aborted episodes' turns, but without rollout.partial_rollout they are "
+            "reset to their prompts when handed back",
+            "set rollout.partial_rollout = true, or rollout.env.on_abort = 'restart'",
+        )
+    if (
+        c.env.max_tokens is not None
+        and c.max_context_len is not None
+        and c.env.max_tokens > c.max_context_len
+    ):
+        yield Problem(
+            "rollout.env.max_tokens",
+            f"{c.env.max_tokens} exceeds rollout.max_context_len = {c.max_context_len}",
+            "lower rollout.env.max_tokens to at most max_context_len, or unset it",
+        )
+
+
 CROSS_FIELD_CHECKS: tuple[Callable[[RolloutConfig], Iterator[Problem]], ...] = (
+    _check_env,
     _check_sizes,
     _check_sampling,
     _check_eval,

@@ -1,13 +1,18 @@
 """A rollout's groups of samples → one train batch, and its split into micro-batches.
 
 Only groups whose every sample finished and was scored are trained on: a group with a FAILED
-sample, an unscored sample, or a different size than the others is dropped and counted
-(`train/dropped_groups`), never silently mixed in (GRPO-family advantages need whole groups).
+sample, an unscored sample, or a different size than the others is dropped, counted per reason
+(`train/dropped_groups`, `train/dropped/<reason>`: `failed_or_unscored`, `empty`,
+`unequal_group_size`) and logged with the reason — never silently mixed in (GRPO-family
+advantages need whole groups of one size). A generate function cannot produce unequal groups
+on the default path (it must return one sample per input); a custom strategy can.
 Tensors are response-aligned and right-padded to the longest response: `[num_samples, R]`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +20,8 @@ import torch
 
 from verst.rollout.sample import Sample, Status
 from verst.trainer.opd.train import OpdBatch, collate_opd
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +61,7 @@ class TrainBatch:
 
 
 def _usable(group: list[Sample], reward_key: str | None) -> bool:
+    """Every sample finished (not FAILED), has tokens and a (scalar-readable) reward."""
     for s in group:
         if s.status == Status.FAILED or s.reward is None or not s.tokens:
             return False
@@ -70,11 +78,32 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
     Strategies return groups in completion order; sorting by the index they were submitted
     with makes the batch (and so the float summation order) independent of engine timing.
     """
-    kept = [g for g in groups if g and _usable(g, reward_key)]
+    reasons: Counter[str] = Counter()
+    kept = []
+    for g in groups:
+        if not g:
+            reasons["empty"] += 1
+        elif not _usable(g, reward_key):
+            reasons["failed_or_unscored"] += 1
+        else:
+            kept.append(g)
     kept.sort(key=lambda g: (g[0].group_index is None, g[0].group_index or 0))
-    sizes = {len(g) for g in kept}
+    sizes = Counter(len(g) for g in kept)
     if len(sizes) > 1:
-        common = max(sizes, key=lambda n: sum(len(g) == n for g in kept))
+        common = max(sizes, key=lambda n: (sizes[n], n))
+        odd = [g for g in kept if len(g) != common]
+        reasons["unequal_group_size"] += len(odd)
+        logger.warning(
+            "dropping %d of %d groups whose size differs from the common size %d (sizes %s): GRPO-family "
+            "advantages need groups of one size; a strategy or generate function returned groups of "
+            "unequal size (first dropped: group %s with %d samples)",
+            len(odd),
+            len(kept),
+            common,
+            dict(sorted(sizes.items())),
+            odd[0][0].group_index,
+            len(odd[0]),
+        )
         kept = [g for g in kept if len(g) == common]
     dropped = len(groups) - len(kept)
     if not kept:
@@ -99,6 +128,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
     metrics = {
         "train/groups": float(len(kept)),
         "train/dropped_groups": float(dropped),
+        **{f"train/dropped/{reason}": float(n) for reason, n in sorted(reasons.items())},
         "train/response_len_mean": float(sum(lengths) / len(lengths)),
         "train/response_len_max": float(max(lengths)),
         "train/reward_mean": float(rewards.mean()),

@@ -29,7 +29,9 @@ class EnvConfig(BaseModel):
     options: dict[str, Any] = Field(
         default_factory=dict, description="The environment's own options, validated by its `Config`."
     )
-    max_turns: int = Field(8, ge=1, description="Model turns per episode at most (then termination max_turns).")
+    max_turns: int = Field(
+        8, ge=1, description="Model turns per episode at most (then termination max_turns)."
+    )
     max_tokens: int | None = Field(
         None,
         ge=1,
@@ -43,7 +45,9 @@ class EnvConfig(BaseModel):
         None, gt=0, description="Timeout of a whole episode (then termination timeout)."
     )
     max_episodes_in_flight: int | None = Field(
-        None, ge=1, description="Episodes running at once at most (None = no limit beyond the groups in flight)."
+        None,
+        ge=1,
+        description="Episodes running at once at most (None = no limit beyond the groups in flight).",
     )
     on_abort: Literal["resume", "restart"] = Field(
         "restart",

@@ -68,7 +68,9 @@ def env_config_problems(config: EnvConfig) -> list[Problem]:
     try:
         cls = resolve_env_class(config.type)
     except ImportPathError as exc:
-        return [Problem(f"{KEY}.type", str(exc), "check the spelling, or install the package that provides it")]
+        return [
+            Problem(f"{KEY}.type", str(exc), "check the spelling, or install the package that provides it")
+        ]
     _, problems = _options(cls, config.options)
     return problems
 

@@ -138,10 +138,16 @@ def trajectory_problems(sample: Sample) -> list[str]:
         return []
     problems = []
     pos = 0
-    mask = sample.effective_loss_mask() if sample.loss_mask is None or len(sample.loss_mask) == sample.response_length else None
+    mask = (
+        sample.effective_loss_mask()
+        if sample.loss_mask is None or len(sample.loss_mask) == sample.response_length
+        else None
+    )
     for k, seg in enumerate(segments):
         if seg["start"] != pos:
-            problems.append(f"segment {k} starts at {seg['start']}, expected {pos} (segments must be contiguous)")
+            problems.append(
+                f"segment {k} starts at {seg['start']}, expected {pos} (segments must be contiguous)"
+            )
         pos = seg["start"] + seg["length"]
         if mask is None:
             continue

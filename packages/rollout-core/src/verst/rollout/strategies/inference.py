@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from verst.rollout.agentic.episode import episode_generate_fn
+from verst.rollout.agentic.metrics import agentic_metrics
 from verst.rollout.engine import SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
@@ -125,6 +127,7 @@ def sample_metrics(samples: list[Sample], reward_key: str | None, prefix: str) -
     out[f"{prefix}/response_length_mean"] = statistics.fmean(lengths)
     out[f"{prefix}/response_length_max"] = float(max(lengths))
     out[f"{prefix}/truncated_frac"] = sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
+    out.update(agentic_metrics(samples, prefix))
     return out
 
 
@@ -149,6 +152,8 @@ class InferenceRollout:
         self.generate_fn: GenerateFn = (
             load_generate_function(config.generate_function_path, config, v1_args=context.v1_args)
             if config.generate_function_path
+            else episode_generate_fn(context)
+            if config.env is not None
             else SingleTurnGenerate()
         )
         """The generate function of every sample without its own `generate_function_path`."""

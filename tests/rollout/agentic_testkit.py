@@ -1,0 +1,119 @@
+"""Deterministic pieces for the agentic tests.
+
+`ScriptEngine` is an `InferenceEngine` whose "model" replies with scripted text per turn (a
+function of the decoded conversation so far): the loop's behaviour on malformed calls, raising
+or slow tools and limits is tested against exact, known model turns. Token ids are the
+`ByteTokenizer`'s; log-probs are a fixed function of the position so alignment is checkable.
+Tests of real generation (log-prob agreement, training) use the embedded engine instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from inference_testkit import ByteTokenizer, ListDataSource
+
+from verst.rollout.config import RolloutConfig
+from verst.rollout.engine import GenerateOutput, GenerateRequest
+from verst.rollout.lifecycle import ListSink
+from verst.rollout.protocols import RolloutContext
+
+TOKENIZER = ByteTokenizer()
+
+
+class ScriptEngine:
+    """Replies `reply(conversation_text, request)` (the stop string kept), or aborts on `abort`."""
+
+    def __init__(
+        self,
+        reply: Callable[[str, GenerateRequest], str],
+        *,
+        delay_s: float = 0.0,
+        weight_version: int = 0,
+    ) -> None:
+        self.reply = reply
+        self.delay_s = delay_s
+        self.weight_version = weight_version
+        self.requests: list[GenerateRequest] = []
+        self.outputs: list[GenerateOutput] = []
+        self.active = 0
+        self.max_active = 0
+        self._aborts: dict[str, asyncio.Event] = {}
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        self.requests.append(request)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            text = self.reply(TOKENIZER.decode(request.input_ids), request)
+            finish = "stop"
+            if len(text) > request.sampling.max_new_tokens:
+                text, finish = text[: request.sampling.max_new_tokens], "length"
+            if self.delay_s:
+                event = self._aborts.setdefault(request.rid, asyncio.Event())
+                try:
+                    await asyncio.wait_for(event.wait(), self.delay_s)
+                    text, finish = text[: len(text) // 2], "abort"
+                except TimeoutError:
+                    pass
+                finally:
+                    self._aborts.pop(request.rid, None)
+            ids = TOKENIZER.encode(text)
+            start = len(request.input_ids)
+            out = GenerateOutput(
+                output_ids=ids,
+                output_logprobs=[-0.01 * (start + i + 1) for i in range(len(ids))],
+                finish_reason=finish,  # type: ignore[arg-type]
+                weight_version=self.weight_version,
+                prompt_tokens=len(request.input_ids),
+                text=text,
+            )
+            self.outputs.append(out)
+            return out
+        finally:
+            self.active -= 1
+
+    async def abort(self, rid_prefix: str | None = None) -> None:
+        for rid, event in list(self._aborts.items()):
+            if rid_prefix is None or rid.startswith(rid_prefix):
+                event.set()
+
+    async def update_weights_from_tensors(self, named_tensors: Any, weight_version: int | None = None) -> int:
+        self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+        return self.weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
+        return await self.update_weights_from_tensors({}, weight_version)
+
+    async def health(self) -> bool:
+        return True
+
+    async def get_weight_version(self) -> int:
+        return self.weight_version
+
+    async def close(self) -> None:
+        pass
+
+
+def call(name: str, **arguments: Any) -> str:
+    """The text of one tool call."""
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def context(
+    engine: Any, *, prompts: list[str], labels: list[Any] | None = None, reward_fn: Any = None, **config: Any
+) -> RolloutContext:
+    """A rollout context over `engine` with a ByteTokenizer, list data and a ListSink."""
+    cfg = RolloutConfig(**{"batch_size": 1, "n_samples_per_prompt": 1, "max_response_len": 200, **config})
+    return RolloutContext(
+        config=cfg,
+        data_source=ListDataSource(prompts, cfg.n_samples_per_prompt, labels),
+        engine=engine,
+        tokenizer=TOKENIZER,
+        reward_fn=reward_fn,
+        sink=ListSink(),
+    )
