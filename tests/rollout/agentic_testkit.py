@@ -24,13 +24,14 @@ TOKENIZER = ByteTokenizer()
 
 
 class ScriptEngine:
-    """Replies `reply(conversation_text, request)` (the stop string kept), or aborts on `abort`."""
+    """Replies `reply(conversation_text, request)` after `delay_s` (a number, or a function of the
+    conversation and request); `abort` cuts a delayed reply to half its text (finish `abort`)."""
 
     def __init__(
         self,
         reply: Callable[[str, GenerateRequest], str],
         *,
-        delay_s: float = 0.0,
+        delay_s: float | Callable[[str, GenerateRequest], float] = 0.0,
         weight_version: int = 0,
     ) -> None:
         self.reply = reply
@@ -51,10 +52,12 @@ class ScriptEngine:
             finish = "stop"
             if len(text) > request.sampling.max_new_tokens:
                 text, finish = text[: request.sampling.max_new_tokens], "length"
-            if self.delay_s:
+            conv = TOKENIZER.decode(request.input_ids)
+            delay = self.delay_s(conv, request) if callable(self.delay_s) else self.delay_s
+            if delay:
                 event = self._aborts.setdefault(request.rid, asyncio.Event())
                 try:
-                    await asyncio.wait_for(event.wait(), self.delay_s)
+                    await asyncio.wait_for(event.wait(), delay)
                     text, finish = text[: len(text) // 2], "abort"
                 except TimeoutError:
                     pass

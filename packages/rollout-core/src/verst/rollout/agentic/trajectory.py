@@ -55,12 +55,14 @@ def append_turn(
     model turn the engine gave none for (then the sample's `rollout_logprobs` become None).
     `trainable`: loss mask value for these ids (model tokens: True unless masked off-policy;
     injected tokens: always False). `weight_version`: the engine weight version of a model turn.
-    `source` defaults to "model" when `trainable` else "env". `text` is appended to
+    `source` defaults to "model" when a `weight_version` is given, else "env". `text` is appended to
     `sample.response`. `turn` is the model-turn index (default: the number of model turns so far
     for model tokens, the last one for env tokens).
     """
     ids = list(ids)
-    source = source or ("model" if trainable else "env")
+    if source is None and trainable and weight_version is None:
+        raise ValueError("a model turn needs the weight_version it was generated with")
+    source = source or ("model" if weight_version is not None else "env")
     if source not in ("model", "env"):
         raise ValueError(f"source must be 'model' or 'env', got {source!r}")
     if source == "env" and trainable:
