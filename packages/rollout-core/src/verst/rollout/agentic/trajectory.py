@@ -123,6 +123,14 @@ def mask_turns_before(sample: Sample, weight_version: int) -> int:
     return masked
 
 
+def generated_token_count(sample: Sample) -> int:
+    """Tokens the engine generated for `sample` (observations excluded)."""
+    segments = segments_of(sample)
+    if not segments:
+        return sample.response_length
+    return sum(s["length"] for s in segments if s["source"] == "model")
+
+
 def model_token_positions(sample: Sample) -> list[int]:
     """Response-relative positions of every model-generated token, in order."""
     return [
