@@ -72,7 +72,9 @@ def main() -> None:
     make_data(HERE / "data")
     make_tiny_checkpoint(HERE / "model" / "init", seed=0, hidden_size=128, num_layers=4, num_heads=4)
     cfg = load_sft_config(HERE / "sft.toml")
-    summary = run_sft(cfg, log=lambda step, m: print(f"sft step {step}: loss {m['sft/loss']:.4f}", flush=True))
+    summary = run_sft(
+        cfg, log=lambda step, m: print(f"sft step {step}: loss {m['sft/loss']:.4f}", flush=True)
+    )
     print(f"sft done in {summary['seconds']:.0f}s, final loss {summary['final_loss']:.4f}")
 
 

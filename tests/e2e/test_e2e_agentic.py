@@ -89,6 +89,8 @@ def test_guess_number_runs_feedback_episodes_end_to_end(tmp_path, capsys):
     assert len(train_rows) == 2
     for r in train_rows:
         assert r["rollout/turns_mean"] > 1  # feedback turns happened
-        assert r.get("rollout/termination/env_done", 0.0) + r.get("rollout/termination/max_turns", 0.0) == pytest.approx(1.0)
+        assert r.get("rollout/termination/env_done", 0.0) + r.get(
+            "rollout/termination/max_turns", 0.0
+        ) == pytest.approx(1.0)
         assert r["train/logprob_mismatch"] < 1e-3
     _check_lifecycle(run, tools=False)
