@@ -13,7 +13,7 @@ import time
 from typing import Literal
 
 import pytest
-from agentic_testkit import ScriptEngine, call, context
+from agentic_testkit import ScriptEngine, assert_episode_streams, call, context
 from inference_testkit import ByteTokenizer
 
 from verst.rollout.agentic.tools import ToolEnvironment, parse_tool_calls, tool_schema
@@ -97,6 +97,7 @@ def _run(first_turn: str, *, tools=(multiply,), rounds: int = 1, tokenizer=None,
     base = strategy.generate_fn.factory
     strategy.generate_fn.factory = lambda: ToolEnvironment(tools, base().config)
     result = asyncio.run(strategy(RolloutRequest(0)))
+    assert_episode_streams(ctx.sink.events)  # every path: one attempt, turn/tool spans nested
     return result.groups[0][0], result.metrics, ctx.sink.events
 
 
