@@ -208,3 +208,21 @@ def test_chat_template_mode_renders_prompt_with_tools_and_tool_messages():
     assert prompt == "<tools>multiply<user>q:<assistant>"
     assert sample.response.endswith("</tool_call><tool>6<assistant>done")
     sample.validate()
+
+
+def test_chat_prompts_use_the_chat_template_with_tools_by_default():
+    engine = ScriptEngine(
+        lambda conv, req: call("multiply", a=2, b=3) if "</tool_call>" not in conv else "ok"
+    )
+    ctx = context(engine, prompts=[], env={"type": "tools"})
+    ctx.tokenizer = ChatByteTokenizer()
+    ctx.data_source.prompts = [[{"role": "user", "content": "q:"}]]
+    ctx.data_source.labels = [None]
+    strategy = InferenceRollout(ctx)
+    strategy.generate_fn.factory = lambda: ToolEnvironment([multiply])
+    sample = asyncio.run(strategy(RolloutRequest(0))).groups[0][0]
+    assert (
+        ChatByteTokenizer().decode(sample.tokens[: sample.prompt_length])
+        == "<tools>multiply<user>q:<assistant>"
+    )
+    assert sample.response.endswith("<tool>6<assistant>ok")
