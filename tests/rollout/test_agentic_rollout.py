@@ -159,7 +159,7 @@ def test_abort_mid_episode_hands_the_episode_back(on_abort):
     )
     started = time.perf_counter()
     result = asyncio.run(strategy(RolloutRequest(0)))
-    assert time.perf_counter() - started < 3  # the abort cut the 5 s turn short
+    assert time.perf_counter() - started < 4.5  # the abort cut the 5 s turn short
     assert [g[0].prompt for g in result.groups] == ["p0:"]
     assert result.metrics["rollout/aborted"] == 1.0 and result.metrics["rollout/returned_groups"] == 1.0
     (back,) = ctx.data_source.buffer
