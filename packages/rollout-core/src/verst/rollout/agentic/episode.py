@@ -140,6 +140,9 @@ class AgenticGenerate:
                 )
 
         meta = sample.metadata.get(STATE_KEY)
+        if state.aborted.is_set():  # e.g. after waiting for max_episodes_in_flight: start nothing
+            sample.status = Status.ABORTED
+            return sample
         env = self._parked.pop(meta["episode_id"], None) if meta else None
         if env is None and (sample.response_length or meta):  # not resumable here: start over
             _reset_episode(sample)
