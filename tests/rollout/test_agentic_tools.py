@@ -120,6 +120,8 @@ def test_a_good_call_returns_the_result_as_an_observation():
     tool_end = next(e for e in events if e.kind is EventKind.TOOL_END)
     assert tool_end.detail["tool"] == "multiply" and tool_end.detail["status"] == "ok"
     assert tool_end.detail["turn"] == 0 and tool_end.detail["duration_s"] >= 0
+    assert tool_end.detail["call_id"] == 0 and tool_end.detail["attempt"] == 0
+    assert all(e.detail["attempt"] == 0 for e in events if e.kind.value.startswith(("turn", "tool")))
     assert tool_end.sample_index == sample.sample_index and tool_end.group_index == sample.group_index
     assert [e.detail["turn"] for e in events if e.kind is EventKind.TURN_END] == [0, 1]
 

@@ -146,7 +146,8 @@ class AgenticGenerate:
         env = self._parked.pop(meta["episode_id"], None) if meta else None
         if env is None and (sample.response_length or meta):  # not resumable here: start over
             _reset_episode(sample)
-        trace = EpisodeTrace(emit if emit_on else None)
+        attempt = sample.metadata.get("attempt")
+        trace = EpisodeTrace(emit if emit_on else None, attempt=attempt)
         parked = False
         try:
             async with asyncio.timeout(self.config.episode_timeout_s):
@@ -224,8 +225,8 @@ class AgenticGenerate:
                 return TerminationReason.ABORTED
             trace.turn = turn
             started = time.perf_counter()
-            emit(EventKind.TURN_START, {"turn": turn})
-            detail: dict[str, Any] = {"turn": turn}
+            emit(EventKind.TURN_START, {"attempt": trace.attempt, "turn": turn})
+            detail: dict[str, Any] = {"attempt": trace.attempt, "turn": turn}
             try:
                 out, queue_s = await self._generate(state, sample, params.replace(max_new_tokens=max_new))
                 gen_done = time.perf_counter()
