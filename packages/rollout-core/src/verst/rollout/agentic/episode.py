@@ -196,6 +196,7 @@ class AgenticGenerate:
         sample.loss_mask = None
         sample.rollout_logprobs = None
         sample.weight_versions = []
+        sample.token_versions = None
         sample.metadata[STATE_KEY] = {"episode_id": secrets.token_hex(8), "open_turn": None, "requests": 0}
         sample.metadata["segments"] = []
         sample.metadata["turn_rewards"] = []
@@ -374,6 +375,7 @@ def _reset_episode(sample: Sample) -> None:
     sample.loss_mask = None
     sample.rollout_logprobs = None
     sample.weight_versions = []
+    sample.token_versions = None
     for key in METADATA_KEYS:
         sample.metadata.pop(key, None)
 
