@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     make_data(HERE / "data")
     make_init_model(HERE / "model" / "init")
     if args.no_sft:

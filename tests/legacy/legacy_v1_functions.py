@@ -58,3 +58,38 @@ async def group_reward(args, samples: list[Sample]) -> list[float]:
 def keep_even_groups(group: list[Sample]) -> bool:
     """A v1 dynamic filter (returns a bare bool): keep groups with an even group index."""
     return (group[0].group_index or 0) % 2 == 0
+
+
+async def v1_multi_turn_generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """A slime-style v1 multi-turn generate function: two model turns with an injected
+    observation between them, one sample with its own loss mask (0 on the observation)."""
+    runtime = args.runtime
+    tok = runtime.tokenizer
+    prompt_ids = tok.encode(sample.prompt)
+    tokens, mask, logprobs, response = list(prompt_ids), [], [], ""
+    for turn in range(2):
+        out = await runtime.engine.generate(
+            GenerateRequest(
+                input_ids=tokens,
+                sampling=SamplingParams(max_new_tokens=sampling_params["max_new_tokens"]),
+                rid=f"mt-{sample.sample_index}-{turn}",
+            )
+        )
+        tokens += out.output_ids
+        mask += [1] * len(out.output_ids)
+        logprobs += list(out.output_logprobs)
+        response += tok.decode(out.output_ids)
+        if turn == 0:
+            obs = tok.encode("|obs|")
+            tokens += obs
+            mask += [0] * len(obs)
+            logprobs += [0.0] * len(obs)
+            response += "|obs|"
+    sample.tokens = tokens
+    sample.response_length = len(tokens) - len(prompt_ids)
+    sample.response = response
+    sample.loss_mask = mask
+    sample.rollout_logprobs = logprobs
+    sample.weight_versions = [out.weight_version]
+    sample.status = Status.COMPLETED
+    return sample

@@ -181,3 +181,20 @@ async def test_cancelling_the_call_stops_the_rollout_and_hands_groups_back(tmp_p
     engine.hold = lambda r: None
     result = await strategy(RolloutRequest(rollout_id=1))
     assert len(result.groups) == 2
+
+
+async def test_v1_multi_turn_generate_with_its_own_loss_mask_runs_unchanged(tmp_path):
+    """A v1 function that builds one multi-turn sample with its own loss mask (slime's way) runs
+    unchanged on the legacy path, and is trained exactly as it built it."""
+    ctx = legacy_context(
+        tmp_path, HoldingEngine(), PROMPTS, max_response_len=3,
+        generate_function_path="legacy_v1_functions:v1_multi_turn_generate",
+    )  # fmt: skip
+    result = await LegacyRolloutStrategy(ctx)(RolloutRequest(rollout_id=0))
+    samples = [s for g in result.groups for s in g]
+    assert len(samples) == 4
+    for s in samples:
+        s.validate()
+        assert s.response_length == 3 + 5 + 3 and "|obs|" in s.response
+        assert s.loss_mask == [1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert assert_complete_streams(ctx.sink) == 4

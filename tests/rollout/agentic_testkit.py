@@ -120,3 +120,36 @@ def context(
         reward_fn=reward_fn,
         sink=ListSink(),
     )
+
+
+def assert_episode_streams(events: list[Any]) -> dict[int | None, list[str]]:
+    """Per sample: one attempt, `turn_start`/`turn_end` paired in order inside it (turn indices
+    0, 1, ...), `tool_start`/`tool_end` paired inside a turn; returns the kinds per sample."""
+    streams: dict[int | None, list[Any]] = {}
+    for e in events:
+        streams.setdefault(e.sample_index, []).append(e)
+    out = {}
+    for idx, evs in streams.items():
+        kinds = [e.kind.value for e in evs]
+        assert kinds[:2] == ["attempt_start", "gen_start"] and kinds[-1] == "attempt_end", (idx, kinds)
+        assert kinds.count("attempt_start") == kinds.count("attempt_end") == 1, (idx, kinds)
+        turn, tool = None, None
+        expected_turn = 0
+        for e in evs[2:-1]:
+            k = e.kind.value
+            if k == "turn_start":
+                assert turn is None and e.detail["turn"] == expected_turn, (idx, kinds)
+                turn = e.detail["turn"]
+            elif k == "turn_end":
+                assert turn == e.detail["turn"] and tool is None, (idx, kinds)
+                assert e.detail["duration_s"] >= 0 and "status" in e.detail
+                turn, expected_turn = None, expected_turn + 1
+            elif k == "tool_start":
+                assert turn is not None and tool is None and e.detail["turn"] == turn, (idx, kinds)
+                tool = e.detail["tool"]
+            elif k == "tool_end":
+                assert tool == e.detail["tool"] and e.detail["duration_s"] >= 0, (idx, kinds)
+                tool = None
+        assert turn is None and tool is None, (idx, kinds)
+        out[idx] = kinds
+    return out

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from agentic_testkit import ScriptEngine, context
+from agentic_testkit import ScriptEngine, assert_episode_streams, context
 
 from verst.rollout.agentic import ModelTurn, StepResult
 from verst.rollout.agentic.episode import AgenticGenerate
@@ -126,6 +126,7 @@ def test_step_timeout_and_episode_timeout_end_the_episode_keeping_its_turns():
     assert s.response == "go" and result.metrics["rollout/termination/timeout"] == 1.0
     ends = [e for e in ctx.sink.events if e.kind is EventKind.TURN_END]
     assert ends[-1].detail["status"] == "timeout"
+    assert_episode_streams(ctx.sink.events)
     strategy, _ = _strategy(
         ScriptEngine(lambda c, r: "go"),
         lambda: SleepyEnv(0.05, turns=100),
@@ -158,7 +159,7 @@ def test_abort_mid_episode_hands_the_episode_back(on_abort):
     )
     started = time.perf_counter()
     result = asyncio.run(strategy(RolloutRequest(0)))
-    assert time.perf_counter() - started < 3  # the abort cut the 5 s turn short
+    assert time.perf_counter() - started < 4.5  # the abort cut the 5 s turn short
     assert [g[0].prompt for g in result.groups] == ["p0:"]
     assert result.metrics["rollout/aborted"] == 1.0 and result.metrics["rollout/returned_groups"] == 1.0
     (back,) = ctx.data_source.buffer
@@ -302,3 +303,20 @@ def test_fully_async_runs_episodes():
         assert group[0].metadata["termination"] == "env_done" and group[0].reward == 1.0
         group[0].validate()
         assert result.metrics["rollout/turns_mean"] == 2
+
+
+def test_dynamic_filters_see_finished_episodes():
+    """nonzero_std over episodes: groups whose episodes all got the same env reward are dropped
+    and counted; the others are kept."""
+    rewards = iter([1.0, 1.0, 0.0, 1.0] * 4)
+    strategy, _ = _strategy(
+        ScriptEngine(lambda c, r: "go"),
+        lambda: SleepyEnv(turns=1, reward=next(rewards)),
+        batch_size=1,
+        n_samples_per_prompt=2,
+        dynamic_filters=["nonzero_std"],
+    )
+    result = asyncio.run(strategy(RolloutRequest(0)))
+    (group,) = result.groups
+    assert sorted(s.reward for s in group) == [0.0, 1.0]
+    assert result.metrics["rollout/dropped/zero_std"] == 1.0

@@ -13,7 +13,7 @@ import time
 from typing import Literal
 
 import pytest
-from agentic_testkit import ScriptEngine, call, context
+from agentic_testkit import ScriptEngine, assert_episode_streams, call, context
 from inference_testkit import ByteTokenizer
 
 from verst.rollout.agentic.tools import ToolEnvironment, parse_tool_calls, tool_schema
@@ -97,6 +97,7 @@ def _run(first_turn: str, *, tools=(multiply,), rounds: int = 1, tokenizer=None,
     base = strategy.generate_fn.factory
     strategy.generate_fn.factory = lambda: ToolEnvironment(tools, base().config)
     result = asyncio.run(strategy(RolloutRequest(0)))
+    assert_episode_streams(ctx.sink.events)  # every path: one attempt, turn/tool spans nested
     return result.groups[0][0], result.metrics, ctx.sink.events
 
 
@@ -119,6 +120,8 @@ def test_a_good_call_returns_the_result_as_an_observation():
     tool_end = next(e for e in events if e.kind is EventKind.TOOL_END)
     assert tool_end.detail["tool"] == "multiply" and tool_end.detail["status"] == "ok"
     assert tool_end.detail["turn"] == 0 and tool_end.detail["duration_s"] >= 0
+    assert tool_end.detail["call_id"] == 0 and tool_end.detail["attempt"] == 0
+    assert all(e.detail["attempt"] == 0 for e in events if e.kind.value.startswith(("turn", "tool")))
     assert tool_end.sample_index == sample.sample_index and tool_end.group_index == sample.group_index
     assert [e.detail["turn"] for e in events if e.kind is EventKind.TURN_END] == [0, 1]
 
@@ -207,3 +210,21 @@ def test_chat_template_mode_renders_prompt_with_tools_and_tool_messages():
     assert prompt == "<tools>multiply<user>q:<assistant>"
     assert sample.response.endswith("</tool_call><tool>6<assistant>done")
     sample.validate()
+
+
+def test_chat_prompts_use_the_chat_template_with_tools_by_default():
+    engine = ScriptEngine(
+        lambda conv, req: call("multiply", a=2, b=3) if "</tool_call>" not in conv else "ok"
+    )
+    ctx = context(engine, prompts=[], env={"type": "tools"})
+    ctx.tokenizer = ChatByteTokenizer()
+    ctx.data_source.prompts = [[{"role": "user", "content": "q:"}]]
+    ctx.data_source.labels = [None]
+    strategy = InferenceRollout(ctx)
+    strategy.generate_fn.factory = lambda: ToolEnvironment([multiply])
+    sample = asyncio.run(strategy(RolloutRequest(0))).groups[0][0]
+    assert (
+        ChatByteTokenizer().decode(sample.tokens[: sample.prompt_length])
+        == "<tools>multiply<user>q:<assistant>"
+    )
+    assert sample.response.endswith("<tool>6<assistant>ok")

@@ -64,6 +64,13 @@ def test_append_turn_keeps_tokens_mask_and_logprobs_aligned(prompt, seq):
         assert s.rollout_logprobs == expected_lp
     positions = model_token_positions(s)
     assert all(expected_mask[i] == 0 for i in range(s.response_length) if i not in set(positions))
+    if s.response_length:  # per-token versions: a model token's own, an injected one's predecessor
+        assert len(s.token_versions) == s.response_length
+        last = -1
+        for seg in segments_of(s):
+            want = seg["weight_version"] if seg["source"] == "model" else last
+            assert s.token_versions[seg["start"] : seg["start"] + seg["length"]] == [want] * seg["length"]
+            last = seg["weight_version"] if seg["source"] == "model" else last
 
 
 @settings(max_examples=50, deadline=None)
@@ -77,6 +84,18 @@ def test_mask_turns_before_masks_exactly_older_model_turns(seq, cut):
             append_turn(s, ids, None, False)
     mask_turns_before(s, cut)
     s.validate()
+    if s.response_length:  # the same tokens as the single-turn rule (offpolicy_loss_mask) masks
+        from verst.rollout.generate import offpolicy_loss_mask
+
+        newest = max(
+            (seg["weight_version"] for seg in segments_of(s) if seg["source"] == "model"), default=None
+        )
+        if newest is not None and cut == newest:
+            env_zero = [
+                0 if seg["source"] == "env" else 1 for seg in segments_of(s) for _ in range(seg["length"])
+            ]
+            by_version = offpolicy_loss_mask(env_zero, s.token_versions) or [1] * s.response_length
+            assert s.effective_loss_mask() == by_version
     mask = s.effective_loss_mask()
     for seg in segments_of(s):
         span = mask[seg["start"] : seg["start"] + seg["length"]]

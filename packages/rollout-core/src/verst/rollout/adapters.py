@@ -125,7 +125,7 @@ class LegacyGenerateFnAdapter:
         if not isinstance(out, Sample | list):
             raise TypeError(
                 f"v1 generate function {self.path or self.fn!r} returned {type(out).__name__}; "
-                f"it must return the sample (or a list of samples)"
+                f"it must return the sample (a multi-turn episode is one sample with its own loss mask)"
             )
         for s in out if isinstance(out, list) else (out,):
             check_returned_sample(s, f"v1 generate function {self.path or self.fn!r}")

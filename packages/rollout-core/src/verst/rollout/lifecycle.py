@@ -23,7 +23,7 @@ class EventKind(enum.StrEnum):
     Every attempt: `attempt_start`, `gen_start`, `gen_end`, `attempt_end`. Agentic episodes add,
     between `gen_start` and `gen_end`, one `turn_start` / `turn_end` pair per turn (detail:
     `turn`, and on the end `duration_s`, `queue_s`, `gen_s`, `env_s`, token counts) and one
-    `tool_start` / `tool_end` pair per traced tool call (detail: `turn`, `tool`, `call`, and on
+    `tool_start` / `tool_end` pair per traced tool call (detail: `turn`, `tool`, `call_id`, and on
     the end `duration_s`, `status`).
     """
 

@@ -57,6 +57,10 @@ def _type_name(annotation: Any) -> str:
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a field: `Model`, or `Model | None` (an optional section)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None

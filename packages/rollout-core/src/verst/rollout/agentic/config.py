@@ -52,7 +52,7 @@ class EnvConfig(BaseModel):
     on_abort: Literal["resume", "restart"] = Field(
         "restart",
         description="An episode aborted mid-way: 'resume' keeps its turns and live environment and continues "
-        "it when resubmitted (needs partial_rollout or fully_async), 'restart' starts it again from its prompt.",
+        "it when resubmitted (needs partial_rollout), 'restart' starts it again from its prompt.",
     )
     reward: Literal["final", "sum", "reward_fn"] = Field(
         "final",

@@ -140,10 +140,14 @@ class AgenticGenerate:
                 )
 
         meta = sample.metadata.get(STATE_KEY)
+        if state.aborted.is_set():  # e.g. after waiting for max_episodes_in_flight: start nothing
+            sample.status = Status.ABORTED
+            return sample
         env = self._parked.pop(meta["episode_id"], None) if meta else None
         if env is None and (sample.response_length or meta):  # not resumable here: start over
             _reset_episode(sample)
-        trace = EpisodeTrace(emit if emit_on else None)
+        attempt = sample.metadata.get("attempt")
+        trace = EpisodeTrace(emit if emit_on else None, attempt=attempt)
         parked = False
         try:
             async with asyncio.timeout(self.config.episode_timeout_s):
@@ -192,6 +196,7 @@ class AgenticGenerate:
         sample.loss_mask = None
         sample.rollout_logprobs = None
         sample.weight_versions = []
+        sample.token_versions = None
         sample.metadata[STATE_KEY] = {"episode_id": secrets.token_hex(8), "open_turn": None, "requests": 0}
         sample.metadata["segments"] = []
         sample.metadata["turn_rewards"] = []
@@ -221,8 +226,8 @@ class AgenticGenerate:
                 return TerminationReason.ABORTED
             trace.turn = turn
             started = time.perf_counter()
-            emit(EventKind.TURN_START, {"turn": turn})
-            detail: dict[str, Any] = {"turn": turn}
+            emit(EventKind.TURN_START, {"attempt": trace.attempt, "turn": turn})
+            detail: dict[str, Any] = {"attempt": trace.attempt, "turn": turn}
             try:
                 out, queue_s = await self._generate(state, sample, params.replace(max_new_tokens=max_new))
                 gen_done = time.perf_counter()
@@ -370,6 +375,7 @@ def _reset_episode(sample: Sample) -> None:
     sample.loss_mask = None
     sample.rollout_logprobs = None
     sample.weight_versions = []
+    sample.token_versions = None
     for key in METADATA_KEYS:
         sample.metadata.pop(key, None)
 

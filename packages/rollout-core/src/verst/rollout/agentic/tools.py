@@ -241,10 +241,10 @@ class ToolEnvironmentConfig(BaseModel):
         "", description="Text before the tool responses of a turn (e.g. a role marker)."
     )
     response_suffix: str = Field("", description="Text after the tool responses of a turn.")
-    chat_template: bool = Field(
-        False,
+    chat_template: bool | None = Field(
+        None,
         description="Render the prompt (with tools=) and tool responses with the tokenizer's chat template "
-        "instead of plain text.",
+        "instead of plain text (None = when the prompt is chat messages).",
     )
     max_response_chars: int = Field(2000, ge=1, description="Tool results are cut to this many characters.")
 
@@ -266,6 +266,7 @@ class ToolEnvironment:
                 raise ValueError(f"two tools are named {tool.name!r}")
             self.tools[tool.name] = tool
         self._failed_turns = 0
+        self._chat = False
 
     @classmethod
     def factory(cls, config: ToolEnvironmentConfig, setup: EnvSetup) -> EnvironmentFactory:
@@ -279,7 +280,9 @@ class ToolEnvironment:
 
     async def reset(self, sample: Sample) -> Observation | None:
         self._failed_turns = 0
-        if not self.config.chat_template:
+        chat = self.config.chat_template
+        self._chat = isinstance(sample.prompt, list) if chat is None else chat
+        if not self._chat:
             return None  # the sample's prompt, as the data source gave it
         messages = (
             sample.prompt if isinstance(sample.prompt, list) else [{"role": "user", "content": sample.prompt}]
@@ -316,7 +319,7 @@ class ToolEnvironment:
         pass
 
     def _observation(self, results: list[str]) -> Observation:
-        if self.config.chat_template:
+        if self._chat:
             return Observation(messages=tuple({"role": "tool", "content": r} for r in results))
         body = "".join(f"<tool_response>{r}</tool_response>" for r in results)
         return Observation(text=f"{self.config.response_prefix}{body}{self.config.response_suffix}")

@@ -36,6 +36,8 @@ class EpisodeTrace:
     """Emits one event of this episode (None = no events)."""
     turn: int = 0
     """The current model-turn index."""
+    attempt: int | None = None
+    """The sample's attempt number (as on its `attempt_start`)."""
     tool_calls: int = 0
     """Tool spans opened so far in this episode."""
 
@@ -76,7 +78,8 @@ def tool_span(name: str) -> Iterator[ToolSpan]:
     span = ToolSpan(name, trace.tool_calls if trace else 0)
     if trace is not None:
         trace.tool_calls += 1
-    base = {"turn": trace.turn if trace else None, "tool": name, "call": span.index}
+    base = {"attempt": trace.attempt if trace else None, "turn": trace.turn if trace else None}
+    base.update(tool=name, call_id=span.index)
     if trace is not None and trace.emit is not None:
         trace.emit(EventKind.TOOL_START, dict(base))
     started = time.perf_counter()

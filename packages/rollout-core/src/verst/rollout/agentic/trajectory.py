@@ -10,7 +10,9 @@ The sample's response (everything after the prompt) is a sequence of **segments*
   off-policy), `rollout_logprobs` the engine's log-probs;
 - env segments hold observation ids exactly as they were fed to the engine; loss mask 0,
   `rollout_logprobs` = `MASKED_LOGPROB`;
-- `sample.weight_versions` gets one entry per model segment (per engine request).
+- `sample.weight_versions` gets one entry per model segment (per engine request), and
+  `sample.token_versions` one per response token (a model token: its request's version; an
+  injected token: the version of the model turn before it, -1 before the first).
 
 `trajectory_problems` checks these invariants; `Sample.validate` calls it for samples that
 carry segments.
@@ -91,6 +93,13 @@ def append_turn(
         sample.weight_versions = [*sample.weight_versions, int(weight_version)]  # type: ignore[arg-type]
     elif sample.rollout_logprobs is not None or start == 0:
         sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *[MASKED_LOGPROB] * len(ids)]
+    if start == 0:
+        sample.token_versions = []
+    if sample.token_versions is not None:  # per token: the version of the call that made it,
+        # or for injected tokens the one before them (-1 before the first model turn)
+        previous = [s["weight_version"] for s in segments if s["source"] == "model"]
+        version = weight_version if source == "model" else (previous[-1] if previous else -1)
+        sample.token_versions = [*sample.token_versions, *[int(version)] * len(ids)]  # type: ignore[arg-type]
     sample.tokens = [*sample.tokens, *ids]
     sample.response_length = start + len(ids)
     if text:
@@ -121,6 +130,14 @@ def mask_turns_before(sample: Sample, weight_version: int) -> int:
                 mask[i] = 0
     sample.loss_mask = mask
     return masked
+
+
+def generated_token_count(sample: Sample) -> int:
+    """Tokens the engine generated for `sample` (observations excluded)."""
+    segments = segments_of(sample)
+    if not segments:
+        return sample.response_length
+    return sum(s["length"] for s in segments if s["source"] == "model")
 
 
 def model_token_positions(sample: Sample) -> list[int]:

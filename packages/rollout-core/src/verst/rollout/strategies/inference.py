@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 from verst.rollout.agentic.episode import episode_generate_fn
 from verst.rollout.agentic.metrics import agentic_metrics
+from verst.rollout.agentic.trajectory import generated_token_count
 from verst.rollout.engine import SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
@@ -396,7 +397,7 @@ class InferenceRollout:
         """A generated group: hand it back if unfinished (some sample aborted), else keep it or
         drop it (counted per reason). Dynamic filters only ever see finished groups."""
         tally.finished_groups += 1
-        tally.generated_tokens += sum(s.response_length for s in samples)
+        tally.generated_tokens += sum(generated_token_count(s) for s in samples)
         reward_errors = sum(s.status is Status.FAILED for s in samples)
         if reward_errors:
             tally.reward_errors += reward_errors
