@@ -36,7 +36,8 @@ def test_bad_config_in_a_real_process_lists_every_problem(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert "invalid configuration (6 problems)" in proc.stderr
+    # the 6 schema problems AND the cross-section ones (no model anywhere), in one report
+    assert "invalid configuration (8 problems)" in proc.stderr
     for key in (
         "run.num_step",
         "rollout.batch_size",
@@ -44,9 +45,11 @@ def test_bad_config_in_a_real_process_lists_every_problem(tmp_path):
         "train.lr",
         "trian",
         "rollout.n_samples_per_prompt",
+        "engine.model_path",
+        "train.model_path",
     ):
         assert f"- {key}:" in proc.stderr
-    assert proc.stderr.count("fix:") == 6
+    assert proc.stderr.count("fix:") == 8
 
 
 @pytest.mark.parametrize(

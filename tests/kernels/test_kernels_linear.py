@@ -213,3 +213,52 @@ def test_ambient_autocast_does_not_change_the_chunk_precision():
     (ref * g).sum().backward()
     assert_grad_close(h.grad, hr.grad, name="grad_hidden")
     assert_grad_close(w.grad, wr.grad, name="grad_weight")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("with_bias", "softcap"), [(True, None), (False, 1.5), (True, 3.0)], ids=str)
+def test_linear_bias_and_softcap_match_float64(backend, dtype, with_bias, softcap):
+    """The LM-head bias and the logit soft-cap (Gemma-2/3 `final_logit_softcapping`) applied per
+    chunk: log-probs, entropy, top-k and the gradients of hidden, weight and bias match float64."""
+    hidden, weight, targets = _inputs((7,), 8, 120, dtype, seed=9, scale=3.0)  # logits past the cap
+    bias = (torch.randn(120, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2).to(dtype)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_() if with_bias else None
+    lp, ent = linear_token_logprobs(
+        h, w, targets, 0.8, True, chunk_size=3, backend=backend, lm_head_bias=b, softcap=softcap
+    )
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    br = bias.double().requires_grad_() if with_bias else None
+    ref_lp, ref_ent = reference_linear_token_logprobs(
+        hr, wr, targets, 0.8, True, lm_head_bias=br, softcap=softcap
+    )
+    tol = _tol(hidden, weight, 0.8) + (4 * OUT_DTYPE_EPS[dtype] * float(bias.abs().max()) if with_bias else 0)
+    assert_close_report(lp, ref_lp, atol=tol, name="logprobs")
+    assert_close_report(ent, ref_ent, atol=tol, name="entropy")
+    g = torch.randn(7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ((lp.double() * g).sum() + ent.double().sum()).backward()
+    ((ref_lp * g).sum() + ref_ent.sum()).backward()
+    extra = 8 * OUT_DTYPE_EPS[dtype]
+    assert_grad_close(h.grad, hr.grad, name="grad_hidden", extra_rel=extra)
+    assert_grad_close(w.grad, wr.grad, name="grad_weight", extra_rel=extra)
+    if with_bias:
+        assert b.grad.dtype == dtype
+        assert_grad_close(b.grad, br.grad, name="grad_bias", extra_rel=extra)
+    top = linear_topk_logprobs(
+        hidden, weight, 4, 0.8, chunk_size=3, backend=backend, lm_head_bias=bias if with_bias else None,
+        softcap=softcap,
+    )  # fmt: skip
+    full = reference_linear_token_logprobs(
+        hidden, weight, torch.arange(120).expand(7, 120), 0.8, lm_head_bias=bias if with_bias else None,
+        softcap=softcap,
+    )  # fmt: skip  # [7, 120]
+    assert_close_report(top.values, full.topk(4, -1).values, atol=tol, name="top-k values")
+
+
+def test_linear_head_post_arguments_are_checked():
+    hidden, weight, targets = _inputs((3,), 4, 10, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        linear_token_logprobs(hidden, weight, targets, softcap=0.0)
+    with pytest.raises(ValueError, match=r"lm_head_bias must be \[V=10\]"):
+        linear_token_logprobs(hidden, weight, targets, lm_head_bias=torch.zeros(9))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernels_checks import assert_close_report, assert_grad_close, logprob_tol, make_logits
+from kernels_checks import EPS32, assert_close_report, assert_grad_close, logprob_tol, make_logits
 
 from verst.kernels import token_logprobs
 from verst.kernels._launchers import TritonRowOps
@@ -36,7 +36,13 @@ def _check(logits, targets, T, backend, upstream_seed=1):
     ((lp.double() * g_lp).sum() + (ent.double() * g_ent).sum()).backward()
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
     assert x.grad.dtype == logits.dtype
-    assert_grad_close(x.grad, ref_x.grad, name=f"grad_logits[{backend}]")
+    # A float32 log-prob is off by ~eps32 * max|logits / T| (absolute), and the entropy gradient
+    # -p (log p + H) carries that error even where every reference gradient is tiny (a saturated
+    # row: V=2, gap 30, gradients ~1e-14): the absolute floor says so.
+    scale = max(1.0, float(logits.double().abs().max()) / T) if logits.numel() else 1.0
+    g_max = float(g_lp.abs().max() + g_ent.abs().max()) if lp.numel() else 0.0
+    floor = 4 * EPS32 * scale * g_max / T
+    assert_grad_close(x.grad, ref_x.grad, name=f"grad_logits[{backend}]", floor=floor)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -4,7 +4,8 @@ Token authentication (on by default for local clusters since Ray 2.59) is turned
 `RAY_AUTH_MODE=disabled`, Ray's `uv run` hook with `RAY_ENABLE_UV_RUN_RUNTIME_ENV=0`, and the
 session lives in a short temporary directory (Ray's socket paths have a length limit). The
 legacy-rollout flag is removed while the cluster starts, so no worker inherits a developer's
-shell value.
+shell value. The cluster is started by verst's own `connect` (no address: a local cluster, on
+loopback only — node IP and GCS on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -26,16 +27,12 @@ def ray_cluster():
     saved = {k: os.environ.get(k) for k in [*RAY_SETTINGS, LEGACY_FLAG]}
     os.environ.update(RAY_SETTINGS)
     os.environ.pop(LEGACY_FLAG, None)
-    import ray
+    from verst.trainer.placement.ray_cluster import connect
 
     temp = tempfile.mkdtemp(prefix="vray-", dir="/tmp")
     try:
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            _temp_dir=temp,
-            namespace=NAMESPACE,
-            log_to_driver=False,
+        conn = connect(
+            None, namespace=NAMESPACE, min_cpus=4, init_options={"_temp_dir": temp, "log_to_driver": False}
         )
     finally:
         for key, value in saved.items():
@@ -45,8 +42,10 @@ def ray_cluster():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    import ray
+
     yield ray
-    ray.shutdown()
+    conn.close()
     for key in RAY_SETTINGS:
         if saved[key] is None:
             os.environ.pop(key, None)

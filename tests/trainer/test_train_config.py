@@ -122,11 +122,14 @@ def test_distributed_weight_sync_needs_exactly_one_engine_process():
     assert not [p for p in train_problems(one, {}, cuda_available=False) if p.key == "train.weight_sync"]
 
 
-def test_fsdp_on_cpu_allowed_with_two_processes(tmp_path):
+def test_fsdp_on_cpu_allowed_with_two_processes(tmp_path, tiny_checkpoint):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = RunConfig.model_validate(
-        {"train": {"model_path": "/m", "fsdp": True}, "rollout": {"data": {"path": str(data)}}}
+        {
+            "train": {"model_path": str(tiny_checkpoint), "fsdp": True},
+            "rollout": {"data": {"path": str(data)}},
+        }
     )
     validate_run_config(cfg, {"WORLD_SIZE": "2"}, cuda_available=False)
     with pytest.raises(ConfigError):

@@ -143,6 +143,25 @@ def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -
         raise ValueError(f"chunk_size must be >= 1 tokens, got {chunk_size}")
 
 
+def _check_head_post(weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> float | None:
+    """Validate the optional LM-head bias `[V]` and logit soft-cap; returns the cap as a float."""
+    if bias is not None:
+        _check_float("lm_head_bias", bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"lm_head_bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise ValueError(
+                f"lm_head_bias ({bias.dtype}, {bias.device}) must share lm_head_weight's dtype and "
+                f"device ({weight.dtype}, {weight.device})"
+            )
+    if softcap is None:
+        return None
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap!r}")
+    return cap
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,  # [..., H]
     lm_head_weight: torch.Tensor,  # [V, H]
@@ -152,20 +171,34 @@ def linear_token_logprobs(
     *,
     chunk_size: int = 256,
     backend: Backend | None = None,
+    lm_head_bias: torch.Tensor | None = None,  # [V]
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs(hidden @ W.T, ...)` computed `chunk_size` tokens at a time.
+    """`token_logprobs(post(hidden @ W.T + b), ...)` computed `chunk_size` tokens at a time.
 
     Full `[N, V]` logits are never materialised, in the forward or the backward (which recomputes
-    each chunk's logits), and gradients for `hidden` and `lm_head_weight` are correct for any
-    upstream gradient (per-token advantages, masks, clipping).
+    each chunk's logits), and gradients for `hidden`, `lm_head_weight` (and `lm_head_bias`) are
+    correct for any upstream gradient (per-token advantages, masks, clipping). `softcap`, when
+    given, is `post(x) = softcap * tanh(x / softcap)` per chunk (before the temperature), as
+    Gemma-2/3's `final_logit_softcapping`; a linear logit scale folds into `temperature`.
     """
     _check_linear(hidden, lm_head_weight, chunk_size)
+    cap = _check_head_post(lm_head_weight, lm_head_bias, softcap)
     T = _check_temperature(temperature)
     lead, V = hidden.shape[:-1], lm_head_weight.shape[0]
     targets = _check_ids("target_ids", target_ids, lead, V, hidden.device, extra=False)
     ops = _row_ops(hidden.device, backend)
     lp, ent, *_ = LinearLogprobsFunction.apply(
-        _rows(hidden), lm_head_weight, targets, T, bool(return_entropy), int(chunk_size), ops, 0
+        _rows(hidden),
+        lm_head_weight,
+        targets,
+        T,
+        bool(return_entropy),
+        int(chunk_size),
+        ops,
+        0,
+        lm_head_bias,
+        cap,
     )
     lp = lp.view(lead)
     return (lp, ent.view(lead)) if return_entropy else lp
@@ -180,12 +213,17 @@ def linear_topk_logprobs(
     token_ids: torch.Tensor | None = None,  # [..., m]
     chunk_size: int = 256,
     backend: Backend | None = None,
+    lm_head_bias: torch.Tensor | None = None,  # [V]
+    softcap: float | None = None,
 ) -> TopKLogprobs:
-    """`topk_logprobs(hidden @ W.T, ...)` computed in token chunks (no full-vocabulary tensors).
+    """`topk_logprobs(post(hidden @ W.T + b), ...)` computed in token chunks (no full-vocabulary
+    tensors); `lm_head_bias` and `softcap` as in `linear_token_logprobs`.
 
-    `token_logprobs` is differentiable wrt `hidden` and `lm_head_weight`; values/indices are not.
+    `token_logprobs` is differentiable wrt `hidden`, `lm_head_weight` (and `lm_head_bias`);
+    values/indices are not.
     """
     _check_linear(hidden, lm_head_weight, chunk_size)
+    cap = _check_head_post(lm_head_weight, lm_head_bias, softcap)
     T = _check_temperature(temperature)
     lead, V = hidden.shape[:-1], lm_head_weight.shape[0]
     if not 1 <= int(k) <= V:
@@ -197,7 +235,7 @@ def linear_topk_logprobs(
         ids = _check_ids("token_ids", token_ids, lead, V, hidden.device, extra=True)
     ops = _row_ops(hidden.device, backend)
     lp, _, _, values, indices = LinearLogprobsFunction.apply(
-        h, lm_head_weight, ids, T, False, int(chunk_size), ops, int(k)
+        h, lm_head_weight, ids, T, False, int(chunk_size), ops, int(k), lm_head_bias, cap
     )
     out_lp = lp.view(*lead, ids.shape[1]) if token_ids is not None else None
     return TopKLogprobs(values.view(*lead, int(k)), indices.view(*lead, int(k)), out_lp)

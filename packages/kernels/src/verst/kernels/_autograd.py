@@ -90,11 +90,32 @@ class LogprobsFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class LinearLogprobsFunction(torch.autograd.Function):
-    """Chunked log-probs (and optional entropy / top-k) of `hidden @ weight.T / T`.
+def _chunk_logits(
+    h_c: torch.Tensor,  # [C, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's logits `[C, V]` after the optional bias and soft-cap, and `tanh(x / cap)`
+    (float32, the soft-cap's derivative needs it) or None without a soft-cap."""
+    with _no_autocast(h_c):
+        logits = h_c @ weight.T  # [C, V], never more than one chunk alive
+        if bias is not None:
+            logits += bias
+    if softcap is None:
+        return logits, None
+    t = logits.float().div_(softcap).tanh_()  # [C, V] float32
+    return t * softcap, t
 
-    Outputs: (log-probs [N, M], entropy [N] | None, lse [N], top-k values [N, k] | None,
-    top-k indices [N, k] | None). Only log-probs and entropy are differentiable.
+
+class LinearLogprobsFunction(torch.autograd.Function):
+    """Chunked log-probs (and optional entropy / top-k) of `post(hidden @ weight.T + bias) / T`.
+
+    `post` is the optional soft-cap `cap * tanh(x / cap)` (Gemma-2/3 `final_logit_softcapping`),
+    applied elementwise per chunk (forward and backward recompute); a linear logit scale is the
+    caller's to fold into the temperature. Outputs: (log-probs [N, M], entropy [N] | None, lse [N],
+    top-k values [N, k] | None, top-k indices [N, k] | None). Only log-probs and entropy are
+    differentiable (wrt hidden, weight and bias).
     """
 
     @staticmethod
@@ -108,6 +129,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         chunk_size: int,
         ops: RowOps,
         topk: int,
+        bias: torch.Tensor | None = None,  # [V]
+        softcap: float | None = None,
     ):
         N, M, dev = hidden.shape[0], targets.shape[1], hidden.device
         logprobs = torch.empty((N, M), dtype=torch.float32, device=dev)
@@ -117,8 +140,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         top_i = torch.empty((N, topk), dtype=torch.int64, device=dev) if topk else None
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
-            with _no_autocast(hidden):
-                logits = hidden[s:e] @ weight.T  # [C, V], never more than one chunk alive
+            logits, _ = _chunk_logits(hidden[s:e], weight, bias, softcap)  # [C, V]
             lp_c, ent_c, lse_c = ops.forward(
                 logits, targets[s:e], temperature, with_entropy, overwrite=not topk
             )  # top-k reads the logits afterwards: keep them intact then
@@ -128,19 +150,20 @@ class LinearLogprobsFunction(torch.autograd.Function):
             if top_v is not None and top_i is not None:
                 top_v[s:e], top_i[s:e] = ops.topk(logits, topk, temperature, lse_c)
             del logits, lp_c, ent_c, lse_c
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_size, ctx.ops = temperature, chunk_size, ops
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, bias)
+        ctx.temperature, ctx.chunk_size, ctx.ops, ctx.softcap = temperature, chunk_size, ops, softcap
         ctx.mark_non_differentiable(*(t for t in (lse, top_v, top_i) if t is not None))
         ctx.set_materialize_grads(False)
         return logprobs, entropy, lse, top_v, top_i
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs, grad_entropy, *_unused):  # type: ignore[override]
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, bias = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[8]
         nones = (None,) * 6
-        if (grad_logprobs is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, *nones
+        if (grad_logprobs is None and grad_entropy is None) or not (need_h or need_w or need_b):
+            return None, None, *nones, None, None
         N, dev, T = hidden.shape[0], hidden.device, ctx.temperature
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
@@ -150,11 +173,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
         low_precision = hidden.dtype != torch.float32
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None  # [V, H]
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None  # [V]
         for s in range(0, N, ctx.chunk_size):
             e = min(s + ctx.chunk_size, N)
             h_c = hidden[s:e]  # [C, H]
-            with _no_autocast(hidden):
-                logits = h_c @ weight.T  # [C, V], recomputed with the forward's precision
+            # recomputed with the forward's precision; t = tanh(x / cap) under a soft-cap
+            logits, t = _chunk_logits(h_c, weight, bias, ctx.softcap)  # [C, V]
             grad_logits = ctx.ops.backward(
                 logits, targets[s:e], T, lse[s:e],
                 entropy[s:e] if entropy is not None else None,
@@ -163,6 +187,11 @@ class LinearLogprobsFunction(torch.autograd.Function):
                 torch.float32, overwrite=True,
             )  # fmt: skip  # [C, V] float32, may reuse the logits' buffer
             del logits
+            if t is not None:  # d cap*tanh(x/cap) / dx = 1 - tanh(x/cap)^2
+                grad_logits.mul_(t.square_().neg_().add_(1.0))
+                del t
+            if grad_b is not None:
+                grad_b += grad_logits.sum(0)
             if grad_h is not None:
                 gl = grad_logits.to(hidden.dtype) if low_precision else grad_logits
                 torch.mm(gl, weight, out=grad_h[s:e])
@@ -172,4 +201,6 @@ class LinearLogprobsFunction(torch.autograd.Function):
             del grad_logits
         if grad_w is not None and low_precision:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, *nones
+        if grad_b is not None and bias is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, *nones, grad_b, None

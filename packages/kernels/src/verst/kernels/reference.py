@@ -43,11 +43,19 @@ def reference_linear_token_logprobs(
     return_entropy: bool = False,
     *,
     dtype: torch.dtype | None = torch.float64,
+    lm_head_bias: torch.Tensor | None = None,  # [V]
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The naive `log_softmax(hidden @ W.T / T).gather(...)` (full logits materialised)."""
+    """The naive `log_softmax(post(hidden @ W.T + b) / T).gather(...)` (full logits materialised),
+    `post(x) = softcap * tanh(x / softcap)` when `softcap` is given."""
     h = hidden.to(dtype) if dtype is not None else hidden
     w = lm_head_weight.to(dtype) if dtype is not None else lm_head_weight
-    return reference_token_logprobs(h @ w.T, target_ids, temperature, return_entropy, dtype=None)
+    logits = h @ w.T
+    if lm_head_bias is not None:
+        logits = logits + (lm_head_bias.to(dtype) if dtype is not None else lm_head_bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return reference_token_logprobs(logits, target_ids, temperature, return_entropy, dtype=None)
 
 
 def reference_topk_logprobs(

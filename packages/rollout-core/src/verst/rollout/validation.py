@@ -267,8 +267,52 @@ def _module_missing(module: str) -> str | None:
     return None if found else f"module {module!r} is not installed"
 
 
+_PATH_KINDS = {
+    "rollout.generate_function_path": "generate function",
+    "rollout.reward.type": "reward function",
+}
+"""What each import-path key names (dynamic filters: "dynamic filter")."""
+
+
+def import_path_problems(key: str, path: str, what: str) -> list[Problem]:
+    """Resolve a user import path now (import the module, get the attribute, check it is
+    callable), so a path that does not resolve or raises on import is reported under its config
+    key, with the fix, before the run directory exists."""
+    try:
+        module, attr = split_import_path(path)
+    except ImportPathError as exc:
+        return [Problem(key, str(exc), "write it as 'package.module:attribute'")]
+    missing = _module_missing(module)
+    if missing:
+        return [
+            Problem(
+                key,
+                f"cannot load {what} {path!r}: {missing}",
+                "check the spelling, run from the directory that holds the module (a module next to "
+                "the config file is found too), or install its package",
+            )
+        ]
+    try:
+        obj = import_object(path, what=what)
+    except ImportPathError as exc:
+        if "has no attribute" in str(exc):
+            fix = f"define {attr!r} in module {module!r}, or point {key} at a {what} it defines"
+        else:
+            fix = f"fix the error raised while importing {module!r} (see the message), then rerun"
+        return [Problem(key, str(exc), fix)]
+    if not callable(obj):
+        return [
+            Problem(
+                key,
+                f"{path!r} is a {type(obj).__name__}, not a {what}",
+                f"point {key} at a function (or callable class) in {module!r}",
+            )
+        ]
+    return []
+
+
 def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
-    """User import paths: well formed, and their module exists (found, not imported)."""
+    """User import paths: well formed, importable, naming a callable (resolved now)."""
     paths = [
         ("rollout.generate_function_path", c.generate_function_path),
         ("rollout.reward.type", c.reward.type if is_import_path(c.reward.type) else None),
@@ -278,18 +322,11 @@ def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
         if path is None:
             continue
         try:
-            module, _ = split_import_path(path)
-        except ImportPathError as exc:
-            if key != "rollout.reward.type":  # reported by _check_reward
-                yield Problem(key, str(exc), "write it as 'package.module:attribute'")
-            continue
-        missing = _module_missing(module)
-        if missing:
-            yield Problem(
-                key,
-                f"cannot load {path!r}: {missing}",
-                "check the spelling, run from the directory that holds the module, or install its package",
-            )
+            split_import_path(path)
+        except ImportPathError:
+            if key == "rollout.reward.type":  # reported by _check_reward
+                continue
+        yield from import_path_problems(key, path, _PATH_KINDS.get(key, "dynamic filter"))
     yield from _check_data(c.data, "rollout.data", required=False)
 
 

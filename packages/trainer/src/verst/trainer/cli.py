@@ -30,7 +30,10 @@ from pydantic import BaseModel
 
 from verst.rollout.config import is_path_field
 from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem, RolloutError
+from verst.rollout.importing import ImportPathError
 
+USER_ERRORS = (ConfigError, DataError, MissingOptionalDependency, ImportPathError)
+"""Errors printed without a traceback (exit code `EXIT_USER_ERROR`): the user can fix them."""
 EXIT_USER_ERROR = 2
 """Exit code of a bad config, bad data or a missing optional package."""
 EXIT_INTERRUPTED = 130
@@ -200,13 +203,15 @@ def add_config_dir_to_path(config_path: Path) -> None:
 def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dict[str, str]]:
     """Load, resolve paths, build the effective env once, and validate (one `ConfigError`)."""
     from verst.rollout.selection import resolve_extra_env_vars
-    from verst.trainer.config import load_run_config, validate_run_config
+    from verst.trainer.config import read_run_config_data, run_config_with_problems, validate_run_config
 
     add_config_dir_to_path(Path(config))  # before loading: an engine `type` may be an import path
-    cfg = load_run_config(config, list(overrides))
+    cfg, schema_problems = run_config_with_problems(read_run_config_data(config, list(overrides)))
     cfg = resolve_paths(cfg, Path(config))
     env = resolve_extra_env_vars(cfg.run.env)
-    validate_run_config(cfg, env)
+    validate_run_config(
+        cfg, env, schema_problems=schema_problems, config_dir=Path(config).resolve().parent
+    )  # schema and cross-section problems together, before anything is created
     return cfg, env
 
 
@@ -220,6 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from verst.trainer.metrics import RunLogger
     from verst.trainer.run_dir import RunDir
 
+    fresh = not Path(cfg.run.output_dir).exists()
     run_dir = RunDir(Path(cfg.run.output_dir)).create()
     header = f"# resolved config of run {cfg.run.name!r}\n# from {args.config} {' '.join(args.overrides)}"
     run_dir.write_config(cfg, header=header)
@@ -233,6 +239,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     logger.message(f"verst train: run {cfg.run.name!r} → {run_dir.root}")
     try:
         summary = run_training(cfg, run_dir.root, env=env, logger=logger)
+    except USER_ERRORS:
+        logger.close()
+        if fresh:  # a problem found only while building: no half-made run directory stays behind
+            remove_unstarted_run_dir(run_dir)
+        raise
     finally:
         logger.close()
     summary = summary_dict(summary)
@@ -240,6 +251,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir.write_summary(summary)
     print(_format_summary(summary, run_dir), flush=True)
     return 0
+
+
+def remove_unstarted_run_dir(run_dir: Any) -> None:
+    """Delete a run directory this command created when no checkpoint was written in it (the
+    run failed while building, on a user error such as a model that does not load)."""
+    import shutil
+
+    if not any(run_dir.checkpoints.iterdir()):
+        shutil.rmtree(run_dir.root, ignore_errors=True)
 
 
 def summary_dict(summary: Any) -> dict[str, Any]:
@@ -435,11 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _guarded(fn: Any) -> int:
-    from verst.rollout.importing import ImportPathError
-
     try:
         return int(fn() or 0)
-    except (ConfigError, DataError, MissingOptionalDependency, ImportPathError) as exc:
+    except USER_ERRORS as exc:
         print_user_error(exc)
         return EXIT_USER_ERROR
     except RolloutError as exc:

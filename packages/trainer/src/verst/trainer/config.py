@@ -200,17 +200,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
 
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a TOML run config (None = all defaults) with overrides; raise one `ConfigError` on any error."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError([Problem(str(path), "config file not found", "check the path")]) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([Problem(str(path), f"not valid TOML: {exc}", "fix the TOML syntax")]) from None
-    apply_overrides(data, overrides)
-    return run_config_from_dict(data)
+    return run_config_from_dict(read_run_config_data(path, overrides))
 
 
 def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
@@ -285,9 +275,50 @@ def problems_from_validation_error(
         valid = _fields_at(model, loc[:-1], data) or {}
         field = valid.get(str(loc[-1])) if loc else None
         if field is not None and field.description:
-            fix = f"expected: {field.description} (default {field.default!r})"
+            fix = f"expected: {field.description}{_default_text(field)}"
         problems.append(Problem(key, f"{err['msg']} (got {err.get('input')!r})", fix))
     return problems
+
+
+def _default_text(field: Any) -> str:
+    """` (default X)` for a field with a default, ` (required)` for one without; nothing for a
+    default built by a factory that has no short form (a nested table)."""
+    if field.is_required():
+        return " (required)"
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return f" (default {value!r})" if isinstance(value, list | dict | tuple) and not value else ""
+    return f" (default {field.default!r})"
+
+
+def read_run_config_data(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The TOML of a run config (None = empty) with the overrides applied, as a dict."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError([Problem(str(path), "config file not found", "check the path")]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([Problem(str(path), f"not valid TOML: {exc}", "fix the TOML syntax")]) from None
+    return apply_overrides(data, overrides)
+
+
+def run_config_with_problems(data: Mapping[str, Any]) -> tuple[RunConfig, list[Problem]]:
+    """`(config, schema problems)`: the config itself when `data` validates; otherwise the
+    config built from the values that did (`partial_run_config`), so the cross-section checks
+    can still report with the schema problems. Raises the schema problems alone when even that
+    cannot be built."""
+    from verst.trainer.config_checks import partial_run_config
+
+    try:
+        return run_config_from_dict(data), []
+    except ConfigError as exc:
+        partial = partial_run_config(data, RunConfig)
+        if partial is None:
+            raise
+        return partial, exc.problems  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- cross-section validation
@@ -395,10 +426,29 @@ def resolved_model_path(cfg: RunConfig) -> str:
 
 
 def validate_run_config(
-    cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
+    cfg: RunConfig,
+    env: Mapping[str, str],
+    *,
+    cuda_available: bool | None = None,
+    schema_problems: Sequence[Problem] = (),
+    config_dir: Path | None = None,
 ) -> None:
-    """Every cross-section check at once; raise one `ConfigError` listing each problem with its fix."""
-    problems: list[Problem] = []
+    """Every cross-section check at once; raise one `ConfigError` listing each problem with its fix.
+
+    `schema_problems` (what the schema rejected; `cfg` is then `partial_run_config`'s) are
+    reported first, with the cross-section problems that do not concern the same keys.
+    `config_dir` is where relative model paths may be relative to (besides the cwd).
+    """
+    from verst.trainer.config_checks import (
+        finite_problems,
+        merge_problems,
+        model_paths_problems,
+        optimizer_problems,
+    )
+
+    problems: list[Problem] = list(finite_problems(cfg, ""))
+    problems += optimizer_problems(cfg.train)
+    problems += model_paths_problems(cfg, search_dirs=[config_dir] if config_dir else [])
     problems += engine_problems(cfg.engine, fallback_model_path=cfg.train.model_path)
     problems += list(cfg.algorithm.problems())
     try:
@@ -412,5 +462,6 @@ def validate_run_config(
     )
     problems += train_problems(cfg, env, cuda_available=cuda_available)
     problems += placement_problems(cfg, env)
+    problems = merge_problems(schema_problems, problems)
     if problems:
         raise ConfigError(problems)

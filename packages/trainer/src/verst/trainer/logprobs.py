@@ -3,8 +3,10 @@
 The model runs only its decoder (`get_decoder()`); the hidden states at the positions that
 predict response tokens are gathered into `[num_response_tokens, hidden]` and go through
 `verst.kernels.linear_token_logprobs` with the LM-head weight, in chunks, so the full
-`[tokens, vocab]` logits never exist (forward and backward). Temperature is the rollout's: the
-engine reports `log_softmax(logits / T)` of each sampled token, so the trainer does the same.
+`[tokens, vocab]` logits never exist (forward and backward). What the model's own forward does
+after the head (a logit scale, a soft-cap, a bias: `verst.trainer.logit_head`) is applied on
+every path, so the logits are the ones the engine samples from. Temperature is the rollout's:
+the engine reports `log_softmax(logits / T)` of each sampled token, so the trainer does the same.
 
 Sequences are packed padding-free by default: a micro-batch becomes one row `[1, total]` with
 `position_ids` restarting at 0 for each sequence and no attention mask; transformers then
@@ -20,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from verst.trainer.logit_head import LogitHead, logit_head
 
 
 @dataclass
@@ -106,7 +110,7 @@ DIRECT_MAX_LOGITS = 1 << 20
 
 def hidden_logprobs(
     hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
+    head: LogitHead | torch.Tensor,  # or a bare LM-head weight [V, H]
     target_ids: torch.Tensor,  # [N]
     *,
     temperature: float,
@@ -114,15 +118,17 @@ def hidden_logprobs(
     backend: str = "auto",
     chunk_size: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(hidden @ weight.T / T)`.
+    """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(head(hidden) / T)`.
 
     `auto` computes small problems (`N * V <= DIRECT_MAX_LOGITS`, e.g. a tiny vocabulary) with
     one direct matmul: their full logits are smaller than one chunk of a real vocabulary, and
     the chunked kernel's per-chunk work and backward recompute would cost more than they save.
     """
-    direct = backend == "auto" and hidden.shape[0] * weight.shape[0] <= DIRECT_MAX_LOGITS
+    if isinstance(head, torch.Tensor):
+        head = LogitHead(weight=head)
+    direct = backend == "auto" and hidden.shape[0] * head.weight.shape[0] <= DIRECT_MAX_LOGITS
     if backend == "naive" or direct:
-        logp = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)  # [N, V]
+        logp = torch.log_softmax(head.logits(hidden) / temperature, dim=-1)  # [N, V]
         lp = logp.gather(-1, target_ids[:, None])[:, 0]
         ent = -(logp.exp() * logp).sum(-1) if return_entropy else None
         if direct:  # clones: see below (FSDP2 and views)
@@ -133,11 +139,10 @@ def hidden_logprobs(
     kwargs = {} if backend == "auto" else {"backend": backend}
     out = linear_token_logprobs(
         hidden,
-        weight,
-        target_ids,
-        temperature=temperature,
+        target_ids=target_ids,
         return_entropy=return_entropy,
         chunk_size=chunk_size,
+        **head.kernel_args(temperature),
         **kwargs,
     )
     # clones: FSDP2 warns about (and mishandles in-place ops on) views returned from its root
@@ -166,13 +171,13 @@ class PolicyLogprobs(nn.Module):
         *,
         temperature: float = 1.0,
         return_entropy: bool = False,
-        hidden_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        hidden_fn: Callable[[torch.Tensor, LogitHead], Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, Any]:
         """Flat log-probs `[num_response_tokens]` (and entropy) for a packed/padded micro-batch.
 
-        `hidden_fn(hidden [N, H], lm_head_weight [V, H])`, when given, runs inside this forward
-        (so under FSDP2 on the gathered weight) and its result is returned third — used by
-        on-policy distillation for top-k log-probs through the chunked kernels.
+        `hidden_fn(hidden [N, H], head)`, when given, runs inside this forward (so under FSDP2 on
+        the gathered weight) and its result is returned third — used by on-policy distillation
+        for top-k log-probs through the chunked kernels (`head.kernel_args(T)`).
         """
         device = next(self.policy.parameters()).device
         decoder = self.policy.get_decoder()
@@ -184,10 +189,10 @@ class PolicyLogprobs(nn.Module):
         )
         hidden = out.last_hidden_state  # [rows, width, H]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index.to(device))
-        weight = self.policy.get_output_embeddings().weight  # [V, H]
+        head = logit_head(self.policy)  # read per forward: under FSDP2 the gathered weight
         lp, ent = hidden_logprobs(
             hidden,
-            weight,
+            head,
             inputs.target_ids.to(device),
             temperature=temperature if temperature > 0 else 1.0,
             return_entropy=return_entropy,
@@ -196,4 +201,4 @@ class PolicyLogprobs(nn.Module):
         )
         if hidden_fn is None:
             return lp, ent
-        return lp, ent, hidden_fn(hidden, weight)
+        return lp, ent, hidden_fn(hidden, head)

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.config import TrainConfig
+from verst.trainer.config_checks import HUB_FIX
 from verst.trainer.fsdp import DistInfo, ensure_process_group, is_sharded, shard_fsdp2
+from verst.trainer.logit_head import check_logit_head
 from verst.trainer.logprobs import PolicyLogprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,13 +37,45 @@ def resolve_attn_implementation(requested: str, *, cuda: bool) -> str:
     return "sdpa"
 
 
-def load_hf_model(path: str, *, dtype: str, attn_implementation: str) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the chosen dtype and attention kernel."""
+def load_hf_model(
+    path: str, *, dtype: str, attn_implementation: str, key: str = "train.model_path"
+) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the chosen dtype and attention kernel.
+
+    Its LM head is checked against its own forward (`check_logit_head`, one tiny forward, before
+    any sharding): an architecture that post-processes logits in a way verst does not know is
+    refused instead of trained on log-probs that disagree with the engine's.
+    """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError, SafetensorError) as exc:  # not on the Hub, offline, unknown, corrupt
+        raise ConfigError(
+            [
+                Problem(
+                    key,
+                    f"cannot load the model {path!r}: {exc}",
+                    f"point it at a local model directory; {HUB_FIX}",
+                )
+            ]
+        ) from exc
+    try:
+        check_logit_head(model)
+    except ValueError as exc:
+        raise ConfigError(
+            [
+                Problem(
+                    key,
+                    str(exc),
+                    "train an architecture whose logits verst reproduces (docs/training.md, Log-probs)",
+                )
+            ]
+        ) from exc
+    return model
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -70,7 +105,7 @@ class PolicyBundle:
     optimizer: torch.optim.Optimizer
     """AdamW (wrapped by accelerate when it prepared it)."""
     scheduler: Any
-    """A LambdaLR (wrapped by accelerate when it prepared it)."""
+    """A LambdaLR, stepped once per optimizer step on every rank (never wrapped by accelerate)."""
     accelerator: Any
     """The `accelerate.Accelerator`, or None on the direct-FSDP2 CPU path."""
     dist: DistInfo
@@ -135,19 +170,26 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
         )
     accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin)
     opt, sched = make_opt(module.parameters())
-    prepared, opt, sched = accelerator.prepare(module, opt, sched)
+    # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
+    # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
+    # N times too fast. The plain LambdaLR steps once per optimizer step on every rank; it only
+    # writes param_groups' lr, which the prepared optimizer shares.
+    prepared, opt = accelerator.prepare(module, opt)
     inner = accelerator.unwrap_model(prepared)
     sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
     return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding)
 
 
-def build_reference(cfg: TrainConfig, model_path: str, dist_info: DistInfo) -> PolicyLogprobs:
+def build_reference(
+    cfg: TrainConfig, model_path: str, dist_info: DistInfo, *, key: str = "train.ref_model_path"
+) -> PolicyLogprobs:
     """The frozen reference model (no grads; sharded like the policy when FSDP is on)."""
     cuda = torch.cuda.is_available()
     hf = load_hf_model(
         model_path,
         dtype=cfg.dtype,
         attn_implementation=resolve_attn_implementation(cfg.attn_implementation, cuda=cuda),
+        key=key,
     )
     hf.requires_grad_(False)
     hf.eval()

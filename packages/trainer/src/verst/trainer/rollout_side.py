@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verst.rollout.data_sources import build_data_source, build_eval_sets
-from verst.rollout.engine import EngineCapabilities, InferenceEngine, engine_capabilities
+from verst.rollout.engine import EngineCapabilities, EngineError, InferenceEngine, engine_capabilities
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
@@ -36,8 +36,10 @@ from verst.trainer.opd.scoring import TeacherScorer, build_teacher_engines
 
 T = TypeVar("T")
 
-HEALTH_WAIT_S = 5.0
-"""How long the engine may take to answer its first health check."""
+HEALTH_WAIT_S = 20.0
+"""How long the engine may take to answer its first health check (a server still starting, or
+engine actors still loading their model on a busy machine); a request the engine refuses
+outright (a malformed URL) fails at once."""
 STOP_POLL_S = 0.1
 """How often a running rollout checks its `stop` callable."""
 
@@ -56,6 +58,8 @@ async def wait_healthy(engine: InferenceEngine, what: str, timeout_s: float = HE
                 return
         except Exception as exc:  # an unreachable or malformed URL, a timeout
             last = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, EngineError) and not exc.retryable:  # InvalidRequest: waiting cannot help
+                deadline = time.monotonic()
         if time.monotonic() >= deadline:
             raise EngineUnavailableError(
                 f"the engine {what} did not pass its health check within {timeout_s:.0f}s ({last}); "

@@ -31,7 +31,8 @@ from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
-"""Algorithm metrics already normalised by the global LossNorm: summed over micro-batches."""
+"""Algorithm metrics already normalised by the mini-batch's LossNorm: summed over its micro-batches
+(and ranks) to that update's loss, then averaged over the `num_updates_per_rollout` updates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,17 +239,21 @@ class TrainSide:
         self.bundle.module.train()
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
-        for rows in split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout):
+        updates = split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout)
+        for u, rows in enumerate(updates):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in micro_batches(
                 rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size
             ):
-                self._micro_step(batch, mb, norm, step, sums)
+                self._micro_step(batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0)
             step_metrics.append(self._optimizer_step())
         metrics = reduce_metrics(sums.sums, sums.weights, _SUMMED, self.dist)
+        n_updates = max(1, sum(1 for rows in updates if rows))
+        for k in _SUMMED & metrics.keys():  # each update's loss, averaged over the updates
+            metrics[k] /= n_updates
         out = {f"train/{k}": v for k, v in metrics.items()}
-        for k in step_metrics[-1]:
-            out[f"train/{k}"] = step_metrics[-1][k]
+        out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
+        out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
         for ext in self.extensions:
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
@@ -268,8 +273,21 @@ class TrainSide:
         return lp, ent, {}
 
     def _micro_step(
-        self, batch: TrainBatch, rows: list[int], norm: LossNorm, step: _StepTensors, sums: _MetricSums
+        self,
+        batch: TrainBatch,
+        rows: list[int],
+        norm: LossNorm,
+        step: _StepTensors,
+        sums: _MetricSums,
+        *,
+        at_old_weights: bool = True,
     ) -> None:
+        """One micro-batch's forward, loss and backward; metrics accumulate into `sums`.
+
+        `at_old_weights`: the old log-probs of these rows are known (precomputed, or this is the
+        step's first update, before any optimizer step) — only then is `logprob_mismatch`
+        (|old − rollout|) measured.
+        """
         lp, ent, extras = self._forward_for_loss(batch, rows)
         if not rows:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
@@ -300,8 +318,9 @@ class TrainSide:
         metrics = {**out.metrics, **to_floats(extra_metrics)}
         self._backward(loss * self.dist.world_size)
         ntok = float(m.sum())
-        if rl is not None:
-            diff = (lp.detach() - rl).abs() * m
+        metrics.pop("logprob_mismatch", None)  # measured here, against the step's old weights
+        if rl is not None and at_old_weights:  # the trainer's log-probs before this step's updates
+            diff = (old.detach() - rl).abs() * m
             metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
             metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
         sums.add(metrics, ntok)

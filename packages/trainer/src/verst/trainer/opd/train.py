@@ -33,6 +33,7 @@ from torch import Tensor
 from verst.rollout.sample import Sample
 from verst.trainer.algorithms.aggregation import Aggregation
 from verst.trainer.algorithms.terms import LossTerm, MicroBatch, TermOutput
+from verst.trainer.logit_head import LogitHead
 from verst.trainer.logprobs import PackedInputs, PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.scoring import (
@@ -204,13 +205,13 @@ class OpdTrainer:
             [batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows], packing=self.packing
         )
 
-    def _topk_fn(self, k: int, token_ids: Tensor | None) -> Callable[[Tensor, Tensor], Any]:
+    def _topk_fn(self, k: int, token_ids: Tensor | None) -> Callable[[Tensor, LogitHead], Any]:
         from verst.kernels import linear_topk_logprobs
 
-        def fn(hidden: Tensor, weight: Tensor) -> Any:  # hidden: [N, H], weight: [V, H]
+        def fn(hidden: Tensor, head: LogitHead) -> Any:  # hidden: [N, H]
             ids = token_ids.to(hidden.device) if token_ids is not None else None
             return linear_topk_logprobs(
-                hidden, weight, k, self.temperature, token_ids=ids, chunk_size=self.chunk_size
+                hidden, k=k, token_ids=ids, chunk_size=self.chunk_size, **head.kernel_args(self.temperature)
             )
 
         return fn

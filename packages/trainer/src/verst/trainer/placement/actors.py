@@ -153,7 +153,8 @@ class TrainActor(ActorBase):
 
         from verst.trainer.placement.ray_cluster import free_port
 
-        return get_node_ip_address(), free_port()
+        ip = get_node_ip_address()
+        return ip, free_port(ip)
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str) -> dict:
         """Join the process group (when several ranks) and build the `TrainSide`."""

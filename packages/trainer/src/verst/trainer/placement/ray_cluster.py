@@ -1,8 +1,9 @@
 """Joining or starting a Ray cluster, and the runtime environment every actor gets.
 
 `connect(address)`: with an address (`"auto"`, `"HOST:6379"`) it joins that cluster
-(`ray.init(address=...)`); without one it starts a local cluster in this process. If Ray is
-already initialised (a notebook, a test session), that connection is reused and left open.
+(`ray.init(address=...)`); without one it starts a local cluster in this process, on loopback
+only (node IP and GCS on 127.0.0.1, see `LOOPBACK_ENV`). If Ray is already initialised (a
+notebook, a test session), that connection is reused and left open.
 
 The runtime environment of every actor is the run's effective environment
 (`verst.rollout.selection.resolve_extra_env_vars`) as `{"env_vars": ...}`, minus variables that
@@ -62,16 +63,34 @@ MACHINE_LOCAL_PREFIXES = ("RAY_", "TORCHELASTIC_", "SLURM_", "PYTEST_", "UV_", "
 """Prefixes of ambient variables never forwarded (Ray's own settings, launchers, test runners)."""
 
 
-def require_ray() -> ModuleType:
+LOOPBACK = "127.0.0.1"
+"""The one address a local cluster's node and GCS use."""
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Set before Ray is imported, this makes a local cluster's node IP 127.0.0.1. Without it Ray
+(2.60) resolves the node IP — even an explicit `_node_ip_address="127.0.0.1"` or `ray start
+--node-ip-address 127.0.0.1` — to the machine's interface address and registers the node and
+the GCS there; with it the node IP is the loopback address and Ray's servers listen on it
+(Ray's constant `ENABLE_RAY_CLUSTER`, read once when `ray` is imported; it only decides how the
+local node IP is found, and that a `ray start` worker node may not join this cluster)."""
+
+
+def require_ray(*, local_cluster: bool = False) -> ModuleType:
     """Import Ray, or raise `MissingOptionalDependency` with the install command.
 
     Ray's `uv run` hook (re-running `uv run` and uploading the working directory for every worker)
     is turned off unless the user set `RAY_ENABLE_UV_RUN_RUNTIME_ENV`: verst's actors run the
-    driver's interpreter, on this machine or on nodes with the same image.
+    driver's interpreter, on this machine or on nodes with the same image. `local_cluster`: this
+    process will start a local cluster, which must stay on loopback (`LOOPBACK_ENV`, unless the
+    user set it; it only takes effect if Ray is not imported yet — `connect` checks the result).
     """
     import os
+    import sys
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if local_cluster and "ray" not in sys.modules:
+        for key, value in LOOPBACK_ENV.items():
+            os.environ.setdefault(key, value)
     try:
         import ray
     except ModuleNotFoundError as exc:
@@ -123,28 +142,47 @@ class RayConnection:
             self.started_here = False
 
 
-def connect(address: str | None, *, namespace: str, min_cpus: float = 0.0) -> RayConnection:
+def connect(
+    address: str | None,
+    *,
+    namespace: str,
+    min_cpus: float = 0.0,
+    init_options: Mapping[str, Any] | None = None,
+) -> RayConnection:
     """Join the cluster at `address`, or start a local one; reuse an existing connection.
 
     A local cluster gets at least `min_cpus` logical CPUs (the plan's reservations) even on a
-    machine with fewer cores: Ray's CPUs are scheduling units, and most actors mostly wait.
+    machine with fewer cores: Ray's CPUs are scheduling units, and most actors mostly wait. It
+    runs on loopback only; if Ray was imported before verst could pin that (`LOOPBACK_ENV`), the
+    cluster is shut down again with an error saying how to fix it. `init_options` go to
+    `ray.init` as they are (tests: `_temp_dir`, `log_to_driver`).
     """
     import math
     import os
 
-    ray = require_ray()
+    ray = require_ray(local_cluster=not address)
     if ray.is_initialized():
         return RayConnection(address=None, started_here=False)
     if address:
-        ray.init(address=address, namespace=namespace)
-    else:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
-        ray.init(namespace=namespace, include_dashboard=False, num_cpus=num_cpus)
-    return RayConnection(address=address, started_here=True)
+        ray.init(address=address, namespace=namespace, **dict(init_options or {}))
+        return RayConnection(address=address, started_here=True)
+    num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
+    ray.init(namespace=namespace, include_dashboard=False, num_cpus=num_cpus, **dict(init_options or {}))
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        pin = " ".join(f"{k}={v}" for k, v in LOOPBACK_ENV.items())
+        raise RuntimeError(
+            f"the local Ray cluster registered its node on {node_ip}, not {LOOPBACK}: Ray was imported "
+            f"before verst could keep it on loopback. Set {pin} in the environment before Ray is "
+            "imported, or start a cluster yourself and give its address (run.ray_address)"
+        )
+    return RayConnection(address=None, started_here=True)
 
 
-def free_port() -> int:
-    """A TCP port free on this machine right now (for the train actors' rendezvous)."""
+def free_port(host: str = "") -> int:
+    """A TCP port free on `host` (default: every interface) right now (the train actors'
+    rendezvous, on the node's IP)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
