@@ -87,9 +87,8 @@ def test_mask_turns_before_masks_exactly_older_model_turns(seq, cut):
     if s.response_length:  # the same tokens as the single-turn rule (offpolicy_loss_mask) masks
         from verst.rollout.generate import offpolicy_loss_mask
 
-        newest = max(
-            (seg["weight_version"] for seg in segments_of(s) if seg["source"] == "model"), default=None
-        )
+        model = [seg for seg in segments_of(s) if seg["source"] == "model" and seg["length"]]
+        newest = max((seg["weight_version"] for seg in model), default=None)
         if newest is not None and cut == newest:
             env_zero = [
                 0 if seg["source"] == "env" else 1 for seg in segments_of(s) for _ in range(seg["length"])
