@@ -134,7 +134,8 @@ async def test_abort_is_exact_and_the_client_aborts_each_rid(tiny_checkpoint):
 
 async def test_abort_is_resent_for_a_request_that_reached_the_server_late(tiny_checkpoint):
     async with serve(tiny_checkpoint) as url:
-        client = SGLangClient(url, abort_resend_s=0.3)
+        # re-sends at 0.05, 0.1, 0.2 s: the first lands while the 200-token request is running
+        client = SGLangClient(url, abort_resend_s=0.05)
         try:
             client._inflight["late-0"] = 1  # sent, but not at the server yet when the abort goes out
             await client.abort("late-")  # returns at once; the exact abort matched nothing

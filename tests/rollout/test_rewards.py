@@ -25,7 +25,7 @@ def _cfg(**reward) -> RolloutConfig:
 
 
 def test_registry_has_the_builtins():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "math", "partial_credit"}
+    assert set(BUILTIN_REWARDS) == {"exact_match", "math", "partial_credit", "reasoning_gym"}
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,17 @@ def is_path_field(field: Any) -> bool:
 
 
 class DataConfig(Section):
-    """A prompt dataset (JSONL or Parquet)."""
+    """A prompt dataset (JSONL or Parquet), or a generated source (`source`)."""
 
+    source: str = Field(
+        "file",
+        description="Where prompts come from: 'file' (path), 'reasoning_gym' (procedural tasks), or an import "
+        "path 'pkg.module:Class' of a data source (docs/environments.md).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A generated source's own options (e.g. reasoning_gym: dataset, config, seed).",
+    )
     path: str | None = path_field(description="JSONL or Parquet file of prompts.")
     input_key: str = Field("prompt", description="Row key holding the prompt (text or chat messages).")
     label_key: str | None = Field(
@@ -57,7 +66,7 @@ class RewardConfig(Section):
 
     type: str = Field(
         "exact_match",
-        description="A built-in reward (exact_match, math, partial_credit), 'remote', or an import path 'pkg.module:fn'.",
+        description="A built-in reward (exact_match, math, partial_credit, reasoning_gym), 'remote', or an import path 'pkg.module:fn'.",
     )
     url: str | None = Field(None, description="Remote reward model URL (type = 'remote').")
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")

@@ -332,7 +332,11 @@ def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
 
 def _check_data(d: DataConfig, key: str, *, required: bool) -> Iterator[Problem]:
     from verst.rollout.data import JSONL_SUFFIXES, PARQUET_SUFFIXES
+    from verst.rollout.data_sources import FILE, data_source_problems
 
+    if d.source != FILE or d.options:
+        yield from data_source_problems(d, key, eval_set=key != "rollout.data")
+        return
     if d.path is None:
         if required:
             yield Problem(f"{key}.path", "no prompt file is set", "set it to a JSONL or Parquet file")

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from verst.rollout.data import PromptDataSource, build_eval_datasets
+from verst.rollout.data_sources import build_data_source, build_eval_sets
 from verst.rollout.engine import EngineCapabilities, EngineError, InferenceEngine, engine_capabilities
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
@@ -133,7 +133,7 @@ class RolloutSide:
         self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
         rc = config.rollout
         limit = rc.max_context_len or model_context_length(model_path)
-        self.data_source = PromptDataSource(
+        self.data_source = build_data_source(
             rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit
         )
         reward_fn, group_reward_fn = build_reward_fns(rc)
@@ -146,7 +146,7 @@ class RolloutSide:
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
             sink=sink or NoopSink(),
-            eval_datasets=build_eval_datasets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
+            eval_datasets=build_eval_sets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
             env=dict(env),
             v1_args=v1_args_for(config, model_path),
         )

@@ -19,6 +19,10 @@ from verst.rollout.importing import ImportPathError, import_object
 
 BUILTIN_ENVS: dict[str, str] = {
     "tools": "verst.rollout.agentic.tools:ToolEnvironment",
+    # environment ecosystems (docs/environments.md), each importing its package only when selected
+    "verifiers": "verst.rollout.integrations.verifiers_env:VerifiersEnvironment",
+    "openenv": "verst.rollout.integrations.openenv_env:OpenEnvEnvironment",
+    "nemo_gym": "verst.rollout.integrations.nemo_gym_env:NemoGymEnvironment",
 }
 """Built-in environment name → import path of its class."""
 

@@ -8,7 +8,9 @@ Endpoints: /generate (single, batch, SSE stream), /abort_request, /health, /heal
 /continue_generation, /update_weights_from_disk, /update_weights_from_tensor, /v1/loads,
 /release_memory_occupation, /resume_memory_occupation, /init_weights_update_group,
 /update_weights_from_distributed (gloo on CPU, NCCL on CUDA; the group SGLang builds, see
-`weight_group`), /destroy_weights_update_group, /begin_weight_update, /end_weight_update.
+`weight_group`), /destroy_weights_update_group, /begin_weight_update, /end_weight_update, and the
+OpenAI API (`openai_api`: /v1/models, /v1/completions, /v1/chat/completions;
+`--served-model-name`, `--tool-call-parser`).
 Bad requests get a 4xx in SGLang's shapes (`{"error": {"message"}}` from /generate, an
 `ErrorResponse` `{"object": "error", "message", "type", "code"}` elsewhere); the server never
 dies on one.
@@ -47,6 +49,7 @@ from aiohttp import web
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import WireItem, output_json, parse_generate
+from verst.rollout.engines.openai_api import register_openai_routes
 from verst.rollout.engines.weight_group import DistributedRefit
 
 log = logging.getLogger("verst.serve")
@@ -118,6 +121,7 @@ class _State:
 
 
 STATE = web.AppKey("verst_state", _State)
+OPENAI_ARGS = ("model_name", "tool_call_parser")
 REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
 MAX_REQUEST_TOKENS = web.AppKey("verst_max_request_tokens", object)
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
@@ -548,6 +552,7 @@ def build_app(
     r.add_post("/begin_weight_update", begin_weight_update)
     r.add_post("/end_weight_update", end_weight_update)
     r.add_get("/v1/loads", loads)
+    register_openai_routes(app, engine, **{k: v for k, v in (info or {}).items() if k in OPENAI_ARGS})
 
     async def _close(app: web.Application) -> None:
         app[REFIT].close()
@@ -599,6 +604,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--inject-latency-fraction", type=float, default=0.0, help="fraction of requests delayed (default 0)"
     )
     p.add_argument("--inject-latency-seed", type=int, default=0, help="seed of the injected delays")
+    p.add_argument("--served-model-name", dest="model_name", default=None, help="model id of the OpenAI API")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "qwen25"],
+        help="parse <tool_call> blocks in chat",
+    )
     p.add_argument(
         "--max-request-tokens",
         type=int,

@@ -50,6 +50,10 @@ class _Retryable(Exception):
     """A failure worth retrying (connection error, timeout, 5xx)."""
 
 
+ABORT_RESENDS = 3
+"""How many times an exact abort is re-sent for requests still in flight (doubling delays)."""
+
+
 class SGLangClient:
     """An async client of one SGLang server or router."""
 
@@ -73,8 +77,9 @@ class SGLangClient:
         `backoff_s * 2**attempt` between tries; `router=True` lists workers through the router
         for aborts and weight updates; `pause_mode` is sent to /pause_generation during a refit;
         `tp_size` is each worker's GPU count when its /server_info does not say; `bucket_bytes`
-        bounds one refit call; `abort_resend_s`: exact aborts are re-sent once after this delay
-        for requests still in flight (a request may reach the server just after its abort)."""
+        bounds one refit call; `abort_resend_s`: exact aborts are re-sent after this delay (then
+        after 2x and 4x it) for requests still in flight (a request may reach the server just
+        after its abort)."""
         self.base_url = base_url.rstrip("/")
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -210,9 +215,17 @@ class SGLangClient:
             task.add_done_callback(self._resends.discard)
 
     async def _resend(self, rids: list[str]) -> None:
-        await asyncio.sleep(self.abort_resend_s)
-        with contextlib.suppress(EngineError):  # best effort: the first abort already went out
-            await self._abort_exact([r for r in rids if r in self._inflight])
+        """Re-send the exact aborts while any of `rids` is still in flight: after
+        `abort_resend_s`, then twice and four times that (a request can reach a busy server late)."""
+        delay = self.abort_resend_s
+        for _ in range(ABORT_RESENDS):
+            await asyncio.sleep(delay)
+            left = [r for r in rids if r in self._inflight]
+            if not left:
+                return
+            with contextlib.suppress(EngineError):  # best effort: the first abort already went out
+                await self._abort_exact(left)
+            delay *= 2
 
     def _matching(self, prefix: str) -> list[str]:
         return sorted(r for r in self._inflight if r.startswith(prefix))

@@ -32,10 +32,19 @@ if TYPE_CHECKING:
 RuleFn = Callable[[str, Any], float]
 """A rule reward: `(response text, label) -> float`."""
 
+
+def _reasoning_gym(response: str, label: Any) -> float:
+    """reasoning-gym's `score_answer` for the entry in `label` (imported only when used)."""
+    from verst.rollout.integrations.reasoning_gym_data import score_answer
+
+    return score_answer(response, label)
+
+
 BUILTIN_REWARDS: dict[str, RuleFn] = {
     "exact_match": exact_match,
     "math": grade_math,
     "partial_credit": partial_credit,
+    "reasoning_gym": _reasoning_gym,
 }
 """Built-in rule rewards by name: the one table a new rule is added to."""
 

@@ -1,0 +1,68 @@
+"""Pieces the ecosystem adapters share: the failure type, tool-call reading, list data sources."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from verst.rollout.config import DataConfig
+from verst.rollout.data import PromptDataSource
+from verst.rollout.sample import Sample
+
+
+class EnvFailure(RuntimeError):
+    """An environment failed (it raised, its server answered an error or timed out, or it sent a
+    malformed message). Raised out of `reset`/`step`: the rollout records it on the samples
+    (`metadata["error"]`), retries the group up to `rollout.max_group_retries`, then marks it
+    FAILED and counts it (`rollout/failed_groups`); the run goes on."""
+
+    def __init__(self, ecosystem: str, reason: str, message: str) -> None:
+        super().__init__(f"{ecosystem} environment failed ({reason}): {message}")
+        self.ecosystem = ecosystem
+        """Which adapter: verifiers, openenv, nemo_gym."""
+        self.reason = reason
+        """One of: exception, http_error, timeout, malformed."""
+
+
+def assistant_message(text: str, tools: list[dict[str, Any]] | None, parse_tools: bool) -> dict[str, Any]:
+    """A model turn's text as an OpenAI assistant message (tool calls parsed as `verst serve`
+    does with `--tool-call-parser hermes`, when `parse_tools` and tools are offered)."""
+    from verst.rollout.engines.openai_protocol import parse_tool_calls
+    from verst.rollout.rewards.rules import strip_trailing_stop
+
+    text = strip_trailing_stop(text)
+    calls: list[dict[str, Any]] = []
+    if parse_tools and tools:
+        text, calls = parse_tool_calls(text, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return message
+
+
+class ListSource(PromptDataSource):
+    """A `PromptDataSource` over samples an adapter loaded (its dataset), with the same epochs,
+    shuffling, hand-back buffer and exact resume."""
+
+    def __init__(self, samples: list[Sample], n_samples_per_prompt: int, *, shuffle: bool, seed: int) -> None:
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        if not samples:
+            raise ValueError("the environment's dataset has no rows")
+        from collections import deque
+
+        self.config = DataConfig(shuffle=shuffle, seed=seed)
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self._prompts = samples
+        self.epoch = 0
+        self.offset = 0
+        self._buffer = deque()
+        self._order_epoch = -1
+        self._order = []
+
+    def samples(self) -> list[Sample]:
+        """Every sample (an eval set), shuffled with the seed when `shuffle`."""
+        out = list(self._prompts)
+        if self.config.shuffle:
+            random.Random(self.config.seed).shuffle(out)
+        return out
