@@ -155,6 +155,11 @@ class RolloutConfig(Section):
     stale_policy: Literal["retry", "drop"] = Field(
         "retry", description="Fully-async: what happens to groups that are too stale."
     )
+    lora_key: str = Field(
+        "lora",
+        description="sample.metadata key naming the LoRA adapter that generates a sample (multi-LoRA); "
+        "samples without it use the trained adapter (or the base model without [train.lora]).",
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")

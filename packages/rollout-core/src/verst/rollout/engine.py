@@ -82,6 +82,8 @@ class GenerateRequest:
     """-1 = output log-probs only; 0 = also every prompt position (teacher scoring)."""
     token_ids_logprob: list[int] | None = None
     """Also return the log-probs of these token ids at every position."""
+    lora_path: str | None = None
+    """The LoRA adapter to generate with, by its loaded name (SGLang's field name); None = base."""
 
 
 @dataclass(slots=True)

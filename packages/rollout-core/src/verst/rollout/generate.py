@@ -134,6 +134,12 @@ def request_prefix(state: GenerateState) -> str:
     return state.request_prefix or f"r{state.rollout_id}"
 
 
+def sample_adapter(sample: Sample, key: str) -> str | None:
+    """The LoRA adapter a sample names in `metadata[key]` (multi-LoRA), or None (the default)."""
+    name = sample.metadata.get(key)
+    return None if name is None or name == "" else str(name)
+
+
 def prompt_token_ids(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
     """Token ids of a prompt: text, or chat messages rendered with the chat template."""
     if tokenizer is None:
@@ -196,6 +202,7 @@ class SingleTurnGenerate:
             input_ids=sample.tokens,
             sampling=params if max_new == params.max_new_tokens else params.replace(max_new_tokens=max_new),
             rid=f"{request_prefix(state)}-{sample.sample_index}-{attempt}",
+            lora_path=sample_adapter(sample, config.lora_key),
         )
         output = await state.engine.generate(request)
         return self.apply_output(state, sample, output, previous_len)

@@ -214,15 +214,23 @@ class DecodeBatch:
         self.sampling: BatchSampling | None = None
         self.device = next(model.parameters()).device
         self.vocab = int(model.config.vocab_size)
+        self.adapters: Any = None
+        """LoRA adapters (`verst.rollout.engines.lora.EngineAdapters`), told each forward's rows."""
         growing_cache(model.config)  # fail at construction for unsupported cache layouts
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def _route(self, rows: list[Row]) -> None:
+        """Tell the adapters which rows (in order) the next forward carries."""
+        if self.adapters is not None:
+            self.adapters.select([r.request.lora_path for r in rows], self.device)
+
     # ---- scoring and prefill -------------------------------------------------------------
     def score(self, row: Row) -> None:
         """`max_new_tokens = 0`: one forward over the prompt, no padding; fills prompt scores."""
         ids = torch.tensor([row.request.input_ids], device=self.device)  # [1, prompt]
+        self._route([row])
         logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
         if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
             t = row.sampling.temperature
@@ -243,6 +251,7 @@ class DecodeBatch:
         cache = growing_cache(self.model.config)
         _set_spare(cache, rows)
         full = any(_wants_input(r) for r in rows)
+        self._route(rows)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -293,6 +302,7 @@ class DecodeBatch:
         assert self.mask is not None and self.next_pos is not None and self.last is not None
         n = len(self.rows)
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        self._route(self.rows)
         out = self.model(
             input_ids=self.last[:, None],
             attention_mask=self.mask,

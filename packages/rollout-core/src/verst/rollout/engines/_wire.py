@@ -151,8 +151,14 @@ def parse_generate(
                 f"the request asks for up to {asked} tokens (prompts × n × max_new_tokens), more than "
                 f"this server's --max-request-tokens {max_request_tokens}; split it into smaller requests"
             )
+    loras = body.get("lora_path")
+    loras = loras if isinstance(loras, list) else [loras] * len(prompts)
+    _check(
+        len(loras) == len(prompts) and all(x is None or isinstance(x, str) for x in loras),
+        "lora_path must be an adapter name (or a list of names / nulls matching the batch)",
+    )
     items: list[WireItem] = []
-    for prompt, (params, n, skip, no_trim), rid in zip(prompts, parsed, rids, strict=True):
+    for prompt, (params, n, skip, no_trim), rid, lora in zip(prompts, parsed, rids, loras, strict=True):
         for j in range(n):
             req = GenerateRequest(
                 input_ids=list(prompt),
@@ -162,6 +168,7 @@ def parse_generate(
                 top_logprobs_num=top_n,
                 logprob_start_len=start,
                 token_ids_logprob=token_ids,
+                lora_path=lora or None,
             )
             items.append(WireItem(req, skip, no_trim))
     return items, batch or len(items) > 1, flags["stream"]
@@ -232,6 +239,8 @@ def request_json(req: GenerateRequest) -> dict[str, Any]:
         body["rid"] = req.rid
     if req.token_ids_logprob:
         body["token_ids_logprob"] = list(req.token_ids_logprob)
+    if req.lora_path is not None:
+        body["lora_path"] = req.lora_path
     return body
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines._common import InvalidRequest, new_rid, require
+from verst.rollout.engines.lora import LoraEngineMixin
 
 LOCAL_FEATURE = "the embedded engine"
 
@@ -88,8 +89,9 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class EmbeddedEngine:
-    """An `InferenceEngine` running a causal LM in this process (CPU or GPU)."""
+class EmbeddedEngine(LoraEngineMixin):
+    """An `InferenceEngine` running a causal LM in this process (CPU or GPU); serves LoRA
+    adapters on top of its base weights (`LoraEngineMixin`)."""
 
     BATCH_WAIT_CAP = 10
     """An idle engine collects companions of a first request for at most this × `batch_wait_s`."""
@@ -537,7 +539,9 @@ class EmbeddedEngine:
     def _admit(self, new: list[Any]) -> None:
         generate = []
         for r in new:
-            if r.request.sampling.max_new_tokens == 0:
+            if not self.has_lora_adapter(r.request.lora_path):  # checked at admission: a refit may be swapping it
+                _fail(r.handle, InvalidRequest(f"LoRA adapter {r.request.lora_path!r} is not loaded; loaded: {sorted(self.lora_adapters)}"))
+            elif r.request.sampling.max_new_tokens == 0:
                 self._guarded(lambda r=r: self._batch.score(r), [r])
                 if r.finish is not None:
                     self._emit(r)

@@ -173,6 +173,8 @@ class SGLangClient:
         body["sampling_params"] = [b["sampling_params"] for b in bodies]
         if all(r.rid for r in requests):
             body["rid"] = [r.rid for r in requests]
+        if any(r.lora_path is not None for r in requests):
+            body["lora_path"] = [r.lora_path for r in requests]
         with self._track([r.rid for r in requests]):
             data = await self._call("POST", "/generate", body)
         if not isinstance(data, list) or len(data) != len(requests):
