@@ -187,6 +187,32 @@ class MemoryReleasable(Protocol):
 
 
 @runtime_checkable
+class LoraAdapterServer(Protocol):
+    """An engine that serves LoRA adapters on its base weights (SGLang's LoRA API)."""
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
+    ) -> int:
+        """Load (or replace) an adapter from a PEFT directory; returns the weight version."""
+        ...
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, Any],
+        config_dict: dict[str, Any],
+        *,
+        weight_version: int | None = None,
+    ) -> int:
+        """Load (or replace) an adapter from PEFT-named tensors; returns the weight version."""
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload an adapter."""
+        ...
+
+
+@runtime_checkable
 class DistributedWeightReceiver(Protocol):
     """An engine in another process that receives weights by broadcast over a weight group.
 
@@ -283,4 +309,8 @@ def engine_capabilities(engine: Any) -> EngineCapabilities:
     modes: tuple[WeightSyncMode, ...] = ("disk", "tensors")
     if isinstance(engine, DistributedWeightReceiver):
         modes += ("distributed",)
-    return EngineCapabilities(weight_sync=modes, release_memory=isinstance(engine, MemoryReleasable))
+    return EngineCapabilities(
+        weight_sync=modes,
+        release_memory=isinstance(engine, MemoryReleasable),
+        lora=isinstance(engine, LoraAdapterServer),
+    )

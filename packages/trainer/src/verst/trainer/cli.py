@@ -180,6 +180,8 @@ def resolve_paths(cfg: Any, config_path: Path) -> Any:
                 value = getattr(node, name)
                 if is_path_field(field) and isinstance(value, str):
                     setattr(node, name, fix(value))
+                elif is_path_field(field) and isinstance(value, dict):  # name -> path (train.lora.serve)
+                    setattr(node, name, {k: fix(v) if isinstance(v, str) else v for k, v in value.items()})
                 else:
                     walk(value)
         elif isinstance(node, dict):
@@ -393,7 +395,7 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verst", description="verst: reinforcement-learning post-training for LLMs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve,dashboard,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve,dashboard,report,export}")
     fmt = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser(
         "train",
@@ -422,7 +424,20 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     from verst.trainer.dashboard.cli import add_subcommands as add_dashboard_commands
 
     add_dashboard_commands(sub)  # dashboard, report (each sets args.func)
+    export = sub.add_parser("export", help="write a run's newest checkpoint as a HF model or PEFT adapter")
+    export.add_argument("run_dir", help="the run directory (run.output_dir)")
+    export.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base weights")
+    export.add_argument("--out", default=None, help="output folder (default RUN_DIR/export/<kind>)")
+    export.set_defaults(func=cmd_export)
     return parser
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`verst export`: the adapter (or, with --merge, a merged model) of a run's newest checkpoint."""
+    from verst.trainer.export import export_run
+
+    print(export_run(args.run_dir, args.out, merge=args.merge))
+    return 0
 
 
 def _sft_reference() -> str:

@@ -21,6 +21,7 @@ from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.lora import LoraSection
 from verst.trainer.opd.config import OpdConfig, opd_problems
 from verst.trainer.placement.layout import RaySection, placement_problems
 
@@ -102,6 +103,9 @@ class TrainConfig(Section):
     weight_sync_master_address: str = Field(
         "127.0.0.1",
         description="weight_sync='distributed': this trainer host's address as the engine reaches it.",
+    )
+    lora: LoraSection | None = Field(
+        None, description="Train a LoRA adapter on the frozen model instead of every weight (None = full)."
     )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(
@@ -461,6 +465,9 @@ def validate_run_config(
         cfg.opd, student_model_path=cfg.train.model_path or cfg.engine.model_path, fsdp=cfg.train.fsdp
     )
     problems += train_problems(cfg, env, cuda_available=cuda_available)
+    from verst.trainer.lora import lora_problems
+
+    problems += lora_problems(cfg, cfg.train.model_path or _engine_model_path(cfg))
     problems += placement_problems(cfg, env)
     problems = merge_problems(schema_problems, problems)
     if problems:

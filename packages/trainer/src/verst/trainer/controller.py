@@ -187,6 +187,10 @@ class Trainer:
             shares_gpu_with_engine=config.run.placement == "ray" and config.run.ray.layout == "colocated",
         )
         self.checkpoint_dir = self.run_dir / "checkpoints"
+        if config.train.lora is not None:
+            from verst.trainer.lora_sync import start_adapters
+
+            start_adapters(self.sync, config.train.lora.serve)
 
     # ------------------------------------------------------------ the loop
 
@@ -231,6 +235,7 @@ class Trainer:
                         "time/train_s": t2 - t1,
                         "time/sync_s": t3 - t2,
                         "time/step_s": t3 - t0,
+                        "sync/bytes": float(self.sync.last_bytes),
                         "weight_version": float(self.sync.weight_version),
                     }
                 )

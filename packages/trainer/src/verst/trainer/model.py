@@ -144,6 +144,8 @@ class PolicyBundle:
     """This process's place in the world."""
     sharding: str
     """'none', 'fsdp2-direct' (CPU, gloo) or 'fsdp2-accelerate' (GPU)."""
+    peft: Any = None
+    """The `peft.PeftModel` when `[train.lora]` is on (its base model is `inner.policy`)."""
 
     @property
     def hf_model(self) -> nn.Module:
@@ -164,9 +166,16 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     cuda = torch.cuda.is_available()
     attn = resolve_attn_implementation(cfg.attn_implementation, cuda=cuda)
     hf = load_hf_model(model_path, dtype="float32", attn_implementation=attn)  # fp32 masters
+    peft_model = None
     if cfg.gradient_checkpointing:
-        hf.gradient_checkpointing_enable()
+        # non-reentrant: recomputes correctly when the frozen embeddings' output needs no grad (LoRA)
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.config.use_cache = False
+    if cfg.lora is not None:
+        from verst.trainer.lora import apply_lora
+
+        peft_model = apply_lora(hf, cfg.lora)
+        hf = peft_model.get_base_model()  # the same modules, adapters injected; forward goes through them
     compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
     module = PolicyLogprobs(
         hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size, compute_dtype=compute
@@ -189,8 +198,8 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
         shard_fsdp2(module, hf, mp_policy=mp)
         if not any(is_sharded(p) for p in module.parameters()):
             raise RuntimeError("FSDP2 sharding left every parameter whole; refusing to train unsharded")
-        opt, sched = make_opt(module.parameters())
-        return PolicyBundle(module, module, opt, sched, None, dist_info, "fsdp2-direct")
+        opt, sched = make_opt(trainable(module))
+        return PolicyBundle(module, module, opt, sched, None, dist_info, "fsdp2-direct", peft_model)
 
     from accelerate import Accelerator
 
@@ -206,7 +215,7 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
             mixed_precision_policy=mp,
         )
     accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin, mixed_precision=_AMP[cfg.dtype])
-    opt, sched = make_opt(module.parameters())
+    opt, sched = make_opt(trainable(module))
     # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
     # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
     # N times too fast. The plain LambdaLR steps once per optimizer step on every rank; it only
@@ -214,7 +223,12 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     prepared, opt = accelerator.prepare(module, opt)
     inner = accelerator.unwrap_model(prepared)
     sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
-    return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding)
+    return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding, peft_model)
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates (all of them, or only the adapter's with LoRA)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def build_reference(

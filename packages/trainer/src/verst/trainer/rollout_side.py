@@ -74,6 +74,11 @@ async def build_engine_from_config(config: RunConfig, model_path: str) -> Infere
     from verst.rollout.engines.config import build_engine
 
     engine_cfg = config.engine.with_model_path(model_path)
+    if config.train.lora is not None:  # e.g. launched SGLang servers get --enable-lora and its limits
+        lora = config.train.lora
+        engine_cfg = engine_cfg.with_lora(
+            max_rank=lora.rank, target_modules=lora.target_modules, adapters=1 + len(lora.serve)
+        )
     return await build_engine(engine_cfg, max_concurrency=config.rollout.max_concurrency)
 
 
@@ -132,6 +137,11 @@ class RolloutSide:
         """What the engine can do: the config's declaration, or a given engine's own."""
         self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
         rc = config.rollout
+        strategy_engine: InferenceEngine = self.engine
+        if config.train.lora is not None:  # requests use the trained adapter unless a sample names one
+            from verst.rollout.engines.lora import DefaultAdapterEngine
+
+            strategy_engine = DefaultAdapterEngine(self.engine, config.train.lora.adapter_name)  # type: ignore[assignment]
         limit = rc.max_context_len or model_context_length(model_path)
         self.data_source = build_data_source(
             rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit
@@ -141,7 +151,7 @@ class RolloutSide:
         context = RolloutContext(
             config=rc,
             data_source=self.data_source,
-            engine=self.engine,
+            engine=strategy_engine,
             tokenizer=self.tokenizer,
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
@@ -237,6 +247,18 @@ class RolloutSide:
     def update_weights_from_disk(self, path: str, weight_version: int) -> int:
         """Make the engine load a checkpoint directory; returns its new weight version."""
         return self._run(self.engine.update_weights_from_disk(path, weight_version=weight_version))
+
+    def load_lora_adapter(self, name: str, path: str, weight_version: int | None) -> int:
+        """Make the engine load (or replace) a PEFT adapter directory; returns its weight version."""
+        return self._run(self.engine.load_lora_adapter(name, path, weight_version=weight_version))
+
+    def load_lora_adapter_from_tensors(
+        self, name: str, tensors: dict[str, Any], config: dict[str, Any], weight_version: int | None
+    ) -> int:
+        """Hand the engine an adapter's tensors (in-process); returns its weight version."""
+        return self._run(
+            self.engine.load_lora_adapter_from_tensors(name, tensors, config, weight_version=weight_version)
+        )
 
     def weight_version(self) -> int:
         """The engine's current weight version."""

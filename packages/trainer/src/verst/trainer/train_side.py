@@ -26,6 +26,7 @@ from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
+from verst.trainer.lora import LoraState
 from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
@@ -120,8 +121,11 @@ class TrainSide:
             cfg, model_path, total_steps=total_steps * cfg.num_updates_per_rollout, dist_info=self.dist
         )
         self.ref: PolicyLogprobs | None = None
-        if self.algo.needs_reference:
+        """The separate frozen reference; never loaded with LoRA (the adapter is switched off instead)."""
+        if self.algo.needs_reference and cfg.lora is None:
             self.ref = build_reference(cfg, cfg.ref_model_path or model_path, self.dist)
+        self.lora = LoraState(self.bundle, cfg.lora) if cfg.lora is not None else None
+        """Adapter-only sync, checkpoints and the adapter-disabled reference (`[train.lora]`)."""
         self.optimizer_steps = 0
         self.packing = (
             cfg.packing
@@ -208,7 +212,18 @@ class TrainSide:
             self.bundle.module.train(was_training)
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """The frozen reference's log-probs `[B, R]`, or None when no reference is loaded."""
+        """The frozen reference's log-probs `[B, R]`, or None when no reference is needed.
+
+        With LoRA the reference is the policy with its adapter disabled (the frozen base)."""
+        if self.lora is not None and self.algo.needs_reference:
+            module = self.bundle.module
+            was_training = module.training
+            module.eval()
+            try:
+                with self.lora.adapter_disabled():
+                    return self._all_logprobs(module, batch)
+            finally:
+                module.train(was_training)
         return None if self.ref is None else self._all_logprobs(self.ref, batch)
 
     # ------------------------------------------------------------ the step
@@ -383,14 +398,24 @@ class TrainSide:
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
 
+    def adapter_state_for_sync(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors (PEFT names), gathered whole; a collective under FSDP (only
+        rank 0 receives tensors)."""
+        assert self.lora is not None
+        return self.lora.state(is_main=self.dist.is_main)
+
     def save(self, path: str | Path) -> None:
-        """Model (HF layout), optimizer, scheduler and counters into `path` (a collective under FSDP)."""
+        """Model (HF layout; with LoRA the adapter only), optimizer, scheduler and counters into
+        `path` (a collective under FSDP)."""
         path = Path(path)
-        sd = self.state_dict_for_sync()
+        sd = self.state_dict_for_sync() if self.lora is None else self.adapter_state_for_sync()
         opt = self._optimizer_state()
         if not self.dist.is_main:
             return
-        self.save_hf(path / "model", sd)
+        if self.lora is not None:
+            self.lora.save(path / "adapter", sd)
+        else:
+            self.save_hf(path / "model", sd)
         torch.save(
             {
                 "optimizer": opt,
@@ -405,10 +430,16 @@ class TrainSide:
         from safetensors.torch import load_file
 
         path = Path(path)
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        if self.lora is not None:
+            self.lora.load(path / "adapter")
+            self._load_optimizer(state["optimizer"])
+            self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
+            self.optimizer_steps = int(state["optimizer_steps"])
+            return
         sd: dict[str, torch.Tensor] = {}
         for f in sorted((path / "model").glob("*.safetensors")):
             sd.update(load_file(f))
-        state = torch.load(path / "train_state.pt", weights_only=False)
         if self.bundle.sharding == "none":
             missing, unexpected = self.bundle.hf_model.load_state_dict(sd, strict=False)
             tied = (
@@ -435,6 +466,19 @@ class TrainSide:
             )
         self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        if self.bundle.sharding == "none":
+            self.bundle.raw_optimizer().load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            self.bundle.module,
+            self.bundle.raw_optimizer(),
+            state,
+            options=StateDictOptions(full_state_dict=True),
+        )
 
     def close(self) -> None:
         """Release the models (the process group is the launcher's to destroy)."""

@@ -121,11 +121,21 @@ class WeightSync:
         self.group: Any = None
         """distributed: this process's member (rank 0) of the weight-update group, once joined."""
         self._last_dir: Path | None = None
+        self.last_bytes = 0
+        """Bytes of the tensors the last push moved (the adapter's only with LoRA; rank 0's count)."""
 
     def push(self, version: int | None = None) -> int:
-        """Send the current weights as `version` (default: current + 1); returns the new version."""
+        """Send the current weights as `version` (default: current + 1); returns the new version.
+
+        With `[train.lora]` only the adapter moves (`verst.trainer.lora_sync.push_adapter`)."""
         target = self.weight_version + 1 if version is None else version
+        if getattr(self.train, "lora", None) is not None:
+            from verst.trainer.lora_sync import push_adapter
+
+            got = push_adapter(self, target)
+            return self._settle(got, target)
         state = self.train.state_dict_for_sync()  # collective under FSDP
+        self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
         got = None
         if self.dist.is_main and self.rollout is not None:
             if self.mode == "tensors":
@@ -141,11 +151,15 @@ class WeightSync:
                 if self._last_dir is not None and self._last_dir != path:
                     shutil.rmtree(self._last_dir, ignore_errors=True)
                 self._last_dir = path
-            if got != target:
-                raise WeightSyncError(
-                    f"weight sync ({self.mode}): asked the engine for version {target}, it reports {got}; "
-                    "the engine may have been updated by someone else or failed to load the weights"
-                )
+        return self._settle(got, target)
+
+    def _settle(self, got: int | None, target: int) -> int:
+        """Check the engine's reported version (rank 0) and share it with every rank."""
+        if self.dist.is_main and self.rollout is not None and got != target:
+            raise WeightSyncError(
+                f"weight sync ({self.mode}): asked the engine for version {target}, it reports {got}; "
+                "the engine may have been updated by someone else or failed to load the weights"
+            )
         self.weight_version = int(broadcast_object(got, self.dist) if self.dist.distributed else target)
         return self.weight_version
 

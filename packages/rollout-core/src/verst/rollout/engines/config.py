@@ -52,6 +52,11 @@ class EngineSection(Section):
         """Create the engine (the run's event loop is running); `max_concurrency` bounds requests."""
         raise NotImplementedError(f"{type(self).__name__}.build")
 
+    def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
+        """A copy set up to serve LoRA adapters up to `max_rank` on `target_modules`, `adapters`
+        of them at once (engines that need launch flags for it override this)."""
+        return self
+
     def with_model_path(self, path: str | None) -> EngineSection:
         """A copy whose `model_path` defaults to `path` (the trainer's or a teacher's model)."""
         if self.model_path is None and path is not None:
@@ -81,6 +86,7 @@ class EmbeddedEngineConfig(EngineSection):
             release_memory=True,
             ray_engine_actors=True,
             engine_count=self.num_engines,
+            lora=True,
         )
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
@@ -151,6 +157,7 @@ class SGLangEngineConfig(HttpEngineConfig):
             weight_sync=("disk", "distributed", "tensors"),
             release_memory=True,
             engine_count=None if self.router_url else len(self.urls),
+            lora=True,  # servers launched with --enable-lora (docs/lora.md)
         )
 
     def problems(self, key: str = "engine") -> list[Problem]:
@@ -201,7 +208,16 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
             release_memory=True,
             engine_count=self.num_engines,
             launched_gpus=self.num_engines * self.tp_size,
+            lora=True,
         )
+
+    def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
+        """Launch the servers with SGLang's LoRA flags (unless `extra_args` already sets them)."""
+        if "--enable-lora" in self.extra_args:
+            return self
+        flags = ["--enable-lora", "--max-lora-rank", str(max_rank), "--lora-target-modules", *target_modules]
+        flags += ["--max-loras-per-batch", str(max(8, adapters + 1))]
+        return self.model_copy(update={"extra_args": [*self.extra_args, *flags]})
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
         from verst.rollout.engines.launcher import launch_sglang_servers

@@ -156,6 +156,7 @@ class EmbeddedEngine(LoraEngineMixin):
             weight_sync=("tensors", "disk"),
             release_memory=True,
             ray_engine_actors=True,
+            lora=True,
         )
 
     @classmethod
@@ -539,8 +540,15 @@ class EmbeddedEngine(LoraEngineMixin):
     def _admit(self, new: list[Any]) -> None:
         generate = []
         for r in new:
-            if not self.has_lora_adapter(r.request.lora_path):  # checked at admission: a refit may be swapping it
-                _fail(r.handle, InvalidRequest(f"LoRA adapter {r.request.lora_path!r} is not loaded; loaded: {sorted(self.lora_adapters)}"))
+            if not self.has_lora_adapter(
+                r.request.lora_path
+            ):  # checked at admission: a refit may be swapping it
+                _fail(
+                    r.handle,
+                    InvalidRequest(
+                        f"LoRA adapter {r.request.lora_path!r} is not loaded; loaded: {sorted(self.lora_adapters)}"
+                    ),
+                )
             elif r.request.sampling.max_new_tokens == 0:
                 self._guarded(lambda r=r: self._batch.score(r), [r])
                 if r.finish is not None:

@@ -48,7 +48,9 @@ class Adapter:
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
 
 
 def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *, path: str) -> Adapter:
@@ -108,7 +110,9 @@ def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 class EngineAdapters:
     """The adapters loaded in one model, applied per row through forward hooks."""
 
-    def __init__(self, model: Any, *, max_rank: int | None = None, target_modules: list[str] | None = None) -> None:
+    def __init__(
+        self, model: Any, *, max_rank: int | None = None, target_modules: list[str] | None = None
+    ) -> None:
         """`max_rank` / `target_modules` (optional limits, like SGLang's `--max-lora-rank` and
         `--lora-target-modules`) make adapters beyond them an error."""
         import torch
@@ -253,12 +257,18 @@ class LoraEngineMixin:
         adapters = getattr(self, "_adapters", None)
         return name is None or (adapters is not None and adapters.has(name))
 
+    def set_weight_version(self, version: int) -> None:
+        """Set the weight version label (SGLang's `/update_weight_version`); weights are unchanged."""
+        self._weight_version = int(version)
+
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, *, weight_version: int | None = None
     ) -> int:
         """Load (or replace) an adapter from a PEFT directory; returns the weight version."""
         tensors, config = await asyncio.to_thread(read_adapter_dir, lora_path)
-        return await self._put_adapter(parse_adapter(lora_name, tensors, config, path=lora_path), weight_version)
+        return await self._put_adapter(
+            parse_adapter(lora_name, tensors, config, path=lora_path), weight_version
+        )
 
     async def load_lora_adapter_from_tensors(
         self,
@@ -277,7 +287,9 @@ class LoraEngineMixin:
         """Unload an adapter (requests naming it afterwards are refused)."""
         adapters = self._lora()
         if lora_name not in adapters.adapters:
-            raise InvalidRequest(f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(adapters.adapters)}")
+            raise InvalidRequest(
+                f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(adapters.adapters)}"
+            )
 
         def apply() -> int:
             adapters.remove(lora_name)
@@ -312,7 +324,9 @@ class DefaultAdapterEngine:
     def _route(self, request: Any) -> Any:
         import dataclasses
 
-        return request if request.lora_path is not None else dataclasses.replace(request, lora_path=self.adapter)
+        return (
+            request if request.lora_path is not None else dataclasses.replace(request, lora_path=self.adapter)
+        )
 
     async def generate(self, request: Any) -> Any:
         return await self.engine.generate(self._route(request))

@@ -99,6 +99,34 @@ class EnginePool:
         )
         return _same(versions)
 
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
+    ) -> int:
+        """Load (or replace) an adapter on every engine."""
+        calls = [
+            e.load_lora_adapter(lora_name, lora_path, weight_version=weight_version) for e in self.engines
+        ]
+        return _same(await self._all("load_lora_adapter", calls))
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, Any],
+        config_dict: dict[str, Any],
+        *,
+        weight_version: int | None = None,
+    ) -> int:
+        """Hand every engine the adapter's tensors."""
+        calls = [
+            e.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, weight_version=weight_version)
+            for e in self.engines
+        ]
+        return _same(await self._all("load_lora_adapter_from_tensors", calls))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload an adapter from every engine."""
+        await self._all("unload_lora_adapter", [e.unload_lora_adapter(lora_name) for e in self.engines])
+
     async def health(self) -> bool:
         return all(await asyncio.gather(*(e.health() for e in self.engines)))
 

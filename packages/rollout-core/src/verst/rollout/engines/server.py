@@ -50,6 +50,7 @@ from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import WireItem, output_json, parse_generate
 from verst.rollout.engines.openai_api import register_openai_routes
+from verst.rollout.engines.lora_http import add_lora_args, add_lora_routes
 from verst.rollout.engines.weight_group import DistributedRefit
 
 log = logging.getLogger("verst.serve")
@@ -553,6 +554,7 @@ def build_app(
     r.add_post("/end_weight_update", end_weight_update)
     r.add_get("/v1/loads", loads)
     register_openai_routes(app, engine, **{k: v for k, v in (info or {}).items() if k in OPENAI_ARGS})
+    add_lora_routes(app, engine, enabled=bool(app[STATE].info.get("enable_lora")))
 
     async def _close(app: web.Application) -> None:
         app[REFIT].close()
@@ -618,6 +620,7 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"bound of one /generate call: prompts x n x max_new_tokens; 0 = none (default {DEFAULT_MAX_REQUEST_TOKENS})",
     )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
+    add_lora_args(p)
     return p
 
 
@@ -643,6 +646,10 @@ def main(argv: list[str] | None = None) -> None:
         context_len=args.context_length,
         weight_version=args.weight_version or 0,
     )
+    from verst.rollout.engines.lora_http import configure as configure_lora
+
+    for name, path in configure_lora(engine, args):
+        asyncio.run(engine.load_lora_adapter(name, path))
     info = {k: v for k, v in vars(args).items() if k != "log_level"}
     info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model
     latency = LatencyInjection(args.inject_latency_ms, args.inject_latency_fraction, args.inject_latency_seed)

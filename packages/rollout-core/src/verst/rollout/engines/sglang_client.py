@@ -39,6 +39,7 @@ import aiohttp
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import parse_output, request_json
+from verst.rollout.engines.lora_client import SGLangLoraMixin
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """Refit bucket bound: at most this many tensor bytes per update call (one JSON body)."""
@@ -54,8 +55,8 @@ ABORT_RESENDS = 3
 """How many times an exact abort is re-sent for requests still in flight (doubling delays)."""
 
 
-class SGLangClient:
-    """An async client of one SGLang server or router."""
+class SGLangClient(SGLangLoraMixin):
+    """An async client of one SGLang server or router (LoRA API: `SGLangLoraMixin`)."""
 
     def __init__(
         self,

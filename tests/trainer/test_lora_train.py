@@ -1,0 +1,296 @@
+"""`[train.lora]` on the train side: only the adapter trains, the reference is the adapter-disabled
+base, refits ship the adapter only (embedded engine in-process, `verst serve` from disk and from
+tensors) with the trainer's log-probs, checkpoints resume exactly, export loads with
+`from_pretrained`, and bad LoRA configs fail before anything loads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from train_testlib import install_reward_module, run_dict, write_prompts
+
+from verst.rollout.engine import GenerateRequest, SamplingParams
+from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.errors import ConfigError
+from verst.rollout.sample import Sample, Status
+from verst.trainer.batch import build_train_batch
+from verst.trainer.config import run_config_from_dict, validate_run_config
+from verst.trainer.fsdp import DistInfo
+from verst.trainer.model import build_reference
+from verst.trainer.rollout_side import RolloutSide
+from verst.trainer.train_side import TrainSide
+from verst.trainer.weight_sync import WeightSync
+
+PROMPTS = ["12+3=", "7+70=", "(5)"]
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _side(cfg, model):
+    return TrainSide(
+        cfg.train,
+        cfg.algorithm,
+        model_path=str(model),
+        total_steps=4,
+        max_response_len=8,
+        temperature=1.0,
+        env={},
+    )
+
+
+def _cfg(model, data, **train):
+    return run_config_from_dict(
+        run_dict(
+            model,
+            data,
+            train={"lr": 3e-2, "lora": LORA, **train},
+            algorithm={"use_kl_loss": True, "kl_coef": 0.1},
+        )
+    )
+
+
+def _groups(rollout: RolloutSide, version: int, lora: str | None = "policy") -> list[list[Sample]]:
+    """A few sampled groups through the rollout side's engine, with the trained adapter."""
+
+    async def go():
+        groups = []
+        for g, prompt in enumerate(PROMPTS):
+            ids = rollout.tokenizer(prompt)["input_ids"]
+            reqs = [
+                GenerateRequest(ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j), lora_path=lora)
+                for j in range(3)
+            ]
+            outs = await asyncio.gather(*(rollout.engine.generate(r) for r in reqs))
+            group = []
+            for j, o in enumerate(outs):
+                assert o.weight_version == version
+                group.append(
+                    Sample(
+                        prompt=prompt,
+                        tokens=ids + o.output_ids,
+                        response_length=len(o.output_ids),
+                        rollout_logprobs=o.output_logprobs,
+                        reward=float(j == g % 3),
+                        status=Status.COMPLETED,
+                        group_index=g,
+                        sample_index=3 * g + j,
+                    )
+                )
+            groups.append(group)
+        return groups
+
+    return rollout._run(go())
+
+
+def _mismatch(train: TrainSide, groups) -> float:
+    batch = build_train_batch(groups)
+    return float(((train.compute_old_logprobs(batch) - batch.rollout_logprobs).abs() * batch.loss_mask).max())
+
+
+@pytest.fixture()
+def data(tmp_path):
+    return write_prompts(tmp_path / "p.jsonl", n=4)
+
+
+def test_only_adapter_params_train_with_gradient_checkpointing(tiny_checkpoint, data):
+    torch.set_num_threads(1)
+    cfg = _cfg(tiny_checkpoint, data, gradient_checkpointing=True)
+    train = _side(cfg, tiny_checkpoint)
+    module = train.bundle.module
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 3 * train.bundle.hf_model.config.num_hidden_layers  # A, B x 3 modules
+    in_opt = {id(p) for g in train.bundle.raw_optimizer().param_groups for p in g["params"]}
+    assert in_opt == {id(p) for n, p in module.named_parameters() if n in trainable}
+    assert train.bundle.hf_model.is_gradient_checkpointing
+    assert train.ref is None  # no reference copy is loaded
+
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    groups = [[Sample(prompt="x", tokens=[5, 6, 7, 8, 9, 10], response_length=3, reward=float(j), status=Status.COMPLETED, group_index=0, sample_index=j) for j in range(4)]]
+    batch = build_train_batch(groups)
+    # gradients reach exactly the adapter parameters (checkpointed forward + backward)
+    lp, _ = train._forward(module, batch, [0, 1], entropy=False)
+    (lp.sum()).backward()
+    with_grad = {n for n, p in module.named_parameters() if p.grad is not None}
+    assert with_grad == trainable  # the frozen base gets no gradient at all
+    assert all(float(p.grad.abs().max()) > 0 for n, p in module.named_parameters() if ".lora_B." in n)
+    train.bundle.optimizer.zero_grad(set_to_none=True)
+    metrics = train.train_step(batch)
+    assert metrics["train/grad_norm"] > 0
+    changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable  # the base weights are bit-for-bit unchanged
+
+
+def test_kl_reference_is_the_adapter_disabled_base(tiny_checkpoint, data):
+    torch.set_num_threads(1)
+    cfg = _cfg(tiny_checkpoint, data)
+    train = _side(cfg, tiny_checkpoint)
+    engine = EmbeddedEngine.from_pretrained(tiny_checkpoint)
+    rollout = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=engine)
+    try:
+        base_groups = _groups(rollout, 0, lora=None)
+        for _ in range(2):  # the adapter moves away from zero
+            train.train_step(build_train_batch(base_groups))
+        batch = build_train_batch(base_groups)
+        ref_disabled = train.compute_ref_logprobs(batch)
+        separate = build_reference(cfg.train.model_copy(update={"lora": None}), str(tiny_checkpoint), DistInfo())
+        ref_separate = train._all_logprobs(separate, batch)
+        old = train.compute_old_logprobs(batch)
+        mask = batch.loss_mask
+        assert float(((old - ref_separate).abs() * mask).max()) > 1e-3  # the adapter changed the policy
+        kl_disabled = train.algo.kl_estimator(old - ref_disabled) * mask  # [B, R], the algorithm's estimator
+        kl_separate = train.algo.kl_estimator(old - ref_separate) * mask
+        assert float(kl_disabled.sum() / mask.sum()) > 1e-4
+        assert float((kl_disabled - kl_separate).abs().max()) <= 1e-6
+        assert float(((ref_disabled - ref_separate).abs() * mask).max()) <= 1e-6
+    finally:
+        rollout.close()
+
+
+def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data):
+    torch.set_num_threads(1)
+    cfg = _cfg(tiny_checkpoint, data)
+    train = _side(cfg, tiny_checkpoint)
+    embedded = RolloutSide(
+        cfg, model_path=str(tiny_checkpoint), env={}, engine=EmbeddedEngine.from_pretrained(tiny_checkpoint)
+    )
+    base_state = {k: v.clone() for k, v in embedded.engine.model.state_dict().items()}
+    with launch_verst_servers(
+        tiny_checkpoint, ready_timeout_s=180, log_dir=tmp_path / "logs", extra_args=["--enable-lora"]
+    ) as servers:
+        served = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0]))
+        try:
+            syncs = [
+                WeightSync(train, embedded, mode="auto", staging_dir=tmp_path / "we", dist_info=DistInfo()),
+                WeightSync(train, served, mode="auto", staging_dir=tmp_path / "ws", dist_info=DistInfo()),
+            ]
+            assert [s.mode for s in syncs] == ["tensors", "disk"]
+            for s in syncs:
+                assert s.push(version=0) == 0  # the initial (zero) adapter
+            first = _groups(embedded, 0)
+            assert _mismatch(train, first) < 1e-4
+            train.train_step(build_train_batch(first))
+            assert _mismatch(train, first) > 1e-3
+
+            adapter_bytes = sum(t.numel() * t.element_size() for t in train.adapter_state_for_sync().values())
+            model_bytes = sum(t.numel() * t.element_size() for t in train.state_dict_for_sync().values())
+            for s in syncs:
+                assert s.push() == 1
+                assert s.last_bytes == adapter_bytes < model_bytes / 10
+            for side in (embedded, served):
+                assert side.weight_version() == 1
+                mismatch = _mismatch(train, _groups(side, 1))
+                assert mismatch < 1e-4, f"{side.engine!r}: {mismatch}"
+            # the embedded engine kept its base weights: the adapter is applied on top
+            for k, v in embedded.engine.model.state_dict().items():
+                assert torch.equal(v, base_state[k]), k
+            assert [p.name for p in (tmp_path / "ws").iterdir()] == ["v1"]
+            assert json.loads((tmp_path / "ws" / "v1" / "adapter_config.json").read_text())["r"] == 4
+
+            # verst serve from tensors (SGLang's /load_lora_adapter_from_tensors), replacing the adapter
+            train.train_step(build_train_batch(_groups(served, 1)))
+            by_tensor = WeightSync(
+                train, served, mode="tensors", staging_dir=tmp_path / "x", dist_info=DistInfo(), weight_version=1
+            )
+            assert by_tensor.push() == 2 and served.weight_version() == 2
+            assert _mismatch(train, _groups(served, 2)) < 1e-4
+        finally:
+            served.close()
+            embedded.close()
+
+
+def _adapter(run_dir):
+    from safetensors.torch import load_file
+
+    from verst.trainer.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert not (ckpt / "model").exists()  # adapter-only checkpoint
+    return load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+
+
+def test_lora_resume_is_exact_and_export_loads(tmp_path, tiny_checkpoint, monkeypatch):
+    torch.set_num_threads(1)
+    reward = install_reward_module(tmp_path, monkeypatch)
+    prompts = write_prompts(tmp_path / "p.jsonl", n=5)
+
+    def cfg(steps):
+        return run_config_from_dict(
+            run_dict(
+                tiny_checkpoint,
+                prompts,
+                run={"num_steps": steps},
+                rollout={"reward": {"type": reward}},
+                train={"lr": 1e-2, "lora": LORA},
+                algorithm={"use_kl_loss": True, "kl_coef": 0.05},
+            )
+        )
+
+    from verst.trainer.controller import InMemoryLogger, run_training
+
+    log = InMemoryLogger()
+    straight = run_training(cfg(3), tmp_path / "straight", env={}, logger=log)
+    assert straight.weight_version == 3
+    assert all(m["sync/bytes"] > 0 for _, m in log.records)
+    run_training(cfg(2), tmp_path / "resumed", env={})
+    second = run_training(cfg(3), tmp_path / "resumed", env={})
+    assert second.start_step == 2 and second.weight_version == 3
+    a, b = _adapter(tmp_path / "straight"), _adapter(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    # export: the adapter dir (PeftModel.from_pretrained) and the merged model (AutoModel) agree
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from verst.trainer.cli import main
+
+    main(["export", str(tmp_path / "straight"), "--out", str(tmp_path / "adapter")])
+    main(["export", str(tmp_path / "straight"), "--merge", "--out", str(tmp_path / "merged")])
+    ids = torch.tensor([[5, 9, 12, 7, 30, 8]])
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    with torch.no_grad():
+        lp_peft = torch.log_softmax(peft_model(ids).logits, -1)
+        lp_merged = torch.log_softmax(merged(ids).logits, -1)
+        lp_base = torch.log_softmax(base(ids).logits, -1)
+    assert float((lp_peft - lp_base).abs().max()) > 1e-4  # the export carries the trained adapter
+    torch.testing.assert_close(lp_merged, lp_peft, atol=1e-5, rtol=0)
+    assert (tmp_path / "merged" / "tokenizer.json").exists() or any((tmp_path / "merged").glob("tokenizer*"))
+
+
+def test_bad_lora_configs_fail_before_anything_loads(tiny_checkpoint, data, monkeypatch):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("validation loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(ConfigError) as err:
+        run_config_from_dict(run_dict(tiny_checkpoint, data, train={"lora": {"rank": 0}}))
+    assert "train.lora.rank" in str(err.value)
+
+    cfg = run_config_from_dict(
+        run_dict(
+            tiny_checkpoint,
+            data,
+            train={
+                "lora": {"target_modules": ["q_proj", "attn_c_proj"]},
+                "ref_model_path": str(tiny_checkpoint),
+                "weight_sync": "distributed",
+            },
+        )
+    )
+    with pytest.raises(ConfigError) as err:
+        validate_run_config(cfg, {})
+    text = str(err.value)
+    assert "train.lora.target_modules: ['attn_c_proj'] are not linear layers" in text
+    assert "train.ref_model_path" in text and "adapter disabled" in text
+    assert "train.weight_sync" in text
