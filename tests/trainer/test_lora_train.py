@@ -61,7 +61,9 @@ def _groups(rollout: RolloutSide, version: int, lora: str | None = "policy") -> 
         for g, prompt in enumerate(PROMPTS):
             ids = rollout.tokenizer(prompt)["input_ids"]
             reqs = [
-                GenerateRequest(ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j), lora_path=lora)
+                GenerateRequest(
+                    ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j), lora_path=lora
+                )
                 for j in range(3)
             ]
             outs = await asyncio.gather(*(rollout.engine.generate(r) for r in reqs))
@@ -110,7 +112,20 @@ def test_only_adapter_params_train_with_gradient_checkpointing(tiny_checkpoint, 
     assert train.ref is None  # no reference copy is loaded
 
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    groups = [[Sample(prompt="x", tokens=[5, 6, 7, 8, 9, 10], response_length=3, reward=float(j), status=Status.COMPLETED, group_index=0, sample_index=j) for j in range(4)]]
+    groups = [
+        [
+            Sample(
+                prompt="x",
+                tokens=[5, 6, 7, 8, 9, 10],
+                response_length=3,
+                reward=float(j),
+                status=Status.COMPLETED,
+                group_index=0,
+                sample_index=j,
+            )
+            for j in range(4)
+        ]
+    ]
     batch = build_train_batch(groups)
     # gradients reach exactly the adapter parameters (checkpointed forward + backward)
     lp, _ = train._forward(module, batch, [0, 1], entropy=False)
@@ -137,7 +152,9 @@ def test_kl_reference_is_the_adapter_disabled_base(tiny_checkpoint, data):
             train.train_step(build_train_batch(base_groups))
         batch = build_train_batch(base_groups)
         ref_disabled = train.compute_ref_logprobs(batch)
-        separate = build_reference(cfg.train.model_copy(update={"lora": None}), str(tiny_checkpoint), DistInfo())
+        separate = build_reference(
+            cfg.train.model_copy(update={"lora": None}), str(tiny_checkpoint), DistInfo()
+        )
         ref_separate = train._all_logprobs(separate, batch)
         old = train.compute_old_logprobs(batch)
         mask = batch.loss_mask
@@ -162,7 +179,9 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
     with launch_verst_servers(
         tiny_checkpoint, ready_timeout_s=180, log_dir=tmp_path / "logs", extra_args=["--enable-lora"]
     ) as servers:
-        served = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0]))
+        served = RolloutSide(
+            cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0])
+        )
         try:
             syncs = [
                 WeightSync(train, embedded, mode="auto", staging_dir=tmp_path / "we", dist_info=DistInfo()),
@@ -194,7 +213,12 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
             # verst serve from tensors (SGLang's /load_lora_adapter_from_tensors), replacing the adapter
             train.train_step(build_train_batch(_groups(served, 1)))
             by_tensor = WeightSync(
-                train, served, mode="tensors", staging_dir=tmp_path / "x", dist_info=DistInfo(), weight_version=1
+                train,
+                served,
+                mode="tensors",
+                staging_dir=tmp_path / "x",
+                dist_info=DistInfo(),
+                weight_version=1,
             )
             assert by_tensor.push() == 2 and served.weight_version() == 2
             assert _mismatch(train, _groups(served, 2)) < 1e-4
@@ -254,7 +278,9 @@ def test_lora_resume_is_exact_and_export_loads(tmp_path, tiny_checkpoint, monkey
     main(["export", str(tmp_path / "straight"), "--out", str(tmp_path / "adapter")])
     main(["export", str(tmp_path / "straight"), "--merge", "--out", str(tmp_path / "merged")])
     ids = torch.tensor([[5, 9, 12, 7, 30, 8]])
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint), tmp_path / "adapter"
+    )
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     with torch.no_grad():

@@ -87,6 +87,13 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
     return Adapter(name, path, rank, weights)
 
 
+def jsonable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A PEFT config dict made JSON-safe (PEFT keeps `target_modules` as a set)."""
+    return json.loads(
+        json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o))
+    )
+
+
 def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors, adapter config) of a PEFT adapter directory."""
     path = Path(path)

@@ -23,6 +23,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines._common import InvalidRequest
+from verst.rollout.engines.lora import jsonable_config
 
 
 def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
@@ -67,7 +68,7 @@ class SGLangLoraMixin:
         blob = serialize_tensor_dict(tensors)
         body = {
             "lora_name": lora_name,
-            "config_dict": config_dict,
+            "config_dict": jsonable_config(config_dict),
             "serialized_named_tensors": [blob] * self.tp_size,
         }
         return await self._adapter_refit(lora_name, "/load_lora_adapter_from_tensors", body, weight_version)
