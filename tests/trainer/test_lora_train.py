@@ -320,3 +320,68 @@ def test_bad_lora_configs_fail_before_anything_loads(tiny_checkpoint, data, monk
     assert "train.lora.target_modules: ['attn_c_proj'] are not linear layers" in text
     assert "train.ref_model_path" in text and "adapter disabled" in text
     assert "train.weight_sync" in text
+
+
+def test_samples_pick_their_adapter_by_metadata(tmp_path, tiny_checkpoint):
+    """Multi-LoRA rollout: the trained adapter and a served one share the engine's base; each
+    sample's `metadata['lora']` picks its adapter (as OPD samples pick teachers)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verst.trainer.lora_sync import start_adapters
+
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    tutor = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    tutor.save_pretrained(tmp_path / "tutor")
+    rows = [
+        {"prompt": f"{i}+{i}=", "label": "x", "metadata": {"lora": "tutor"} if i % 2 else {}}
+        for i in range(4)
+    ]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = run_config_from_dict(
+        run_dict(
+            tiny_checkpoint,
+            data,
+            train={"lora": {**LORA, "serve": {"tutor": str(tmp_path / "tutor")}}},
+            rollout={
+                "batch_size": 4,
+                "n_samples_per_prompt": 2,
+                "data": {"path": str(data), "shuffle": False},
+            },
+        )
+    )
+    validate_run_config(cfg, {})
+    train = _side(cfg, tiny_checkpoint)
+    rollout = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={})
+    try:
+        start_adapters(
+            WeightSync(train, rollout, mode="auto", staging_dir=tmp_path / "w", dist_info=DistInfo()),
+            cfg.train.lora.serve,
+        )
+        assert set(rollout.engine.lora_adapters) == {"policy", "tutor"}
+        groups = rollout.rollout(0, 0).groups
+        picked = {s.metadata.get("lora", "policy") for g in groups for s in g}
+        assert picked == {"policy", "tutor"}
+        base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+        for g in groups:
+            for s in g:
+                model = tutor if s.metadata.get("lora") == "tutor" else base  # the fresh policy adapter is 0
+                prompt, out = s.tokens[: -s.response_length], s.tokens[-s.response_length :]
+                with torch.no_grad():
+                    logits = model(torch.tensor([s.tokens])).logits[0, len(prompt) - 1 : -1]
+                ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+                err = float((ref - torch.tensor(s.rollout_logprobs)).abs().max())
+                assert err < 1e-4, (s.metadata, err)
+                if s.metadata.get("lora") == "tutor":
+                    with torch.no_grad():
+                        b = torch.log_softmax(
+                            base(torch.tensor([s.tokens])).logits[0, len(prompt) - 1 : -1], -1
+                        )
+                    assert float((b.gather(-1, torch.tensor(out)[:, None])[:, 0] - ref).abs().max()) > 1e-3
+    finally:
+        rollout.close()
