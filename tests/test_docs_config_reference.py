@@ -2,6 +2,7 @@
 
 import importlib.util
 import re
+import typing
 from pathlib import Path
 
 from verst.trainer.config import RunConfig
@@ -29,6 +30,9 @@ def test_generated_tables_are_current():
 def leaf_fields(model, prefix=""):
     for name, field in model.model_fields.items():
         sub = field.annotation
+        optional = [a for a in typing.get_args(sub) if a is not type(None)]
+        if len(optional) == 1 and isinstance(optional[0], type) and hasattr(optional[0], "model_fields"):
+            sub = optional[0]  # an optional section, e.g. train.lora
         if isinstance(sub, type) and hasattr(sub, "model_fields"):
             yield from leaf_fields(sub, f"{prefix}{name}.")
         else:
