@@ -270,7 +270,14 @@ class LoraState:
         import torch
         from safetensors.torch import load_file
 
-        sd = load_file(str(Path(path) / "adapter_model.safetensors"))
+        file = Path(path) / "adapter_model.safetensors"
+        if not file.is_file():
+            raise RuntimeError(
+                f"{Path(path).parent} is not a LoRA checkpoint (no adapter/adapter_model.safetensors): it "
+                "was written by a full fine-tuning run; resume it without [train.lora], or start a new "
+                "run directory (run.output_dir) or set run.resume=false"
+            )
+        sd = load_file(str(file))
         missing = sorted(set(self._fqn) - set(sd))
         unexpected = sorted(set(sd) - set(self._fqn))
         if missing or unexpected:

@@ -437,6 +437,11 @@ class TrainSide:
             self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
             self.optimizer_steps = int(state["optimizer_steps"])
             return
+        if (path / "adapter").is_dir():
+            raise RuntimeError(
+                f"{path} is a LoRA checkpoint (adapter only); resume it with the run's [train.lora], "
+                "or start a new run directory"
+            )
         sd: dict[str, torch.Tensor] = {}
         for f in sorted((path / "model").glob("*.safetensors")):
             sd.update(load_file(f))
