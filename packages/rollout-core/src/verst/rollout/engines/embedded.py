@@ -540,15 +540,9 @@ class EmbeddedEngine(LoraEngineMixin):
     def _admit(self, new: list[Any]) -> None:
         generate = []
         for r in new:
-            if not self.has_lora_adapter(
-                r.request.lora_path
-            ):  # checked at admission: a refit may be swapping it
-                _fail(
-                    r.handle,
-                    InvalidRequest(
-                        f"LoRA adapter {r.request.lora_path!r} is not loaded; loaded: {sorted(self.lora_adapters)}"
-                    ),
-                )
+            missing = self.missing_adapter_error(r.request.lora_path)  # at admission: a refit may swap it
+            if missing is not None:
+                _fail(r.handle, missing)
             elif r.request.sampling.max_new_tokens == 0:
                 self._guarded(lambda r=r: self._batch.score(r), [r])
                 if r.finish is not None:

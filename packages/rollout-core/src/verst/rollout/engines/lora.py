@@ -264,6 +264,12 @@ class LoraEngineMixin:
         adapters = getattr(self, "_adapters", None)
         return name is None or (adapters is not None and adapters.has(name))
 
+    def missing_adapter_error(self, name: str | None) -> InvalidRequest | None:
+        """The error for a request naming an adapter that is not loaded (None when it may run)."""
+        if self.has_lora_adapter(name):
+            return None
+        return InvalidRequest(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.lora_adapters)}")
+
     def set_weight_version(self, version: int) -> None:
         """Set the weight version label (SGLang's `/update_weight_version`); weights are unchanged."""
         self._weight_version = int(version)
