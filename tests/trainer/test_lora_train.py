@@ -14,7 +14,7 @@ from train_testlib import install_reward_module, run_dict, write_prompts
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.launcher import free_port
 from verst.rollout.engines.sglang_client import SGLangClient
 from verst.rollout.errors import ConfigError
 from verst.rollout.sample import Sample, Status
@@ -176,55 +176,66 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
         cfg, model_path=str(tiny_checkpoint), env={}, engine=EmbeddedEngine.from_pretrained(tiny_checkpoint)
     )
     base_state = {k: v.clone() for k, v in embedded.engine.model.state_dict().items()}
-    with launch_verst_servers(
-        tiny_checkpoint, ready_timeout_s=180, log_dir=tmp_path / "logs", extra_args=["--enable-lora"]
-    ) as servers:
-        served = RolloutSide(
-            cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(servers.urls[0])
+    # `verst serve --enable-lora` (its app, on the rollout side's own event loop: no subprocess)
+    url = f"http://127.0.0.1:{free_port()}"
+    served = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(url))
+    runner = served._run(_start_server(tiny_checkpoint, url))
+    try:
+        syncs = [
+            WeightSync(train, embedded, mode="auto", staging_dir=tmp_path / "we", dist_info=DistInfo()),
+            WeightSync(train, served, mode="auto", staging_dir=tmp_path / "ws", dist_info=DistInfo()),
+        ]
+        assert [s.mode for s in syncs] == ["tensors", "disk"]
+        for s in syncs:
+            assert s.push(version=0) == 0  # the initial (zero) adapter
+        first = _groups(embedded, 0)
+        assert _mismatch(train, first) < 1e-4
+        train.train_step(build_train_batch(first))
+        assert _mismatch(train, first) > 1e-3
+
+        adapter_bytes = sum(t.numel() * t.element_size() for t in train.adapter_state_for_sync().values())
+        model_bytes = sum(t.numel() * t.element_size() for t in train.state_dict_for_sync().values())
+        for s in syncs:
+            assert s.push() == 1
+            assert s.last_bytes == adapter_bytes < model_bytes / 10
+        for side in (embedded, served):
+            assert side.weight_version() == 1
+            mismatch = _mismatch(train, _groups(side, 1))
+            assert mismatch < 1e-4, f"{side.engine!r}: {mismatch}"
+        # the embedded engine kept its base weights: the adapter is applied on top
+        for k, v in embedded.engine.model.state_dict().items():
+            assert torch.equal(v, base_state[k]), k
+        assert [p.name for p in (tmp_path / "ws").iterdir()] == ["v1"]
+        assert json.loads((tmp_path / "ws" / "v1" / "adapter_config.json").read_text())["r"] == 4
+
+        # verst serve from tensors (SGLang's /load_lora_adapter_from_tensors), replacing the adapter
+        train.train_step(build_train_batch(_groups(served, 1)))
+        by_tensor = WeightSync(
+            train,
+            served,
+            mode="tensors",
+            staging_dir=tmp_path / "x",
+            dist_info=DistInfo(),
+            weight_version=1,
         )
-        try:
-            syncs = [
-                WeightSync(train, embedded, mode="auto", staging_dir=tmp_path / "we", dist_info=DistInfo()),
-                WeightSync(train, served, mode="auto", staging_dir=tmp_path / "ws", dist_info=DistInfo()),
-            ]
-            assert [s.mode for s in syncs] == ["tensors", "disk"]
-            for s in syncs:
-                assert s.push(version=0) == 0  # the initial (zero) adapter
-            first = _groups(embedded, 0)
-            assert _mismatch(train, first) < 1e-4
-            train.train_step(build_train_batch(first))
-            assert _mismatch(train, first) > 1e-3
+        assert by_tensor.push() == 2 and served.weight_version() == 2
+        assert _mismatch(train, _groups(served, 2)) < 1e-4
+    finally:
+        served._run(runner.cleanup())
+        served.close()
+        embedded.close()
 
-            adapter_bytes = sum(t.numel() * t.element_size() for t in train.adapter_state_for_sync().values())
-            model_bytes = sum(t.numel() * t.element_size() for t in train.state_dict_for_sync().values())
-            for s in syncs:
-                assert s.push() == 1
-                assert s.last_bytes == adapter_bytes < model_bytes / 10
-            for side in (embedded, served):
-                assert side.weight_version() == 1
-                mismatch = _mismatch(train, _groups(side, 1))
-                assert mismatch < 1e-4, f"{side.engine!r}: {mismatch}"
-            # the embedded engine kept its base weights: the adapter is applied on top
-            for k, v in embedded.engine.model.state_dict().items():
-                assert torch.equal(v, base_state[k]), k
-            assert [p.name for p in (tmp_path / "ws").iterdir()] == ["v1"]
-            assert json.loads((tmp_path / "ws" / "v1" / "adapter_config.json").read_text())["r"] == 4
 
-            # verst serve from tensors (SGLang's /load_lora_adapter_from_tensors), replacing the adapter
-            train.train_step(build_train_batch(_groups(served, 1)))
-            by_tensor = WeightSync(
-                train,
-                served,
-                mode="tensors",
-                staging_dir=tmp_path / "x",
-                dist_info=DistInfo(),
-                weight_version=1,
-            )
-            assert by_tensor.push() == 2 and served.weight_version() == 2
-            assert _mismatch(train, _groups(served, 2)) < 1e-4
-        finally:
-            served.close()
-            embedded.close()
+async def _start_server(model, url):
+    from aiohttp import web
+
+    from verst.rollout.engines.server import build_app
+
+    app = build_app(EmbeddedEngine.from_pretrained(model), info={"enable_lora": True})
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", int(url.rsplit(":", 1)[1])).start()
+    return runner
 
 
 def _adapter(run_dir):
