@@ -396,3 +396,16 @@ def test_samples_pick_their_adapter_by_metadata(tmp_path, tiny_checkpoint):
                     assert float((b.gather(-1, torch.tensor(out)[:, None])[:, 0] - ref).abs().max()) > 1e-3
     finally:
         rollout.close()
+
+
+def test_lora_with_an_engine_that_cannot_serve_adapters_is_a_config_error(tiny_checkpoint, data):
+    """The check is the engine's declared capability (`lora`), not its type name: the custom
+    engine of test_train_custom_engine declares none."""
+    raw = run_dict(tiny_checkpoint, data, train={"lora": LORA, "weight_sync": "disk"})
+    raw["engine"] = {"type": "test_train_custom_engine:LoopEngine"}
+    cfg = run_config_from_dict(raw)
+    with pytest.raises(ConfigError) as err:
+        validate_run_config(cfg, {})
+    assert "engine.type" in str(err.value) and "cannot serve LoRA adapters" in str(err.value)
+    # the same run without LoRA validates
+    validate_run_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"lora": None})}), {})
