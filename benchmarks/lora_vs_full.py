@@ -164,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=2, help="timed train steps per variant (after 1 warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="timed train steps per variant (after 1 warm-up)")
     p.add_argument(
         "--no-checkpointing", action="store_true", help="keep activations (both variants; default: recompute)"
     )
