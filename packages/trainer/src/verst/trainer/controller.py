@@ -235,10 +235,11 @@ class Trainer:
                         "time/train_s": t2 - t1,
                         "time/sync_s": t3 - t2,
                         "time/step_s": t3 - t0,
-                        "sync/bytes": float(self.sync.last_bytes),
                         "weight_version": float(self.sync.weight_version),
                     }
                 )
+                if self.sync.last_bytes is not None:
+                    metrics["sync/bytes"] = float(self.sync.last_bytes)
                 interval = cfg.rollout.eval.interval
                 if interval and step % interval == 0:
                     metrics.update(self._evaluate(step, summary, log=False))

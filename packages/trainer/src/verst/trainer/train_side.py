@@ -398,6 +398,10 @@ class TrainSide:
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
 
+    def state_nbytes(self) -> int:
+        """Bytes of the full weights a refit ships (counted from the model, no gather)."""
+        return sum(t.numel() * t.element_size() for t in self.bundle.hf_model.state_dict().values())
+
     def adapter_state_for_sync(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter's tensors (PEFT names), gathered whole; a collective under FSDP (only
         rank 0 receives tensors)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import shutil
 import socket
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -121,8 +122,9 @@ class WeightSync:
         self.group: Any = None
         """distributed: this process's member (rank 0) of the weight-update group, once joined."""
         self._last_dir: Path | None = None
-        self.last_bytes = 0
-        """Bytes of the tensors the last push moved (the adapter's only with LoRA; rank 0's count)."""
+        self.last_bytes: int | None = 0
+        """Bytes of the tensors the last push moved (the adapter's only with LoRA; rank 0's count;
+        None when not known here)."""
 
     def push(self, version: int | None = None) -> int:
         """Send the current weights as `version` (default: current + 1); returns the new version.
@@ -135,7 +137,11 @@ class WeightSync:
             got = push_adapter(self, target)
             return self._settle(got, target)
         state = self.train.state_dict_for_sync()  # collective under FSDP
-        self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.last_bytes = (
+            sum(t.numel() * t.element_size() for t in state.values())
+            if isinstance(state, Mapping)
+            else getattr(state, "nbytes", None)  # Ray: the weights stay in the object store
+        )
         got = None
         if self.dist.is_main and self.rollout is not None:
             if self.mode == "tensors":

@@ -194,6 +194,9 @@ class TrainActor(ActorBase):
     def state_dict_for_sync(self) -> dict:
         return self.side.state_dict_for_sync()
 
+    def state_nbytes(self) -> int:
+        return self.side.state_nbytes()
+
     def save_hf(self, path: str, state_dict: dict | None) -> None:
         self.side.save_hf(path, state_dict)
 

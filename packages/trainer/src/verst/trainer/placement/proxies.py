@@ -88,6 +88,8 @@ class RemoteStateDict:
 
     ref: Any
     """The ObjectRef; actors receiving it as an argument get the dict itself."""
+    nbytes: int | None = None
+    """Bytes of its tensors (for the `sync/bytes` metric), as train rank 0 counted them."""
 
 
 def _read_tail(path: Path, n: int) -> list[str] | None:
@@ -395,7 +397,8 @@ class TrainProxy:
     def state_dict_for_sync(self) -> RemoteStateDict:
         """Gather the full weights (a collective over the ranks); they stay in the object store."""
         refs = self._p.call(self._p.train_actors, "state_dict_for_sync", fetch=False)
-        return RemoteStateDict(refs[0])
+        nbytes = self._p.call(self._p.train_actors[:1], "state_nbytes")[0]
+        return RemoteStateDict(refs[0], nbytes)
 
     def save_hf(self, path: str | Path, state_dict: Any = None) -> None:
         """Rank 0 writes a Hugging Face checkpoint of these weights (gathered now if not given)."""
