@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 import torch
@@ -176,10 +177,12 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
         cfg, model_path=str(tiny_checkpoint), env={}, engine=EmbeddedEngine.from_pretrained(tiny_checkpoint)
     )
     base_state = {k: v.clone() for k, v in embedded.engine.model.state_dict().items()}
-    # `verst serve --enable-lora` (its app, on the rollout side's own event loop: no subprocess)
+    # `verst serve --enable-lora`: its app on a loop in a thread of this process (no subprocess)
     url = f"http://127.0.0.1:{free_port()}"
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    runner = asyncio.run_coroutine_threadsafe(_start_server(tiny_checkpoint, url), loop).result()
     served = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=SGLangClient(url))
-    runner = served._run(_start_server(tiny_checkpoint, url))
     try:
         syncs = [
             WeightSync(train, embedded, mode="auto", staging_dir=tmp_path / "we", dist_info=DistInfo()),
@@ -221,9 +224,10 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
         assert by_tensor.push() == 2 and served.weight_version() == 2
         assert _mismatch(train, _groups(served, 2)) < 1e-4
     finally:
-        served._run(runner.cleanup())
         served.close()
         embedded.close()
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
 
 
 async def _start_server(model, url):
