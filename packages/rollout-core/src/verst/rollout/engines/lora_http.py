@@ -26,6 +26,7 @@ from verst.rollout.engines._common import InvalidRequest
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 LORA = web.AppKey("verst_lora_enabled", bool)
 ENGINE = web.AppKey("verst_lora_engine", object)
+SERVER_STATE = web.AppKey("verst_lora_server_state", object)
 
 
 async def _body(request: web.Request) -> Any:
@@ -149,15 +150,20 @@ async def update_weight_version(request: web.Request) -> web.Response:
     if body.get("abort_all_requests", True):
         await engine.abort(None)
     engine.set_weight_version(new)
+    state = request.app[SERVER_STATE]
+    if state is not None:
+        state.version_set = True  # the server now reports this number, not "default"
     return web.json_response(
         {"success": True, "message": f"Weight version updated to {new}", "new_version": str(new)}
     )
 
 
-def add_lora_routes(app: web.Application, engine: Any, *, enabled: bool) -> None:
-    """Register the LoRA endpoints for `engine` (they refuse with SGLang's message unless `enabled`)."""
+def add_lora_routes(app: web.Application, engine: Any, *, enabled: bool, state: Any = None) -> None:
+    """Register the LoRA endpoints for `engine` (they refuse with SGLang's message unless
+    `enabled`); `state` is the server's protocol state (its weight-version label)."""
     app[LORA] = enabled
     app[ENGINE] = engine
+    app[SERVER_STATE] = state
     app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
     app.router.add_post("/unload_lora_adapter", unload_lora_adapter)

@@ -554,7 +554,7 @@ def build_app(
     r.add_post("/end_weight_update", end_weight_update)
     r.add_get("/v1/loads", loads)
     register_openai_routes(app, engine, **{k: v for k, v in (info or {}).items() if k in OPENAI_ARGS})
-    add_lora_routes(app, engine, enabled=bool(app[STATE].info.get("enable_lora")))
+    add_lora_routes(app, engine, enabled=bool(app[STATE].info.get("enable_lora")), state=app[STATE])
 
     async def _close(app: web.Application) -> None:
         app[REFIT].close()
