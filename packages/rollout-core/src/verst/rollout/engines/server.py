@@ -49,8 +49,8 @@ from aiohttp import web
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
 from verst.rollout.engines._wire import WireItem, output_json, parse_generate
-from verst.rollout.engines.openai_api import register_openai_routes
 from verst.rollout.engines.lora_http import add_lora_args, add_lora_routes
+from verst.rollout.engines.openai_api import register_openai_routes
 from verst.rollout.engines.weight_group import DistributedRefit
 
 log = logging.getLogger("verst.serve")
