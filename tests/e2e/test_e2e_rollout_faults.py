@@ -70,7 +70,7 @@ def test_unreachable_engine_is_found_before_the_first_rollout(tmp_path, tiny_che
     start = time.monotonic()
     with pytest.raises(EngineUnavailableError, match=r"not a url.*health check") as info:
         run_training(cfg, tmp_path / "run", env={})
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 10, "a malformed URL must fail at once, not after the health wait"
     assert "verst serve" in str(info.value)
 
 

@@ -525,11 +525,13 @@ class SGLangClient(SGLangLoraMixin):
 
     # ---- health, close -----------------------------------------------------------------------
     async def health(self) -> bool:
-        """GET /health answered 200 (one try, no retries)."""
+        """GET /health answered 200 (one try, no retries); a malformed URL is `InvalidRequest`."""
         session = await self._get_session()
         try:
             async with session.get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return resp.status == 200
+        except aiohttp.InvalidURL as exc:  # deterministic: waiting for it cannot help
+            raise InvalidRequest(f"GET {self.base_url}/health: not a valid URL ({exc})") from exc
         except (aiohttp.ClientError, TimeoutError):
             return False
 
