@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "distill" / "config.toml"
+TRAINER_TEACHER = 'opd.teachers.reverse={type = "trainer", model_path = "model/teacher"}'
+"""The example's teacher, run in the trainer (a whole table: the example's has an `engine`)."""
 VARIANTS = {
     "grpo": ["opd.enabled=false"],
     "opd": ["opd.enabled=true"],
@@ -42,13 +44,13 @@ VARIANTS = {
         "opd.enabled=true",
         "opd.log_prob_top_k=8",
         "opd.token_set=union",
-        "opd.teachers.reverse.type=trainer",
+        TRAINER_TEACHER,
     ],
     "opd_topk_tail": [
         "opd.enabled=true",
         "opd.log_prob_top_k=8",
         "opd.token_set=union",
-        "opd.teachers.reverse.type=trainer",
+        TRAINER_TEACHER,
         "opd.topk_tail=true",
     ],
 }

@@ -9,6 +9,7 @@ import typing
 import pytest
 from pydantic import BaseModel
 
+from verst.rollout.variants import VariantTable, variant_table_of
 from verst.trainer.cli import main
 from verst.trainer.config import RunConfig
 
@@ -83,16 +84,25 @@ def test_missing_file_and_cross_section_problems(tmp_path, capsys):
     assert "train.fsdp" in err and "train.model_path" in err and "fix:" in err
 
 
+def _is_section(ann: typing.Any) -> bool:
+    """A sub-section: a model, or a variant field (`VariantTable.field`: one model per `type`)."""
+    if any(isinstance(m, VariantTable) for m in getattr(ann, "__metadata__", ())):
+        return True
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
 def _fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[str]:
     for name, field in model.model_fields.items():
         ann = field.annotation
         optional = [a for a in typing.get_args(ann) if a is not type(None)]
         if len(optional) == 1 and isinstance(optional[0], type) and issubclass(optional[0], BaseModel):
             ann = optional[0]  # an optional section (train.lora)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+        if variant_table_of(field) is not None:
+            yield f"[{prefix}{name}]"  # one table per variant, each with its own fields
+        elif isinstance(ann, type) and issubclass(ann, BaseModel):
             yield f"[{prefix}{name}]"
             yield from _fields(ann, f"{prefix}{name}.")
-        elif typing.get_origin(ann) is dict and issubclass(typing.get_args(ann)[1], BaseModel):
+        elif typing.get_origin(ann) is dict and _is_section(typing.get_args(ann)[1]):
             yield f"[{prefix}{name}.<name>]"  # a table of named sub-sections
         else:
             yield f"  {name} = "

@@ -113,11 +113,14 @@ def test_served_teacher_through_the_sglang_client(tmp_path, tiny_checkpoint, tea
     from verst.rollout.engines.launcher import launch_verst_servers
     from verst.rollout.engines.sglang_client import SGLangClient
     from verst.rollout.sample import Sample, Status
-    from verst.trainer.opd.config import OpdConfig, TeacherConfig
+    from verst.trainer.opd.config import OpdConfig
     from verst.trainer.opd.scoring import TeacherScorer
+    from verst.trainer.opd.teachers import EngineTeacherConfig
 
     opd = OpdConfig(
-        enabled=True, log_prob_top_k=4, teachers={"t": TeacherConfig(model_path=str(teacher_checkpoint))}
+        enabled=True,
+        log_prob_top_k=4,
+        teachers={"t": EngineTeacherConfig(model_path=str(teacher_checkpoint))},
     )
 
     def samples():

@@ -18,7 +18,7 @@ from verst.rollout.toy import make_tiny_checkpoint
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.opd.config import OpdConfig, TeacherConfig
+from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.scoring import (
     TEACHER_LOGPROBS_KEY,
     TEACHER_NAME_KEY,
@@ -26,6 +26,7 @@ from verst.trainer.opd.scoring import (
     TEACHER_TOPK_LOGPROBS_KEY,
     TeacherScorer,
 )
+from verst.trainer.opd.teachers import EngineTeacherConfig, TrainerTeacherConfig
 from verst.trainer.opd.token_sets import TOKEN_SET_STRATEGIES, WEIGHTINGS
 from verst.trainer.train_side import TrainSide
 
@@ -99,7 +100,9 @@ def test_engine_teacher_scoring_matches_full_distribution(tiny_checkpoint, teach
     """Scored on the real embedded engine: response log-probs and top-k match float64 full logits."""
     torch.set_num_threads(1)
     opd = OpdConfig(
-        enabled=True, log_prob_top_k=K, teachers={"t": TeacherConfig(model_path=str(teacher_checkpoint))}
+        enabled=True,
+        log_prob_top_k=K,
+        teachers={"t": EngineTeacherConfig(model_path=str(teacher_checkpoint))},
     )
     vocab = 40
     groups = _groups(vocab)
@@ -144,7 +147,7 @@ def test_topk_kl_and_grad_through_trainer_match_reference(
         log_prob_top_k=K,
         token_set=strategy,
         weighting=weighting,
-        teachers={"t": TeacherConfig(type="trainer", model_path=str(teacher_checkpoint))},
+        teachers={"t": TrainerTeacherConfig(model_path=str(teacher_checkpoint))},
     )
     side = _side(tiny_checkpoint, opd)
     vocab = side.bundle.hf_model.config.vocab_size
@@ -207,7 +210,7 @@ def test_sampled_token_advantage_folding(tiny_checkpoint, teacher_checkpoint):
             enabled=True,
             coef=0.5,
             with_task_reward=with_task,
-            teachers={"t": TeacherConfig(type="trainer", model_path=str(teacher_checkpoint))},
+            teachers={"t": TrainerTeacherConfig(model_path=str(teacher_checkpoint))},
         )
         side = _side(tiny_checkpoint, opd)
         batch = build_train_batch(_groups(40, "t"))
@@ -233,7 +236,7 @@ def test_train_step_with_engine_scored_teacher(tiny_checkpoint, teacher_checkpoi
         enabled=True,
         log_prob_top_k=top_k,
         token_set="intersection",
-        teachers={"t": TeacherConfig(model_path=str(teacher_checkpoint))},
+        teachers={"t": EngineTeacherConfig(model_path=str(teacher_checkpoint))},
     )
     groups = _groups(40)
 
@@ -259,7 +262,7 @@ def test_train_step_with_engine_scored_teacher(tiny_checkpoint, teacher_checkpoi
 
 
 def test_unscored_engine_samples_are_an_error(tiny_checkpoint, teacher_checkpoint):
-    opd = OpdConfig(enabled=True, teachers={"t": TeacherConfig(model_path=str(teacher_checkpoint))})
+    opd = OpdConfig(enabled=True, teachers={"t": EngineTeacherConfig(model_path=str(teacher_checkpoint))})
     side = _side(tiny_checkpoint, opd)
     with pytest.raises(ValueError, match="no teacher information"):
         side.train_step(build_train_batch(_groups(40)))

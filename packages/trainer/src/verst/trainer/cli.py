@@ -77,16 +77,29 @@ def _variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
     return list(table.builtins.items()) if table is not None else []
 
 
+def _dict_variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
+    """The same for a `dict[str, <variant field>]` (e.g. `[opd.teachers.<name>]`), else []."""
+    from verst.rollout.variants import VariantTable
+
+    args = typing.get_args(field.annotation)
+    if typing.get_origin(field.annotation) is not dict or len(args) != 2:
+        return []
+    table = next((m for m in getattr(args[1], "__metadata__", ()) if isinstance(m, VariantTable)), None)
+    return list(table.builtins.items()) if table is not None else []
+
+
 def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
     """Lines documenting every field of `model` (recursively): `key (type, default): meaning`.
     A variant field (e.g. `[engine]`) documents each built-in variant's fields."""
     nested: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
-        variants = _variants(field)
+        variants, key = _variants(field), name
+        if not variants:
+            variants, key = _dict_variants(field), f"{name}.<name>"
         if variants:
             for type_name, sub in variants:
                 doc = f'type = "{type_name}": {sub.__doc__ or ""}'.strip()
-                nested.append((name, sub, doc))
+                nested.append((key, sub, doc))
             continue
         sub = _nested_model(field.annotation)
         if sub is not None:
@@ -124,6 +137,11 @@ def markdown_reference(model: type[BaseModel], section: str, variant: str | None
         variants = _variants(field)
         if variants:
             subs += [markdown_reference(m, f"{section}.{name}", t) for t, m in variants]
+            continue
+        variants = _dict_variants(field)
+        if variants:
+            subs += [markdown_reference(m, f"{section}.{name}.<name>", t) for t, m in variants]
+            rows.append(f"| `{name}` | `{{name: table}}` | `{{}}` | {field.description or ''} |")
             continue
         sub = _nested_model(field.annotation)
         if sub is not None:

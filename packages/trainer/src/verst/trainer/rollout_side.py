@@ -100,7 +100,7 @@ class RolloutSide:
 
         `engine` may be given (tests, or an engine shared with another component); otherwise it
         is built from `config.engine`. `teacher_engines` likewise replaces the engines of
-        `[opd.teachers]` of type 'engine' (by name).
+        `[opd.teachers]` scored on the rollout side (by name).
         """
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verst-rollout-loop", daemon=True)

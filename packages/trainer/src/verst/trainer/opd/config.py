@@ -22,6 +22,9 @@ engine = { type = "sglang", urls = ["http://127.0.0.1:30000"] }
 type = "trainer"              # loaded in the trainer; all token sets, no extra server
 model_path = "runs/teacher/final"
 ```
+
+Each teacher kind is a config model of its own (`verst.trainer.opd.teachers`, table `TEACHERS`);
+the checks below ask a teacher's `capabilities()` and `problems()`, never its type name.
 """
 
 from __future__ import annotations
@@ -29,59 +32,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section, path_field
-from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection
+from verst.rollout.config import Section
 from verst.rollout.errors import Problem
 from verst.rollout.protocols import Capability
+from verst.trainer.opd.teachers import TeacherConfig, TeacherSection
 from verst.trainer.opd.token_sets import (
     STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS,
     TOKEN_SET_STRATEGIES,
     WEIGHTINGS,
 )
-
-
-class TeacherConfig(Section):
-    """One teacher: where its log-probs come from."""
-
-    type: Literal["engine", "trainer"] = Field(
-        "engine",
-        description=(
-            "'engine' = scored by an inference engine after each rollout (the embedded engine on "
-            "model_path, or SGLang / `verst serve` through `engine`); 'trainer' = loaded in the "
-            "trainer process and run with the chunked kernels (supports every token set)."
-        ),
-    )
-    model_path: str | None = path_field(
-        description=(
-            "Hugging Face directory of the teacher. type='trainer': required. type='engine': the "
-            "embedded engine's model when engine.model_path is unset."
-        ),
-    )
-    engine: EngineConfig = Field(
-        default_factory=ENGINES.build_default,
-        description=(
-            "type='engine': the teacher's engine, an [engine]-like table (type='sglang' with urls for "
-            "a served teacher; type='embedded' runs it in this process)."
-        ),
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="type='trainer': parameter dtype of the teacher model."
-    )
-
-    def resolved_engine(self) -> EngineSection:
-        """The engine config with `model_path` filled in from the teacher's."""
-        return self.engine.with_model_path(self.model_path)
-
-    def model_dir(self) -> str | None:
-        """The teacher's local model directory, when known (an engine that loads no model
-        itself, e.g. SGLang servers, leaves it to the teacher's `model_path`)."""
-        if self.type == "trainer" or not self.engine.capabilities().needs_model_path:
-            return self.model_path
-        return self.resolved_engine().model_path
 
 
 class OpdConfig(Section):
@@ -227,48 +189,37 @@ def opd_problems(o: OpdConfig, *, student_model_path: str | None, fsdp: bool) ->
             )
         )
     for name, t in o.teachers.items():
-        key = f"opd.teachers.{name}"
-        out += _teacher_problems(key, t, o, student_vocab)
-        if t.type == "trainer" and fsdp:
-            out.append(
-                Problem(
-                    f"{key}.type",
-                    "trainer teachers are not sharded: with train.fsdp each rank would need the whole "
-                    "teacher and run it on a different number of micro-batches",
-                    f"serve the teacher instead ({key}.type = 'engine'), or set train.fsdp = false",
-                )
-            )
+        out += _teacher_problems(f"opd.teachers.{name}", t, o, student_vocab, fsdp=fsdp)
     return out
 
 
-def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: int | None) -> list[Problem]:
-    out: list[Problem] = []
-    if t.type == "trainer" and not t.model_path:
+def _teacher_problems(
+    key: str, t: TeacherSection, o: OpdConfig, student_vocab: int | None, *, fsdp: bool
+) -> list[Problem]:
+    """The teacher's own problems, and what its capabilities cannot do in this run."""
+    name = key.rsplit(".", 1)[-1]
+    can = t.capabilities()
+    out = t.problems(key)
+    if fsdp and not can.with_fsdp:
         out.append(
-            Problem(f"{key}.model_path", "a trainer teacher needs a model", "set it to a HF model directory")
+            Problem(
+                f"{key}.type",
+                f"{t.type!r} teachers are not sharded: with train.fsdp each rank would need the whole "
+                "teacher and run it on a different number of micro-batches",
+                f"serve the teacher instead ({key}.type = 'engine'), or set train.fsdp = false",
+            )
         )
-    if t.type == "engine":
-        e = t.resolved_engine()
-        if e.capabilities().needs_model_path and not e.model_path:
-            out.append(
-                Problem(
-                    f"{key}.model_path",
-                    f"an engine teacher of engine.type = {e.type!r} needs a model",
-                    f"set {key}.model_path (or {key}.engine.model_path)",
-                )
+    if o.top_k and o.token_set in STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS and not can.scores_student_ids:
+        out.append(
+            Problem(
+                "opd.token_set",
+                f"token set {o.token_set!r} holds the student's top-k tokens, so the teacher must score "
+                f"the student's ids at every position, which {t.type!r} teacher {name!r} "
+                "scores only before the trainer knows them",
+                f"set {key}.type = 'trainer' (the teacher runs in the trainer), or use "
+                "opd.token_set = 'only_teacher' or 'intersection'",
             )
-        out += e.problems(f"{key}.engine")
-        if o.top_k and o.token_set in STRATEGIES_NEEDING_TEACHER_ON_STUDENT_IDS:
-            out.append(
-                Problem(
-                    "opd.token_set",
-                    f"token set {o.token_set!r} holds the student's top-k tokens, so the teacher must score "
-                    f"the student's ids at every position, which engine teacher {key.rsplit('.', 1)[-1]!r} "
-                    "scores only before the trainer knows them",
-                    f"set {key}.type = 'trainer' (the teacher runs in the trainer), or use "
-                    "opd.token_set = 'only_teacher' or 'intersection'",
-                )
-            )
+        )
     teacher_vocab = read_vocab_size(t.model_dir())
     if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
         out.append(
@@ -282,7 +233,7 @@ def _teacher_problems(key: str, t: TeacherConfig, o: OpdConfig, student_vocab: i
         out.append(
             Problem(
                 "opd.log_prob_top_k",
-                f"k = {o.log_prob_top_k} exceeds teacher {key.rsplit('.', 1)[-1]!r}'s vocabulary of {teacher_vocab}",
+                f"k = {o.log_prob_top_k} exceeds teacher {name!r}'s vocabulary of {teacher_vocab}",
                 f"choose k <= {teacher_vocab}",
             )
         )

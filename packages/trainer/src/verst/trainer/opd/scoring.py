@@ -14,8 +14,8 @@ Results go into `sample.metadata` (plain lists, so they survive `to_dict` / Ray 
 - `teacher_topk_ids`, `teacher_topk_logprobs`: `[R][k]` the teacher's top-k per response
   position, descending (engine teachers, top-k OPD).
 
-Trainer teachers (`type = "trainer"`) are only named here; the train side computes their
-log-probs (see `verst.trainer.opd.train`).
+Teachers run in the trainer (`capabilities().scored_in_rollout` false, e.g. `type = "trainer"`)
+are only named here; the train side computes their log-probs (see `verst.trainer.opd.train`).
 """
 
 from __future__ import annotations
@@ -129,11 +129,9 @@ class TeacherScorer:
 
 
 async def build_teacher_engines(opd: OpdConfig, *, max_concurrency: int) -> dict[str, InferenceEngine]:
-    """An engine per `type = "engine"` teacher, from its `engine` table."""
-    from verst.rollout.engines.config import build_engine
-
+    """An engine per teacher scored on the rollout side (`capabilities().scored_in_rollout`)."""
     out: dict[str, InferenceEngine] = {}
     for name, t in opd.teachers.items():
-        if t.type == "engine":
-            out[name] = await build_engine(t.resolved_engine(), max_concurrency=max_concurrency)
+        if t.capabilities().scored_in_rollout:
+            out[name] = await t.build_engine(max_concurrency=max_concurrency)
     return out

@@ -7,8 +7,9 @@ Per train step (`OpdTrainer`):
 2. `prepare` runs one no-grad pass of the student over the batch (the policy before the update):
    its log-probs of the sampled tokens and, for top-k OPD, its top-k ids per response position,
    from the hidden states through `verst.kernels.linear_topk_logprobs` (chunked: no
-   `[tokens, vocab]` tensor). Trainer teachers (`type = "trainer"`) run the same way and also
-   score the student's top-k ids (`token_ids=`), which student-side token sets need.
+   `[tokens, vocab]` tensor). Teachers run in the trainer (`type = "trainer"`, or any whose
+   `capabilities().scored_in_rollout` is false) run the same way and also score the student's
+   top-k ids (`token_ids=`), which student-side token sets need.
 3. Sampled-token OPD (`log_prob_top_k = 0`): `fold_advantages` subtracts
    `coef * (student_logp - teacher_logp)` from each token's advantage.
 4. Top-k OPD (`log_prob_top_k > 0`): `forward_with_kl` is the micro-step forward; the student's
@@ -42,6 +43,7 @@ from verst.trainer.opd.scoring import (
     TEACHER_TOPK_IDS_KEY,
     TEACHER_TOPK_LOGPROBS_KEY,
 )
+from verst.trainer.opd.teachers import TeacherLoader
 from verst.trainer.opd.token_sets import TopKSides, sampled_token_opd_advantage, topk_opd_kl
 
 
@@ -155,9 +157,10 @@ class OpdTrainer:
         chunk_size: int,
         packing: bool,
         micro_batch_size: int,
-        teacher_loader: Callable[[str, str], PolicyLogprobs] | None = None,
+        teacher_loader: TeacherLoader | None = None,
     ) -> None:
-        """`teacher_loader(model_path, dtype)` builds a frozen `PolicyLogprobs` for trainer teachers."""
+        """`teacher_loader(model_path, dtype)` builds a frozen `PolicyLogprobs`; each teacher run in
+        the trainer is built with it (`TeacherSection.build_model`)."""
         self.opd = opd
         self.k = opd.log_prob_top_k
         self.temperature = temperature
@@ -169,10 +172,10 @@ class OpdTrainer:
         self.inputs: OpdStepInputs | None = None
         """The current step's inputs (set by `begin_step`)."""
         for name, t in opd.teachers.items():
-            if t.type == "trainer":
+            if not t.capabilities().scored_in_rollout:
                 if teacher_loader is None:
-                    raise ValueError("trainer teachers need a teacher_loader")
-                self.teachers[name] = teacher_loader(str(t.model_path), t.dtype)
+                    raise ValueError("teachers run in the trainer need a teacher_loader")
+                self.teachers[name] = t.build_model(teacher_loader)
 
     # ------------------------------------------------------------ the step extension
 
