@@ -151,16 +151,12 @@ def local_model_paths(cfg: Any) -> Iterator[tuple[str, str | None, bool]]:
     """(key, value, needs weights) of every model/tokenizer path this machine loads."""
     yield "train.model_path", cfg.train.model_path, True
     yield "train.ref_model_path", cfg.train.ref_model_path, True
-    if getattr(cfg.engine, "type", None) in ("embedded", "sglang_launch"):  # loaded here, not by a server
+    if cfg.engine.capabilities().needs_model_path:  # loaded here, not by a server
         yield "engine.model_path", getattr(cfg.engine, "model_path", None), True
         yield "engine.tokenizer_path", getattr(cfg.engine, "tokenizer_path", None), False
     for name, teacher in cfg.opd.teachers.items():
-        key = f"opd.teachers.{name}"
-        engine = getattr(teacher, "engine", None)
-        if teacher.type == "trainer" or getattr(engine, "type", None) in ("embedded", "sglang_launch"):
-            yield f"{key}.model_path", teacher.model_path, True
-        if engine is not None and getattr(engine, "type", None) in ("embedded", "sglang_launch"):
-            yield f"{key}.engine.model_path", getattr(engine, "model_path", None), True
+        for key, value in teacher.local_model_paths(f"opd.teachers.{name}"):
+            yield key, value, True
 
 
 def model_paths_problems(cfg: Any, *, search_dirs: Sequence[Path] = ()) -> list[Problem]:

@@ -77,6 +77,11 @@ class TeacherSection(Section):
         """The teacher's local model directory when known (for the vocabulary check)."""
         return self.model_path
 
+    def local_model_paths(self, key: str) -> list[tuple[str, str | None]]:
+        """(key, value) of the model directories this machine loads for the teacher (validation
+        checks each exists); override for a teacher whose model is loaded elsewhere."""
+        return [(f"{key}.model_path", self.model_path)]
+
     async def build_engine(self, *, max_concurrency: int) -> InferenceEngine:
         """Rollout-side teachers: the engine that scores this teacher's samples."""
         raise NotImplementedError(f"{type(self).__name__}.build_engine (a rollout-side teacher)")
@@ -110,6 +115,12 @@ class EngineTeacherConfig(TeacherSection):
         if not self.engine.capabilities().needs_model_path:
             return self.model_path
         return self.resolved_engine().model_path
+
+    def local_model_paths(self, key: str) -> list[tuple[str, str | None]]:
+        """Only an engine that loads its model here (not a server) reads the model paths."""
+        if not self.engine.capabilities().needs_model_path:
+            return []
+        return [(f"{key}.model_path", self.model_path), (f"{key}.engine.model_path", self.engine.model_path)]
 
     def problems(self, key: str) -> list[Problem]:
         e = self.resolved_engine()
