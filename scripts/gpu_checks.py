@@ -423,7 +423,7 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
                 dist_info=DistInfo(), backend="nccl", shares_gpu_with_engine=True,
             )  # fmt: skip
             try:
-                sync._ensure_group()
+                sync.transport.ensure_group(sync.rollout)
                 raise AssertionError("NCCL on a shared GPU was not refused")
             except WeightSyncError as exc:
                 info["detail"] = str(exc)[:120]

@@ -137,6 +137,10 @@ def markdown_reference(model: type[BaseModel], section: str, variant: str | None
         variants = _variants(field)
         if variants:
             subs += [markdown_reference(m, f"{section}.{name}", t) for t, m in variants]
+            default = field.default_factory().type if field.default_factory is not None else None  # type: ignore[call-arg]
+            kinds = " \\| ".join(f"'{t}'" for t, _ in variants)
+            shown = f'`"{default}"`' if default else "unset"
+            rows.append(f"| `{name}` | {kinds} (a name or a table) | {shown} | {field.description or ''} |")
             continue
         variants = _dict_variants(field)
         if variants:

@@ -24,6 +24,7 @@ from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.lora import LoraSection
 from verst.trainer.opd.config import OpdConfig, opd_problems
 from verst.trainer.placement.layout import RaySection, placement_problems
+from verst.trainer.weight_sync_modes import WEIGHT_SYNCS, WeightSyncConfig
 
 
 class TrainConfig(Section):
@@ -91,18 +92,15 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
-    weight_sync: Literal["auto", "tensors", "disk", "distributed"] = Field(
-        "auto",
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WEIGHT_SYNCS.build_default,
         description=(
-            "How weights reach the engines after a step: 'tensors' (in-process, no disk), 'disk' "
-            "(HF checkpoint + update_weights_from_disk), 'distributed' (broadcast over a dedicated "
-            "gloo/NCCL group to the HTTP engines; NCCL needs trainer and engines on different GPUs), "
-            "'auto' = tensors for the embedded engine, else disk."
+            "How weights reach the engines after a step: a mode name or a table with `type` and the "
+            "mode's own options — 'tensors' (in-process, no disk), 'disk' (HF checkpoint + "
+            "update_weights_from_disk), 'distributed' (broadcast over a dedicated gloo/NCCL group to "
+            "the HTTP engines; NCCL needs trainer and engines on different GPUs), 'auto' = the "
+            "engine's preferred mode (tensors for the embedded engine, else disk), or 'pkg.module:Sync'."
         ),
-    )
-    weight_sync_master_address: str = Field(
-        "127.0.0.1",
-        description="weight_sync='distributed': this trainer host's address as the engine reaches it.",
     )
     lora: LoraSection | None = Field(
         None, description="Train a LoRA adapter on the frozen model instead of every weight (None = full)."
@@ -111,6 +109,19 @@ class TrainConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None = torch's default)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        """`weight_sync_master_address` of earlier configs moves into the distributed mode's table."""
+        if isinstance(data, Mapping) and "weight_sync_master_address" in data:
+            data = dict(data)
+            address = data.pop("weight_sync_master_address")
+            mode = data.get("weight_sync", "auto")
+            if mode == "distributed" or (isinstance(mode, Mapping) and mode.get("type") == "distributed"):
+                table = {"type": "distributed"} if isinstance(mode, str) else dict(mode)
+                data["weight_sync"] = {"master_address": address, **table}
+        return data
 
 
 class RunSection(Section):
@@ -389,32 +400,10 @@ def train_problems(
 
 
 def weight_sync_problems(train: TrainConfig, engine: EngineSection) -> list[Problem]:
-    """`train.weight_sync` against what the engine accepts (its capabilities)."""
-    mode = train.weight_sync
-    caps = engine.capabilities()
-    if mode == "auto":
-        return []
-    if mode not in caps.weight_sync:
-        where = (
-            "the engine lives in this process"
-            if caps.in_process
-            else f"engine.type={engine.type!r} does not accept it"
-        )
-        why = {
-            "distributed": "'distributed' broadcasts to an engine in another process",
-            "tensors": "'tensors' hands the engine in-memory weights",
-            "disk": "'disk' makes the engine load a checkpoint directory",
-        }[mode]
-        return [
-            Problem(
-                "train.weight_sync",
-                f"{why}; {where} (it accepts {', '.join(caps.weight_sync)})",
-                f"use {' or '.join(repr(m) for m in caps.weight_sync)} (or 'auto') with "
-                f"engine.type={engine.type!r}, or serve the model with `verst serve` / SGLang and "
-                "set engine.type='sglang'",
-            )
-        ]
-    return []  # several engines are fine for 'distributed': each worker gets its own rank offset
+    """`train.weight_sync` against what the engine accepts (the mode asks its capabilities)."""
+    return train.weight_sync.problems(
+        "train.weight_sync", engine.capabilities(), f"engine.type={engine.type!r}"
+    )
 
 
 def _engine_model_path(cfg: RunConfig) -> str | None:

@@ -183,7 +183,6 @@ class Trainer:
             mode=config.train.weight_sync,
             staging_dir=self.run_dir / "weights",
             dist_info=self.dist,
-            master_address=config.train.weight_sync_master_address,
             shares_gpu_with_engine=config.run.placement == "ray" and config.run.ray.layout == "colocated",
         )
         self.checkpoint_dir = self.run_dir / "checkpoints"

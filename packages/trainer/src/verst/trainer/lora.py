@@ -103,7 +103,7 @@ def lora_problems(cfg: RunConfig, model_path: str | None) -> list[Problem]:
                 "remove train.ref_model_path (or train without [train.lora])",
             )
         )
-    if cfg.train.weight_sync == "distributed":
+    if not cfg.train.weight_sync.resolve(cfg.engine.capabilities()).adapters:  # e.g. 'distributed'
         out.append(
             Problem(
                 "train.weight_sync",

@@ -88,7 +88,7 @@ class RunSections(Protocol):
     @property
     def run(self) -> Any: ...  # RunSection: placement, ray_address, ray
     @property
-    def train(self) -> Any: ...  # TrainConfig: fsdp
+    def train(self) -> Any: ...  # TrainConfig: fsdp, weight_sync (a WeightSyncSection)
     @property
     def engine(self) -> EngineSection: ...
     @property
@@ -136,16 +136,9 @@ def placement_problems(cfg: RunSections, env: Mapping[str, str]) -> list[Problem
                 "set run.ray.num_train_actors=2 (or more), or train.fsdp=false",
             )
         )
-    if cfg.train.weight_sync == "distributed" and ray.layout == "colocated" and ray.device != "cpu":
-        problems.append(
-            Problem(
-                "train.weight_sync",
-                "'distributed' refit over NCCL needs one GPU per rank, but a colocated layout puts the "
-                "trainer and the engine on the same GPU (NCCL rejects two ranks on one device)",
-                "use train.weight_sync='disk' or 'tensors' with run.ray.layout='colocated', or "
-                "run.ray.layout='disaggregated' (or run.ray.device='cpu', where gloo is used)",
-            )
-        )
+    mode = cfg.train.weight_sync.resolve(cfg.engine.capabilities())
+    colocated_gpu = ray.layout == "colocated" and ray.device != "cpu"
+    problems += mode.placement_problems("train.weight_sync", colocated_gpu=colocated_gpu)
     problems += engine_placement_problems(cfg)
     return problems
 
