@@ -128,9 +128,12 @@ def run_once(args: argparse.Namespace, *, fully_async: bool, latency_ms: float, 
         "train.num_threads=1",
         "rollout.eval.interval=0",
         f"rollout.fully_async={'true' if fully_async else 'false'}",
-        f"rollout.async_buffer_groups={args.buffer}",
-        f"rollout.max_weight_staleness={args.staleness}",
     ]
+    if fully_async:  # the fully-async strategy's own options
+        overrides += [
+            f"rollout.strategy_options.async_buffer_groups={args.buffer}",
+            f"rollout.strategy_options.max_weight_staleness={args.staleness}",
+        ]
     fraction = args.latency_fraction if latency_ms > 0 else 0.0
     server = Server(EXAMPLE / "model" / "warm_start", latency_ms, fraction, args.seed)
     try:
@@ -186,8 +189,12 @@ def compare(args: argparse.Namespace, latency_ms: float, tmp: Path, label: str) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    p.add_argument("--buffer", type=int, default=16, help="rollout.async_buffer_groups (default 16)")
-    p.add_argument("--staleness", type=int, default=1, help="rollout.max_weight_staleness (default 1)")
+    p.add_argument(
+        "--buffer", type=int, default=16, help="rollout.strategy_options.async_buffer_groups (default 16)"
+    )
+    p.add_argument(
+        "--staleness", type=int, default=1, help="rollout.strategy_options.max_weight_staleness (default 1)"
+    )
     p.add_argument("--latency-ms", type=float, default=500.0, help="long_tail: mean injected delay (ms)")
     p.add_argument("--latency-fraction", type=float, default=0.05, help="long_tail: fraction delayed")
     p.add_argument("--seed", type=int, default=0, help="seed of the injected delays")

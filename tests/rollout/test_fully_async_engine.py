@@ -16,6 +16,7 @@ from verst.rollout.errors import ConfigError
 from verst.rollout.protocols import RolloutRequest
 from verst.rollout.selection import resolve_extra_env_vars
 from verst.rollout.strategies.fully_async import FullyAsyncRollout
+from verst.rollout.strategies.fully_async_options import fully_async_options
 from verst.rollout.validation import FULLY_ASYNC_LEGACY_MESSAGE
 
 
@@ -167,7 +168,10 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
     steps = [m for _, m in logger.records if "rollout/buffer_size" in m]
     assert len(steps) == 3
     for m in steps:
-        assert m["rollout/staleness_max"] <= cfg.rollout.max_weight_staleness
+        assert (
+            m["rollout/staleness_max"]
+            <= fully_async_options(cfg.rollout.strategy_options).max_weight_staleness
+        )
         # the off-policy correction is on and its mismatch is reported every step
         assert "train/logprob_mismatch" in m and "train/tis_weight_mean" in m
     assert not any(t.name == "verst-rollout-loop" and t.is_alive() for t in threading.enumerate())

@@ -112,7 +112,7 @@ def test_every_cross_field_problem_in_one_error(tmp_path, strategies):
         "rollout.dynamic_filters[1]": "unknown dynamic filter 'no_such_filter'",
         "rollout.dynamic_filters": "nonzero_std drops every group",
         "rollout.mask_offpolicy_in_partial_rollout": "partial_rollout is off",
-        "rollout.async_buffer_groups": "cannot hold one batch",
+        "rollout.strategy_options.async_buffer_groups": "cannot hold one batch",
         "rollout.generate_function_path": "not an import path",
         "rollout.data.path": "unknown file type '.csv'",
     }

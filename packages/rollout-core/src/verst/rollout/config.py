@@ -7,9 +7,10 @@ reports every problem in one `ConfigError`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verst.rollout.agentic.config import EnvConfig
 
@@ -147,13 +148,12 @@ class RolloutConfig(Section):
     mask_offpolicy_in_partial_rollout: bool = Field(
         False, description="Loss-mask the part of a resumed response generated under older weights."
     )
-    fully_async: bool = Field(False, description="Generate continuously while training (FullyAsyncRollout).")
-    max_weight_staleness: int = Field(
-        1, ge=0, description="Fully-async: max weight versions a group may lag."
-    )
-    async_buffer_groups: int = Field(16, ge=1, description="Fully-async: finished groups buffered at most.")
-    stale_policy: Literal["retry", "drop"] = Field(
-        "retry", description="Fully-async: what happens to groups that are too stale."
+    fully_async: bool = Field(
+        False,
+        description=(
+            "Generate continuously while training (FullyAsyncRollout); its options "
+            "(max_weight_staleness, async_buffer_groups, stale_policy) go in rollout.strategy_options."
+        ),
     )
     lora_key: str = Field(
         "lora",
@@ -167,7 +167,30 @@ class RolloutConfig(Section):
         None, description="Agentic multi-turn episodes in an environment (None = single-turn generation)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        """Flat fully-async keys of earlier configs move into `strategy_options`."""
+        return migrate_fully_async_keys(data) if isinstance(data, Mapping) else data
+
     @property
     def effective_over_sampling_batch_size(self) -> int:
         """Groups submitted per wave."""
         return self.over_sampling_batch_size or self.batch_size
+
+
+FULLY_ASYNC_KEYS = ("max_weight_staleness", "async_buffer_groups", "stale_policy")
+"""Flat `[rollout]` keys of earlier configs that are now the fully-async strategy's options
+(`verst.rollout.strategies.fully_async_options.FullyAsyncOptions`)."""
+
+
+def migrate_fully_async_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A `[rollout]` table with the flat fully-async keys of earlier configs moved into
+    `strategy_options` (an option set there wins). Without `fully_async = true` they are
+    dropped: nothing read them then."""
+    data = dict(data)
+    flat = {k: data.pop(k) for k in FULLY_ASYNC_KEYS if k in data}
+    if flat and data.get("fully_async") is True:
+        options = data.get("strategy_options")
+        data["strategy_options"] = {**flat, **(options if isinstance(options, Mapping) else {})}
+    return data

@@ -39,6 +39,7 @@ from verst.rollout.selection import (
     resolve_strategy_path,
     use_legacy_rollout_v1,
 )
+from verst.rollout.strategies.fully_async_options import FullyAsyncOptions
 
 FindSpec = Callable[[str], ModuleSpec | None]
 """`importlib.util.find_spec`'s shape; injectable so tests can simulate a missing package."""
@@ -246,10 +247,14 @@ def _check_partial_and_async(c: RolloutConfig) -> Iterator[Problem]:
             "set rollout.partial_rollout = true, or turn mask_offpolicy_in_partial_rollout off",
         )
     # (fully-async with max_weight_staleness = 0 is allowed: FullyAsyncRollout then runs synchronously)
-    if c.fully_async and c.async_buffer_groups < c.batch_size:
+    if not c.fully_async:
+        return
+    default = FullyAsyncOptions.model_fields["async_buffer_groups"].default
+    buffer = c.strategy_options.get("async_buffer_groups", default)
+    if isinstance(buffer, int) and buffer < c.batch_size:  # (a bad type: the strategy-options check)
         yield Problem(
-            "rollout.async_buffer_groups",
-            f"{c.async_buffer_groups} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
+            "rollout.strategy_options.async_buffer_groups",
+            f"{buffer} cannot hold one batch of rollout.batch_size = {c.batch_size} groups",
             f"set async_buffer_groups >= {c.batch_size} (e.g. {2 * c.batch_size})",
         )
 

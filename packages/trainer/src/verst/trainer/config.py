@@ -179,12 +179,23 @@ class RunConfig(Section):
         algo = self.algorithm
         if (
             self.rollout.fully_async
-            and self.rollout.max_weight_staleness > 0
+            and _staleness(self.rollout) > 0
             and "tis" not in algo.model_fields_set
             and not algo.use_rollout_logprobs_as_old
         ):
             algo.tis = True
         return self
+
+
+def _staleness(rollout: RolloutConfig) -> int:
+    """The fully-async strategy's `max_weight_staleness` (1, the default, when unreadable: the
+    strategy-options check reports the bad value)."""
+    from verst.rollout.strategies.fully_async_options import fully_async_options
+
+    try:
+        return fully_async_options(rollout.strategy_options).max_weight_staleness
+    except ValueError:
+        return 1
 
 
 # ---------------------------------------------------------------- loading

@@ -2,7 +2,7 @@
 
 A producer task keeps groups in flight between calls (`generate_and_rm_group`, the same
 retry → FAILED and dynamic-filter rules as `InferenceRollout`). Finished groups enter a bounded
-buffer: groups buffered plus groups in flight never exceed `rollout.async_buffer_groups`, so the
+buffer: groups buffered plus groups in flight never exceed `async_buffer_groups`, so the
 producer waits when the buffer is full (backpressure).
 
 Each training call takes `batch_size` groups, oldest first, whose OLDEST weight version — the
@@ -27,6 +27,9 @@ weights of the very call that takes it, so nothing may be generated ahead: each 
 rollout exactly as `InferenceRollout` does (same waves, sample indices, per-sample seeds,
 filters, hand-backs) and no producer starts. With the same seeds and config a staleness-0 run
 gives the same batches and weights as `fully_async = false` (`test_fully_async_staleness0.py`).
+
+The options (`max_weight_staleness`, `async_buffer_groups`, `stale_policy`) are the strategy's
+own (`FullyAsyncRollout.Options`, from `rollout.strategy_options`; see `fully_async_options`).
 
 The producer runs on the event loop of whoever calls the strategy: it overlaps with training
 only if that loop keeps running between calls (the trainer's `RolloutSide` runs its loop in a
@@ -53,9 +56,11 @@ from verst.rollout.protocols import (
     RolloutContext,
     RolloutRequest,
     RolloutResult,
+    strategy_options,
 )
 from verst.rollout.sample import Sample
 from verst.rollout.sampling import sampling_params_for
+from verst.rollout.strategies.fully_async_options import FullyAsyncOptions
 from verst.rollout.strategies.inference import (
     InferenceRollout,
     RolloutStalledError,
@@ -111,14 +116,20 @@ class FullyAsyncRollout(InferenceRollout):
     """
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset(Capability)
+    Options: ClassVar[type[FullyAsyncOptions]] = FullyAsyncOptions
+    """`rollout.strategy_options`: max_weight_staleness, async_buffer_groups, stale_policy
+    (a subclass extends it with its own)."""
 
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
         config = context.config
-        if config.async_buffer_groups < config.batch_size:
+        self.options: FullyAsyncOptions = strategy_options(type(self), config)
+        """The validated `rollout.strategy_options`."""
+        if self.options.async_buffer_groups < config.batch_size:
             raise ValueError(
-                f"rollout.async_buffer_groups = {config.async_buffer_groups} cannot hold one batch of "
-                f"rollout.batch_size = {config.batch_size} groups; set async_buffer_groups >= {config.batch_size}"
+                f"rollout.strategy_options.async_buffer_groups = {self.options.async_buffer_groups} cannot "
+                f"hold one batch of rollout.batch_size = {config.batch_size} groups; set "
+                f"async_buffer_groups >= {config.batch_size}"
             )
         self.buffer: deque[_Buffered] = deque()
         """Finished groups waiting for a training call, oldest first."""
@@ -156,7 +167,7 @@ class FullyAsyncRollout(InferenceRollout):
             raise RuntimeError("FullyAsyncRollout is closed; build a new strategy to generate again")
         if request.evaluation:
             return await self._evaluate(request)
-        if self.context.config.max_weight_staleness == 0:
+        if self.options.max_weight_staleness == 0:
             return await self._rollout(request)  # synchronous: nothing generated ahead (see above)
         return await self._take(request)
 
@@ -219,7 +230,7 @@ class FullyAsyncRollout(InferenceRollout):
     # ------------------------------------------------------------------ the producer
 
     def _room(self) -> int:
-        return self.context.config.async_buffer_groups - len(self.buffer) - len(self._in_flight)
+        return self.options.async_buffer_groups - len(self.buffer) - len(self._in_flight)
 
     def _start(self, request: RolloutRequest) -> None:
         """Start the producer on the first call; later calls update the state it generates with."""
@@ -355,7 +366,7 @@ class FullyAsyncRollout(InferenceRollout):
         for g in unfinished:
             if self._closing:
                 self._closing_unfinished.append(g)
-            elif self.context.config.stale_policy == "retry":
+            elif self.options.stale_policy == "retry":
                 self._tally.aborted_retried += 1
                 self._give_back([g], fresh=False)
             else:
@@ -421,12 +432,12 @@ class FullyAsyncRollout(InferenceRollout):
 
     def _evict_stale(self, version: int) -> None:
         """Retry or drop buffered groups older than `max_weight_staleness` versions."""
-        config = self.context.config
+        options = self.options
         keep: deque[_Buffered] = deque()
         for b in self.buffer:
-            if version - b.oldest_version() <= config.max_weight_staleness:
+            if version - b.oldest_version() <= options.max_weight_staleness:
                 keep.append(b)
-            elif config.stale_policy == "retry":
+            elif options.stale_policy == "retry":
                 self._tally.stale_retried += 1
                 self._give_back([b.group], fresh=True)
             else:
