@@ -64,11 +64,9 @@ from verst.rollout.strategies.fully_async_options import FullyAsyncOptions
 from verst.rollout.strategies.inference import (
     InferenceRollout,
     RolloutStalledError,
-    _mark_failed,
-    _retryable,
-    _Tally,
     max_waves,
 )
+from verst.rollout.strategies.rollout_state import RolloutTally, mark_failed, retryable
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ STATE_VERSION = 1
 
 
 @dataclass
-class _AsyncTally(_Tally):
+class _AsyncTally(RolloutTally):
     """Counters since the last training call (turned into metrics by the next one)."""
 
     stale_retried: int = 0
@@ -339,10 +337,10 @@ class FullyAsyncRollout(InferenceRollout):
                 if self._closing:
                     self._closing_unfinished.append(group)
                     return None
-                retry = retries < self.context.config.max_group_retries and _retryable(err)
+                retry = retries < self.context.config.max_group_retries and retryable(err)
                 self._log_group_failure(err, retry)
                 if not retry:
-                    self._failed.append(_mark_failed(group, err))
+                    self._failed.append(mark_failed(group, err))
                     self._tally.failed_groups += 1
                     self._tally.failure_streak.append(group)
                     self._check_streak()

@@ -35,7 +35,6 @@ import logging
 import secrets
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from verst.rollout.agentic.episode import episode_generate_fn
@@ -62,39 +61,18 @@ from verst.rollout.protocols import (
 from verst.rollout.sample import Sample, Status
 from verst.rollout.sampling import sampling_params_for
 from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
+from verst.rollout.strategies.rollout_state import (
+    RolloutRun,
+    RolloutTally,
+    group_of,
+    mark_failed,
+    retryable,
+)
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 """Version of `InferenceRollout.state_dict()`'s layout."""
-
-
-@dataclass
-class _Tally:
-    """Counters of one training rollout (turned into metrics at the end)."""
-
-    dropped: dict[str, int] = field(default_factory=dict)
-    """Dropped groups per filter reason."""
-    failed_groups: int = 0
-    """Groups marked FAILED after their retries."""
-    group_retries: int = 0
-    """Resubmissions of groups whose generation raised."""
-    reward_errors: int = 0
-    """Samples whose reward function raised."""
-    returned_groups: int = 0
-    """Unused groups handed back to the data source."""
-    aborted_samples: int = 0
-    """ABORTED samples among the handed-back groups."""
-    generated_tokens: int = 0
-    """Response tokens of every finished group (kept or dropped)."""
-    finished_groups: int = 0
-    """Groups that finished generating (kept, dropped or unfinished)."""
-    waves: int = 0
-    """Waves of groups pulled from the data source."""
-    wave_limit_hit: bool = False
-    """The rollout stopped pulling at `max_waves_per_rollout` without a full batch."""
-    failure_streak: list[list[Sample]] = field(default_factory=list)
-    """Groups that failed (FAILED after retries, or a reward error) since the last good group."""
 
 
 class RolloutStalledError(RolloutError):
@@ -220,14 +198,14 @@ class InferenceRollout:
         parts.append(f"reward: {config.reward.type}")
         return "; ".join(parts)
 
-    def _check_failures(self, tally: _Tally, rollout_id: int) -> None:
+    def _check_failures(self, tally: RolloutTally, rollout_id: int) -> None:
         """Raise `RolloutFailedError` once more groups failed in a row than one batch holds."""
         if len(tally.failure_streak) > self.context.config.batch_size:
             errors = [g[0].metadata.get("error", "") for g in tally.failure_streak if g]
             raise RolloutFailedError(rollout_id, errors, source=self.failure_source())
 
     def _stall_error(
-        self, rollout_id: int, kept: int, tally: _Tally, unfinished: int = 0
+        self, rollout_id: int, kept: int, tally: RolloutTally, unfinished: int = 0
     ) -> RolloutStalledError:
         config = self.context.config
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(tally.dropped.items())) or "none"
@@ -251,7 +229,7 @@ class InferenceRollout:
             sample_text_preview(first.prompt if first else ""),
         )
 
-    def _hand_back(self, groups: list[list[Sample]], tally: _Tally) -> None:
+    def _hand_back(self, groups: list[list[Sample]], tally: RolloutTally) -> None:
         """Return unused groups to the data source (partial samples kept only with partial_rollout)."""
         if not groups:
             return
@@ -270,129 +248,125 @@ class InferenceRollout:
     # ------------------------------------------------------------------ training rollout
 
     async def _rollout(self, request: RolloutRequest) -> RolloutResult:
-        config = self.context.config
+        """One training rollout: fill the batch, then abort what is left and hand it back."""
         started = time.perf_counter()
-        state = self._new_state(request, "r")
-        params = sampling_params_for(config)
-        target = config.batch_size
-        wave = config.effective_over_sampling_batch_size
-        tally = _Tally()
-        kept: list[list[Sample]] = []
-        unused: list[list[Sample]] = []
-        failed: list[list[Sample]] = []
-        in_flight: dict[asyncio.Task[list[Sample]], list[Sample]] = {}
-        retries: dict[int, int] = {}
-        next_group = next_sample = 0
-        exhausted = False
-        wave_limit = max_waves(config)
-
-        finished: asyncio.Queue[asyncio.Task[list[Sample]]] = asyncio.Queue()
-
-        def submit(group: list[Sample]) -> None:
-            task = asyncio.create_task(generate_and_rm_group(state, group, params))
-            task.add_done_callback(finished.put_nowait)
-            in_flight[task] = group
-
-        completed = False
-        grace = self.abort_grace_s
+        run = RolloutRun(request, self._new_state(request, "r"), sampling_params_for(self.context.config))
+        completed, grace = False, self.abort_grace_s
         try:
-            while len(kept) < target:
-                while not exhausted and len(kept) + len(in_flight) < target:
-                    if tally.waves >= wave_limit:
-                        exhausted = tally.wave_limit_hit = True
-                        logger.warning(
-                            "rollout %d: %d waves pulled, %d of %d groups kept; stopping (max_waves_per_rollout)",
-                            request.rollout_id,
-                            tally.waves,
-                            len(kept),
-                            target,
-                        )
-                        break
-                    tally.waves += 1
-                    groups = self.context.data_source.get_samples(wave)
-                    if not groups:
-                        exhausted = True
-                        logger.warning("rollout %d: the data source ran out of prompts", request.rollout_id)
-                    for group in groups:
-                        for s in group:
-                            s.group_index, s.sample_index = next_group, next_sample
-                            next_sample += 1
-                        next_group += 1
-                        submit(group)
-                if not in_flight:
-                    break
-                # O(1) per finished group (asyncio.wait would re-register on every task in flight).
-                done = [await finished.get()]
-                while not finished.empty():
-                    done.append(finished.get_nowait())
-                for task in done:
-                    group = in_flight.pop(task)
-                    if len(kept) >= target:
-                        unused.append(_group_of(task, group))
-                        continue
-                    error = task.exception()
-                    if isinstance(error, GroupGenerationError):
-                        used = retries.get(group[0].group_index, 0)
-                        retry = used < config.max_group_retries and _retryable(error)
-                        self._log_group_failure(error, retry)
-                        if retry:
-                            retries[group[0].group_index] = used + 1
-                            tally.group_retries += 1
-                            submit([reset_sample(s, keep_attempt=True) for s in group])
-                        else:
-                            failed.append(_mark_failed(group, error))
-                            tally.failure_streak.append(group)
-                            self._check_failures(tally, request.rollout_id)
-                        continue
-                    if error is not None:
-                        unused.append(group)
-                        raise error
-                    self._classify(task.result(), kept, unused, tally)
-                    self._check_failures(tally, request.rollout_id)
-            if not kept and tally.wave_limit_hit:
-                raise self._stall_error(request.rollout_id, len(kept), tally, len(unused))
+            await self._fill(run)
             completed = True
         except RolloutError:
-            # the run stops: failed and reward-error groups go back too, as fresh prompts
-            seen = {id(g) for g in failed}
-            back = [*failed, *(g for g in tally.failure_streak if id(g) not in seen)]
-            unused.extend([reset_sample(s) for s in g] for g in back)
-            failed = []
+            run.requeue_failures()
             raise
         except asyncio.CancelledError:
             grace = self.cancel_grace_s
             raise
         finally:
-            state.aborted.set()
-            drained = False
-            try:
-                await self._drain(state, in_flight, grace)
-                drained = True
-            except Exception as exc:
-                if completed:
-                    raise
-                # the rollout is already failing (e.g. a dead engine): keep its error, not the abort's
-                logger.warning(
-                    "rollout %d: engine abort failed: %s: %s", request.rollout_id, type(exc).__name__, exc
-                )
-            finally:  # even if the abort itself failed: no group is lost
-                unused.extend(_group_of(task, group) for task, group in in_flight.items())
-                if not (completed and drained):  # the rollout raises: its kept groups go back too
-                    unused.extend(kept)
-                self._hand_back(unused, tally)
+            await self._end(run, grace, completed=completed)
+        return self._rollout_result(run, started)
 
+    async def _fill(self, run: RolloutRun) -> None:
+        """Pull waves and collect finished groups until the batch is full or nothing is in flight."""
+        target = self.context.config.batch_size
+        while len(run.kept) < target:
+            self._pull(run)
+            if not run.in_flight:
+                break
+            for task in await run.next_done():
+                self._collect(run, task)
+        if not run.kept and run.tally.wave_limit_hit:
+            raise self._stall_error(run.request.rollout_id, 0, run.tally, len(run.unused))
+
+    def _pull(self, run: RolloutRun) -> None:
+        """Submit waves while kept + in-flight groups fall short of the batch (at most `max_waves`)."""
+        config = self.context.config
+        target, tally = config.batch_size, run.tally
+        while not run.exhausted and len(run.kept) + len(run.in_flight) < target:
+            if tally.waves >= max_waves(config):
+                run.exhausted = tally.wave_limit_hit = True
+                logger.warning(
+                    "rollout %d: %d waves pulled, %d of %d groups kept; stopping (max_waves_per_rollout)",
+                    run.request.rollout_id,
+                    tally.waves,
+                    len(run.kept),
+                    target,
+                )
+                return
+            tally.waves += 1
+            groups = self.context.data_source.get_samples(config.effective_over_sampling_batch_size)
+            if not groups:
+                run.exhausted = True
+                logger.warning("rollout %d: the data source ran out of prompts", run.request.rollout_id)
+            for group in groups:
+                run.submit(run.numbered(group))
+
+    def _collect(self, run: RolloutRun, task: asyncio.Task[list[Sample]]) -> None:
+        """A finished group: unused once the batch is full, retried or FAILED after a generation
+        error, else kept or dropped (`_classify`). Any other error stops the rollout."""
+        group = run.in_flight.pop(task)
+        if len(run.kept) >= self.context.config.batch_size:
+            run.unused.append(group_of(task, group))
+            return
+        error = task.exception()
+        if isinstance(error, GroupGenerationError):
+            self._retry_or_fail(run, group, error)
+            return
+        if error is not None:
+            run.unused.append(group)
+            raise error
+        self._classify(task.result(), run.kept, run.unused, run.tally)
+        self._check_failures(run.tally, run.request.rollout_id)
+
+    def _retry_or_fail(self, run: RolloutRun, group: list[Sample], error: GroupGenerationError) -> None:
+        """Resubmit a group whose generation raised (up to `max_group_retries`), else mark it FAILED."""
+        used = run.retries.get(group[0].group_index, 0)
+        retry = used < self.context.config.max_group_retries and retryable(error)
+        self._log_group_failure(error, retry)
+        if retry:
+            run.retries[group[0].group_index] = used + 1
+            run.tally.group_retries += 1
+            run.submit([reset_sample(s, keep_attempt=True) for s in group])
+        else:
+            run.failed.append(mark_failed(group, error))
+            run.tally.failure_streak.append(group)
+            self._check_failures(run.tally, run.request.rollout_id)
+
+    async def _end(self, run: RolloutRun, grace: float, *, completed: bool) -> None:
+        """Abort the groups in flight and hand back every group not returned — the kept ones too
+        when the rollout raises. An abort that fails only raises after a completed rollout."""
+        run.state.aborted.set()
+        drained = False
+        try:
+            await self._drain(run.state, run.in_flight, grace)
+            drained = True
+        except Exception as exc:
+            if completed:
+                raise
+            # the rollout is already failing (e.g. a dead engine): keep its error, not the abort's
+            logger.warning(
+                "rollout %d: engine abort failed: %s: %s", run.request.rollout_id, type(exc).__name__, exc
+            )
+        finally:  # even if the abort itself failed: no group is lost
+            run.unused.extend(group_of(task, group) for task, group in run.in_flight.items())
+            if not (completed and drained):  # the rollout raises: its kept groups go back too
+                run.unused.extend(run.kept)
+            self._hand_back(run.unused, run.tally)
+
+    def _rollout_result(self, run: RolloutRun, started: float) -> RolloutResult:
+        """The kept groups with their metrics; counters and the end-of-rollout log."""
+        kept, failed = run.kept, run.failed
         self.last_failed_groups = failed
-        result = RolloutResult(groups=kept, metrics=self._metrics(kept, failed, tally, started))
+        result = RolloutResult(groups=kept, metrics=self._metrics(kept, failed, run.tally, started))
         self._counters["rollouts"] += 1
         self._counters["kept_groups"] += len(kept)
         self._counters["failed_groups"] += len(failed)
         if kept:
-            log_first_sample(logger, kept[0][0], label=f"rollout {request.rollout_id}")
-        log_rollout_finish(logger, request.rollout_id, result.metrics)
+            log_first_sample(logger, kept[0][0], label=f"rollout {run.request.rollout_id}")
+        log_rollout_finish(logger, run.request.rollout_id, result.metrics)
         return result
 
     def _classify(
-        self, samples: list[Sample], kept: list[list[Sample]], unused: list[list[Sample]], tally: _Tally
+        self, samples: list[Sample], kept: list[list[Sample]], unused: list[list[Sample]], tally: RolloutTally
     ) -> None:
         """A generated group: hand it back if unfinished (some sample aborted), else keep it or
         drop it (counted per reason). Dynamic filters only ever see finished groups."""
@@ -436,7 +410,7 @@ class InferenceRollout:
                 await asyncio.wait(pending)
 
     def _metrics(
-        self, kept: list[list[Sample]], failed: list[list[Sample]], tally: _Tally, started: float
+        self, kept: list[list[Sample]], failed: list[list[Sample]], tally: RolloutTally, started: float
     ) -> dict[str, float]:
         samples = [s for g in kept for s in g]
         elapsed = time.perf_counter() - started
@@ -499,34 +473,10 @@ class InferenceRollout:
             try:
                 return await generate_and_rm_group(state, group, params, evaluation=True)
             except GroupGenerationError as err:
-                retry = attempt < retries and _retryable(err)
+                retry = attempt < retries and retryable(err)
                 self._log_group_failure(err, retry)
                 if not retry:
-                    return _mark_failed(group, err)
+                    return mark_failed(group, err)
             attempt += 1
             for s in group:
                 reset_sample(s, keep_attempt=True)
-
-
-def _group_of(task: asyncio.Task[list[Sample]], group: list[Sample]) -> list[Sample]:
-    """The samples a finished task produced, or the submitted group if it raised, was cancelled
-    or is still running (then it is cancelled: its group goes back to the data source)."""
-    if not task.done():
-        task.cancel()
-        return group
-    if task.cancelled() or task.exception() is not None:
-        return group
-    return task.result()
-
-
-def _retryable(err: GroupGenerationError) -> bool:
-    """Whether resubmitting the group may help: not for a request the engine refused (4xx)."""
-    return bool(getattr(err.cause, "retryable", True))
-
-
-def _mark_failed(group: list[Sample], err: GroupGenerationError) -> list[Sample]:
-    message = f"generate: {type(err.cause).__name__}: {sample_text_preview(str(err.cause), 300)}"
-    for s in group:
-        s.status = Status.FAILED
-        s.metadata["error"] = message
-    return group
