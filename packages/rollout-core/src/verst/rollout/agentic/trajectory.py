@@ -12,7 +12,8 @@ The sample's response (everything after the prompt) is a sequence of **segments*
   `rollout_logprobs` = `MASKED_LOGPROB`;
 - `sample.weight_versions` gets one entry per model segment (per engine request), and
   `sample.token_versions` one per response token (a model token: its request's version; an
-  injected token: the version of the model turn before it, -1 before the first).
+  injected token: the version of the last model token before it, -1 before the first; an
+  empty model turn generated nothing, so it lends its version to no injected token).
 
 `trajectory_problems` checks these invariants; `Sample.validate` calls it for samples that
 carry segments.
@@ -96,8 +97,8 @@ def append_turn(
     if start == 0:
         sample.token_versions = []
     if sample.token_versions is not None:  # per token: the version of the call that made it,
-        # or for injected tokens the one before them (-1 before the first model turn)
-        previous = [s["weight_version"] for s in segments if s["source"] == "model"]
+        # or for injected tokens the last generated token's (-1 before the first model token)
+        previous = [s["weight_version"] for s in segments if s["source"] == "model" and s["length"]]
         version = weight_version if source == "model" else (previous[-1] if previous else -1)
         sample.token_versions = [*sample.token_versions, *[int(version)] * len(ids)]  # type: ignore[arg-type]
     sample.tokens = [*sample.tokens, *ids]
