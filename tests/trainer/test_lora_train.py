@@ -11,9 +11,9 @@ import threading
 
 import pytest
 import torch
+from test_train_weight_sync import _max_mismatch, _sample_batch
 from train_testlib import install_reward_module, run_dict, write_prompts
 
-from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded import EmbeddedEngine
 from verst.rollout.engines.launcher import free_port
 from verst.rollout.engines.sglang_client import SGLangClient
@@ -27,7 +27,6 @@ from verst.trainer.rollout_side import RolloutSide
 from verst.trainer.train_side import TrainSide
 from verst.trainer.weight_sync import WeightSync
 
-PROMPTS = ["12+3=", "7+70=", "(5)"]
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
@@ -52,46 +51,6 @@ def _cfg(model, data, **train):
             algorithm={"use_kl_loss": True, "kl_coef": 0.1},
         )
     )
-
-
-def _groups(rollout: RolloutSide, version: int, lora: str | None = "policy") -> list[list[Sample]]:
-    """A few sampled groups through the rollout side's engine, with the trained adapter."""
-
-    async def go():
-        groups = []
-        for g, prompt in enumerate(PROMPTS):
-            ids = rollout.tokenizer(prompt)["input_ids"]
-            reqs = [
-                GenerateRequest(
-                    ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j), lora_path=lora
-                )
-                for j in range(3)
-            ]
-            outs = await asyncio.gather(*(rollout.engine.generate(r) for r in reqs))
-            group = []
-            for j, o in enumerate(outs):
-                assert o.weight_version == version
-                group.append(
-                    Sample(
-                        prompt=prompt,
-                        tokens=ids + o.output_ids,
-                        response_length=len(o.output_ids),
-                        rollout_logprobs=o.output_logprobs,
-                        reward=float(j == g % 3),
-                        status=Status.COMPLETED,
-                        group_index=g,
-                        sample_index=3 * g + j,
-                    )
-                )
-            groups.append(group)
-        return groups
-
-    return rollout._run(go())
-
-
-def _mismatch(train: TrainSide, groups) -> float:
-    batch = build_train_batch(groups)
-    return float(((train.compute_old_logprobs(batch) - batch.rollout_logprobs).abs() * batch.loss_mask).max())
 
 
 @pytest.fixture()
@@ -148,7 +107,7 @@ def test_kl_reference_is_the_adapter_disabled_base(tiny_checkpoint, data):
     engine = EmbeddedEngine.from_pretrained(tiny_checkpoint)
     rollout = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={}, engine=engine)
     try:
-        base_groups = _groups(rollout, 0, lora=None)
+        base_groups = _sample_batch(rollout, 0)
         for _ in range(2):  # the adapter moves away from zero
             train.train_step(build_train_batch(base_groups))
         batch = build_train_batch(base_groups)
@@ -191,10 +150,10 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
         assert [s.mode for s in syncs] == ["tensors", "disk"]
         for s in syncs:
             assert s.push(version=0) == 0  # the initial (zero) adapter
-        first = _groups(embedded, 0)
-        assert _mismatch(train, first) < 1e-4
+        first = _sample_batch(embedded, 0, "policy")
+        assert _max_mismatch(train, first) < 1e-4
         train.train_step(build_train_batch(first))
-        assert _mismatch(train, first) > 1e-3
+        assert _max_mismatch(train, first) > 1e-3
 
         adapter_bytes = sum(t.numel() * t.element_size() for t in train.adapter_state_for_sync().values())
         model_bytes = sum(t.numel() * t.element_size() for t in train.state_dict_for_sync().values())
@@ -203,7 +162,7 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
             assert s.last_bytes == adapter_bytes < model_bytes / 10
         for side in (embedded, served):
             assert side.weight_version() == 1
-            mismatch = _mismatch(train, _groups(side, 1))
+            mismatch = _max_mismatch(train, _sample_batch(side, 1, "policy"))
             assert mismatch < 1e-4, f"{side.engine!r}: {mismatch}"
         # the embedded engine kept its base weights: the adapter is applied on top
         for k, v in embedded.engine.model.state_dict().items():
@@ -212,7 +171,7 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
         assert json.loads((tmp_path / "ws" / "v1" / "adapter_config.json").read_text())["r"] == 4
 
         # verst serve from tensors (SGLang's /load_lora_adapter_from_tensors), replacing the adapter
-        train.train_step(build_train_batch(_groups(served, 1)))
+        train.train_step(build_train_batch(_sample_batch(served, 1, "policy")))
         by_tensor = WeightSync(
             train,
             served,
@@ -222,7 +181,7 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
             weight_version=1,
         )
         assert by_tensor.push() == 2 and served.weight_version() == 2
-        assert _mismatch(train, _groups(served, 2)) < 1e-4
+        assert _max_mismatch(train, _sample_batch(served, 2, "policy")) < 1e-4
     finally:
         served.close()
         embedded.close()

@@ -26,15 +26,18 @@ from verst.trainer.weight_sync import WeightSync, WeightSyncError
 PROMPTS = ["12+3=", "7+70=", "(5)"]
 
 
-def _sample_batch(side: RolloutSide, weight_version: int) -> list[list[Sample]]:
-    """Generate a few samples through a rollout side's engine (a group per prompt)."""
+def _sample_batch(side: RolloutSide, weight_version: int, lora_path: str | None = None) -> list[list[Sample]]:
+    """Generate a few samples through a rollout side's engine (a group per prompt), with the
+    adapter `lora_path` when given."""
 
     async def go():
         groups = []
         for g, prompt in enumerate(PROMPTS):
             ids = side.tokenizer(prompt)["input_ids"]
             reqs = [
-                GenerateRequest(ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j))
+                GenerateRequest(
+                    ids, SamplingParams(max_new_tokens=8, sampling_seed=100 * g + j), lora_path=lora_path
+                )
                 for j in range(3)
             ]
             outs = await asyncio.gather(*(side.engine.generate(r) for r in reqs))
