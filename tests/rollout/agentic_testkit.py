@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from inference_testkit import ByteTokenizer, ListDataSource
+from inference_testkit import ByteTokenizer, FakeEngineBase, ListDataSource
 
 from verst.rollout.config import RolloutConfig
 from verst.rollout.engine import GenerateOutput, GenerateRequest
@@ -23,7 +23,7 @@ from verst.rollout.protocols import RolloutContext
 TOKENIZER = ByteTokenizer()
 
 
-class ScriptEngine:
+class ScriptEngine(FakeEngineBase):
     """Replies `reply(conversation_text, request)` after `delay_s` (a number, or a function of the
     conversation and request); `abort` cuts a delayed reply to half its text (finish `abort`)."""
 
@@ -34,14 +34,13 @@ class ScriptEngine:
         delay_s: float | Callable[[str, GenerateRequest], float] = 0.0,
         weight_version: int = 0,
     ) -> None:
+        super().__init__(weight_version)
         self.reply = reply
         self.delay_s = delay_s
-        self.weight_version = weight_version
         self.requests: list[GenerateRequest] = []
         self.outputs: list[GenerateOutput] = []
         self.active = 0
         self.max_active = 0
-        self._aborts: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         self.requests.append(request)
@@ -55,14 +54,14 @@ class ScriptEngine:
             conv = TOKENIZER.decode(request.input_ids)
             delay = self.delay_s(conv, request) if callable(self.delay_s) else self.delay_s
             if delay:
-                event = self._aborts.setdefault(request.rid, asyncio.Event())
+                event = self._running.setdefault(request.rid, asyncio.Event())
                 try:
                     await asyncio.wait_for(event.wait(), delay)
                     text, finish = text[: len(text) // 2], "abort"
                 except TimeoutError:
                     pass
                 finally:
-                    self._aborts.pop(request.rid, None)
+                    self._running.pop(request.rid, None)
             ids = TOKENIZER.encode(text)
             start = len(request.input_ids)
             out = GenerateOutput(
@@ -77,27 +76,6 @@ class ScriptEngine:
             return out
         finally:
             self.active -= 1
-
-    async def abort(self, rid_prefix: str | None = None) -> None:
-        for rid, event in list(self._aborts.items()):
-            if rid_prefix is None or rid.startswith(rid_prefix):
-                event.set()
-
-    async def update_weights_from_tensors(self, named_tensors: Any, weight_version: int | None = None) -> int:
-        self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
-        return self.weight_version
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
-        return await self.update_weights_from_tensors({}, weight_version)
-
-    async def health(self) -> bool:
-        return True
-
-    async def get_weight_version(self) -> int:
-        return self.weight_version
-
-    async def close(self) -> None:
-        pass
 
 
 def call(name: str, **arguments: Any) -> str:

@@ -41,7 +41,42 @@ def default_length(request: GenerateRequest) -> int:
     return 2 + sum(request.input_ids) % 5
 
 
-class ToyEngine:
+class FakeEngineBase:
+    """What the test engines share: a weight version, aborts that set each running request's
+    event (`_running`, by rid), weight updates that only bump the version."""
+
+    def __init__(self, weight_version: int = 0) -> None:
+        self.weight_version = weight_version
+        self.abort_calls: list[str | None] = []
+        """Every abort prefix received."""
+        self._running: dict[str, asyncio.Event] = {}
+
+    async def abort(self, rid_prefix: str | None = None) -> None:
+        self.abort_calls.append(rid_prefix)
+        for rid, event in list(self._running.items()):
+            if rid_prefix is None or rid.startswith(rid_prefix):
+                event.set()
+
+    async def update_weights_from_tensors(
+        self, named_tensors: dict[str, Any], weight_version: int | None = None
+    ) -> int:
+        self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+        return self.weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
+        return await self.update_weights_from_tensors({}, weight_version)
+
+    async def health(self) -> bool:
+        return True
+
+    async def get_weight_version(self) -> int:
+        return self.weight_version
+
+    async def close(self) -> None:
+        pass
+
+
+class ToyEngine(FakeEngineBase):
     """A deterministic in-process `InferenceEngine` (see the module docstring)."""
 
     def __init__(
@@ -52,15 +87,12 @@ class ToyEngine:
         fail: Callable[[GenerateRequest], BaseException | None] | None = None,
         weight_version: int = 0,
     ) -> None:
+        super().__init__(weight_version)
         self.length = length
         self.token_delay_s = token_delay_s
         self.fail = fail
-        self.weight_version = weight_version
         self.requests: list[GenerateRequest] = []
         """Every request received, in order."""
-        self.abort_calls: list[str | None] = []
-        """Every abort prefix received."""
-        self._running: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         self.requests.append(request)
@@ -97,30 +129,6 @@ class ToyEngine:
             prompt_tokens=len(request.input_ids),
             text="".join(chr(i) for i in ids),
         )
-
-    async def abort(self, rid_prefix: str | None = None) -> None:
-        self.abort_calls.append(rid_prefix)
-        for rid, event in list(self._running.items()):
-            if rid_prefix is None or rid.startswith(rid_prefix):
-                event.set()
-
-    async def update_weights_from_tensors(
-        self, named_tensors: dict[str, Any], weight_version: int | None = None
-    ) -> int:
-        self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
-        return self.weight_version
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
-        return await self.update_weights_from_tensors({}, weight_version)
-
-    async def health(self) -> bool:
-        return True
-
-    async def get_weight_version(self) -> int:
-        return self.weight_version
-
-    async def close(self) -> None:
-        pass
 
 
 class ListDataSource:
