@@ -13,8 +13,8 @@ update per batch, the same reward (partial credit over digits + EOS,
 count; loss aggregation token-mean over the whole batch (TRL `loss_type="dapo"`, verst
 `loss_agg="token_mean"`) and group-std advantage normalisation (TRL `scale_rewards="group"`,
 verst `normalize_std=true`). The compute floor of one step is measured in the same run: plain
-`model.generate` of the same batch, one forward+backward over it, one AdamW step — each timed
-alone, summed. Step times are medians over the steps of each run after `--warmup` steps, then
+`model.generate` of the same batch, one forward+backward over it, one fused AdamW step (the
+kernel transformers' Trainer and verst use) — each timed alone, summed. Step times are medians over the steps of each run after `--warmup` steps, then
 the median over `--runs` runs; eval rewards are greedy on the 300 held-out prompts, medians
 over runs.
 
@@ -222,7 +222,7 @@ def measure_floor(repeats: int, seed: int) -> dict[str, float]:
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     train = rows("train.jsonl")
     rng = random.Random(seed)
     gen, fwd_bwd, step = [], [], []

@@ -161,6 +161,27 @@ class PolicyBundle:
         return getattr(self.scheduler, "scheduler", self.scheduler)
 
 
+def fused_adamw(params: list[nn.Parameter], *, fsdp: bool) -> bool | None:
+    """Whether AdamW runs its fused kernel (one pass over each parameter instead of a dozen ops).
+
+    On CPU the fused kernel is ~6-10x faster than the default per-parameter loop (0.05-0.1 s vs
+    0.6-0.7 s a step for 31.5M parameters, 2 threads); transformers' Trainer uses it by default
+    too. Unsharded parameters of a supported device and floating dtype only: FSDP's DTensor
+    parameters keep torch's default (None) implementation.
+    """
+    if fsdp or not params:
+        return None
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:  # a private helper (torch 2.4-2.14); without it, keep the default
+        return None
+    devices = set(_get_fused_kernels_supported_devices())
+    ok = all(
+        p.device.type in devices and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
+    )
+    return True if ok else None
+
+
 def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_info: DistInfo) -> PolicyBundle:
     """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
     cuda = torch.cuda.is_available()
@@ -184,7 +205,12 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
 
     def make_opt(params):
         opt = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused_adamw(params, fsdp=cfg.fsdp),
         )
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
 
