@@ -169,17 +169,55 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def prompt_scores(row: Row, logits: torch.Tensor, inv_temp: float) -> None:
-    """Fill the row's prompt log-probs from the logits over its prompt.  logits: [prompt, vocab]."""
+PromptScores = tuple[
+    list[float | None],
+    list[list[tuple[float, int]] | None] | None,
+    list[list[tuple[float, int]] | None] | None,
+]
+"""(log-probs, top-k pairs, `token_ids_logprob` pairs) per prompt position; the first is None."""
+
+
+def prompt_scores(row: Row, logits: torch.Tensor, inv_temp: float) -> PromptScores:
+    """The row's prompt log-probs from the logits over its prompt.  logits: [prompt, vocab]."""
     req = row.request
     ids = req.input_ids
     lp = logprobs_of(logits[:-1], torch.tensor(inv_temp))  # [prompt-1, vocab]; predicts ids[1:]
     target = torch.tensor(ids[1:], device=lp.device)
-    row.input_logprobs = [None, *lp.gather(-1, target[:, None])[:, 0].tolist()]
-    if req.top_logprobs_num > 0:
-        row.input_top = [None, *top_logprobs(lp, req.top_logprobs_num)]
-    if req.token_ids_logprob:
-        row.input_ids_lp = [None, *ids_logprobs(lp, req.token_ids_logprob)]
+    chosen: list[float | None] = [None, *lp.gather(-1, target[:, None])[:, 0].tolist()]
+    top = [None, *top_logprobs(lp, req.top_logprobs_num)] if req.top_logprobs_num > 0 else None
+    by_id = [None, *ids_logprobs(lp, req.token_ids_logprob)] if req.token_ids_logprob else None
+    return chosen, top, by_id
+
+
+def _set_scores(row: Row, scores: PromptScores) -> None:
+    """Give the row its own copy of (possibly shared) prompt scores."""
+    chosen, top, by_id = scores
+    row.input_logprobs = list(chosen)
+    row.input_top = None if top is None else list(top)
+    row.input_ids_lp = None if by_id is None else list(by_id)
+
+
+def _inv_temp(row: Row) -> float:
+    t = row.sampling.temperature
+    return 1.0 / t if t > 0 else 1.0
+
+
+def share_groups(rows: list[Row]) -> tuple[list[int], list[int]]:
+    """Rows with the same prompt and adapter share one prefill.
+
+    Returns (`unique`: index in `rows` of the first row of each distinct (prompt, adapter), in
+    order; `source`: for every row, the position in `unique` of the row it shares with).
+    """
+    first: dict[tuple[tuple[int, ...], str | None], int] = {}
+    unique: list[int] = []
+    source: list[int] = []
+    for i, r in enumerate(rows):
+        key = (tuple(r.request.input_ids), r.request.lora_path)
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(i)
+        source.append(first[key])
+    return unique, source
 
 
 def _set_spare(cache: Any, rows: list[Row]) -> None:
@@ -216,6 +254,14 @@ class DecodeBatch:
         self.vocab = int(model.config.vocab_size)
         self.adapters: Any = None
         """LoRA adapters (`verst.rollout.engines.lora.EngineAdapters`), told each forward's rows."""
+        self.share_prefix = True
+        """Prefill rows with the same prompt and adapter once (see `admit`)."""
+        self.prefill_rows = 0
+        """Rows admitted through `admit` so far."""
+        self.prefill_tokens = 0
+        """Prompt tokens run through prefill forwards so far (padding not counted)."""
+        self.prefill_tokens_saved = 0
+        """Prompt tokens not run because their row shared another row's prefill."""
         growing_cache(model.config)  # fail at construction for unsupported cache layouts
 
     def __len__(self) -> int:
@@ -233,25 +279,32 @@ class DecodeBatch:
         self._route([row])
         logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
         if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
-            t = row.sampling.temperature
-            prompt_scores(row, logits, 1.0 / t if t > 0 else 1.0)
+            _set_scores(row, prompt_scores(row, logits, _inv_temp(row)))
         row.finish = "length"
 
     def admit(self, rows: list[Row]) -> None:
-        """Prefill `rows` together, sample their first token, and merge them into the batch."""
-        lens = [r.prompt_len for r in rows]
+        """Prefill `rows` together, sample their first token, and merge them into the batch.
+
+        Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled once: the
+        forward runs over the distinct prompts only, and its KV cache, mask, positions, last
+        logits and prompt scores are copied to every row that shares them (each row gets its own
+        cache storage; sampling stays per row, with each row's own generator).
+        """
+        unique, source = share_groups(rows) if self.share_prefix else (list(range(len(rows))), [])
+        firsts = [rows[u] for u in unique]
+        lens = [r.prompt_len for r in firsts]
         width = max(lens)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [new, width]
-        mask = torch.zeros((len(rows), width), dtype=torch.long)  # [new, width]
-        for i, r in enumerate(rows):
+        ids = torch.full((len(firsts), width), self.pad_id, dtype=torch.long)  # [unique, width]
+        mask = torch.zeros((len(firsts), width), dtype=torch.long)  # [unique, width]
+        for i, r in enumerate(firsts):
             ids[i, width - lens[i] :] = torch.tensor(r.request.input_ids)
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [new, width]
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [unique, width]
         cache = growing_cache(self.model.config)
         _set_spare(cache, rows)
         full = any(_wants_input(r) for r in rows)
-        self._route(rows)
+        self._route(firsts)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -260,14 +313,28 @@ class DecodeBatch:
             use_cache=True,
             logits_to_keep=0 if full else 1,
         )
-        logits = out.logits  # [new, width or 1, vocab]
+        logits = out.logits  # [unique, width or 1, vocab]
+        self.prefill_rows += len(rows)
+        self.prefill_tokens += sum(lens)
+        self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(lens)
+        last = logits[:, -1, :]  # [unique, vocab]
+        if len(firsts) < len(rows):
+            index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
+            cache.batch_select_indices(index)  # index_select: every row its own copy
+            mask, last = mask[index], last[index]
+        else:
+            source = list(range(len(rows)))
         if full:
-            for i, r in enumerate(rows):
+            memo: dict[tuple[Any, ...], PromptScores] = {}
+            for r, u in zip(rows, source, strict=True):
                 if _wants_input(r):
-                    t = r.sampling.temperature
-                    prompt_scores(r, logits[i, width - lens[i] :], 1.0 / t if t > 0 else 1.0)
+                    q = r.request
+                    key = (u, _inv_temp(r), q.top_logprobs_num, tuple(q.token_ids_logprob or ()))
+                    if key not in memo:
+                        memo[key] = prompt_scores(r, logits[u, width - lens[u] :], _inv_temp(r))
+                    _set_scores(r, memo[key])
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
-        tokens, lps = sample(logits[:, -1, :], sampling)
+        tokens, lps = sample(last, sampling)
         self._record(rows, tokens, lps)
         self._merge(rows, cache, mask, mask.sum(1), tokens)
 

@@ -106,13 +106,15 @@ class EmbeddedEngine(LoraEngineMixin):
         context_len: int | None = None,
         model_path: str | None = None,
         weight_version: int = 0,
+        prefix_sharing: bool = True,
     ) -> None:
         """Serve `model` (a transformers causal LM, put in eval mode here).
 
         `tokenizer` is needed for stop strings and output text; `max_batch_size` caps the rows
         decoded together (more requests wait in the queue); `batch_wait_s` is how long an idle
         engine waits for companions of a first request before prefilling (restarted by each new
-        arrival, at most `BATCH_WAIT_CAP` times in total).
+        arrival, at most `BATCH_WAIT_CAP` times in total); `prefix_sharing` prefills the requests
+        of one admission that have the same prompt (and adapter) once, copying the result to each.
         """
         require("torch", extra="local", feature=LOCAL_FEATURE)
         from verst.rollout.engines._batch import DecodeBatch
@@ -131,6 +133,7 @@ class EmbeddedEngine(LoraEngineMixin):
         pad = getattr(tokenizer, "pad_token_id", None)
         pad = pad if pad is not None else getattr(cfg, "pad_token_id", None)
         self._batch = DecodeBatch(model, int(pad or 0), tokenizer)
+        self._batch.share_prefix = prefix_sharing
         self._weight_version = weight_version
         self._cond = threading.Condition()
         self._pending: list[Any] = []
@@ -321,6 +324,18 @@ class EmbeddedEngine(LoraEngineMixin):
             self.model.to(self._device)
         self.released = False
         return self._weight_version
+
+    @property
+    def prefill_stats(self) -> dict[str, int]:
+        """Prefill statistics so far: `rows` admitted, prompt `tokens` run through prefill, and
+        prompt tokens `saved` by rows sharing an identical prompt's prefill (`prefix_sharing`)."""
+        b = self._batch
+        return {"rows": b.prefill_rows, "tokens": b.prefill_tokens, "saved": b.prefill_tokens_saved}
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        """Prompt tokens not prefilled because their row shared an identical prompt's prefill."""
+        return self._batch.prefill_tokens_saved
 
     def load(self) -> dict[str, int]:
         """Running and waiting request counts (for `/v1/loads`)."""
