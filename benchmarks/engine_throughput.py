@@ -1,23 +1,41 @@
-"""Embedded engine throughput vs plain `model.generate`, same tiny model, same requests, same run.
+"""Embedded engine throughput vs plain `model.generate`: same model, same requests, same run.
 
 Why: the embedded engine decodes with its own batched loop (continuous batching on transformers'
-`DynamicCache`, per-request sampling/stop/abort); it must not be slower than the baseline every
-user already has, transformers' `generate` on the same batch. Both sample at temperature 1 with
-no truncation, ignore EOS, and produce `--max-new-tokens` for each of `--requests` prompts of
-mixed lengths (the engine receives them as that many concurrent `generate` calls; `generate`
-gets them as one left-padded batch). After a warm-up, `--repeats` timed pairs run interleaved
-(so machine load hits both alike); the ratio is the median of the per-pair wall-clock ratios.
-Tokens per CPU second (process time, all threads) are printed too: on a shared, loaded
-machine they are the steadier comparison.
+`DynamicCache`, prefix sharing of identical prompts, per-request sampling/stop/abort); it must
+beat the baseline every user already has, transformers' `generate` on the same batch.
 
-Run:  uv run python benchmarks/engine_throughput.py [--requests 64 --max-new-tokens 64 --threads 1]
-Last line: engine_vs_hf_generate=<engine tok/s / generate tok/s>  (target >= 1.0)
+The workload is a GRPO rollout: `--requests` rows = `--requests / --group-size` prompts of
+mixed lengths (`--prompt-len MIN MAX`), each sampled `--group-size` times, at temperature 1
+with no truncation. Rows finish at different lengths, as real responses do:
+
+- `--lengths drawn` (default): each row's length is drawn once (geometric, mean
+  `--mean-new-tokens`, capped at `--max-new-tokens`) and both sides stop that row there — the
+  engine through the row's `max_new_tokens`, `generate` through a per-row stopping criterion
+  (exactly how it treats EOS: the row is done, the batch runs until its last row is). Both
+  sides produce the same useful tokens.
+- `--lengths natural`: both sides stop a row when it samples EOS (the tiny model's EOS is one
+  token of ~64, so lengths spread naturally); a big random vocabulary almost never samples it.
+
+Only useful tokens count (up to and including a row's last token), on both sides. The engine
+receives the rows as that many concurrent `generate` calls; `generate` gets them as one
+left-padded batch. After a warm-up, `--repeats` timed pairs run interleaved (so machine load
+hits both alike); the ratio is the median of the per-pair wall-clock ratios. Tokens per CPU
+second (process time, all threads) are printed too (steadier on a loaded machine).
+
+The model is the tiny test checkpoint unless `--vocab/--hidden/--layers` give a random Llama
+of that shape (e.g. `--vocab 49152 --hidden 384 --layers 8`, ~30M parameters, SmolLM2's
+vocabulary size). `--profile` prints a cProfile of one engine run instead of timing.
+
+Run:  uv run python benchmarks/engine_throughput.py [--requests 64 --group-size 8 --threads 1]
+Last line: engine_vs_hf_generate=<engine useful tok/s / generate useful tok/s>  (target >= 1.2)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -26,21 +44,60 @@ import torch
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.toy import make_tiny_checkpoint
+from verst.rollout.toy import build_tiny_llama, make_tiny_checkpoint
 
 
-def make_prompts(n: int, vocab: int) -> list[list[int]]:
+def make_prompts(n: int, group: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    """`n` rows: `n / group` distinct prompts (lengths in [lo, hi]), each repeated `group` times."""
     g = torch.Generator().manual_seed(0)
-    return [[1, *torch.randint(4, vocab, (8 + i % 17,), generator=g).tolist()] for i in range(n)]
+    distinct = []
+    for _ in range(-(-n // group)):
+        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        distinct.append([1, *torch.randint(4, vocab, (length - 1,), generator=g).tolist()])
+    return [distinct[i // group] for i in range(n)]
 
 
-def run_hf(model, prompts: list[list[int]], max_new: int, pad_id: int) -> tuple[int, float, float]:
+def draw_lengths(n: int, mean: float, cap: int, seed: int) -> list[int]:
+    """Geometric response lengths (mean `mean`), capped at `cap`."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    p = 1.0 / max(mean, 1.0)
+    lengths = (torch.log1p(-u) / torch.log1p(torch.tensor(-p, dtype=torch.float64))).ceil()
+    return [int(min(cap, max(1, x))) for x in lengths.tolist()]
+
+
+class _RowLengths:
+    """A `generate` stopping criterion: row i is done after `lengths[i]` new tokens (like EOS)."""
+
+    def __init__(self, width: int, lengths: list[int]) -> None:
+        self.width = width
+        self.lengths = torch.tensor(lengths)  # [batch]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.width) >= self.lengths  # [batch] bool
+
+
+def useful(row: list[int], eos: int | None, length: int | None) -> int:
+    """New tokens up to and including the row's last real one (EOS or its drawn length)."""
+    if length is not None:
+        return min(length, len(row))
+    return row.index(eos) + 1 if eos is not None and eos in row else len(row)
+
+
+def run_hf(model, prompts, lengths, max_new: int, pad_id: int, eos: int | None) -> tuple[int, float, float]:
+    from transformers import StoppingCriteriaList
+
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id)  # [batch, width]
     mask = torch.zeros_like(ids)  # [batch, width]
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    extra = {}
+    if lengths is not None:  # rows end at their drawn length, EOS plays no part
+        extra = {"stopping_criteria": StoppingCriteriaList([_RowLengths(width, lengths)]), "eos_token_id": None}
+    else:
+        extra = {"eos_token_id": eos}
     start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = model.generate(
@@ -50,49 +107,110 @@ def run_hf(model, prompts: list[list[int]], max_new: int, pad_id: int) -> tuple[
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
+            max_new_tokens=max(lengths) if lengths is not None else max_new,
             pad_token_id=pad_id,
+            **extra,
         )
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return (out.shape[1] - width) * len(prompts), elapsed, cpu
+    new = out[:, width:].tolist()
+    n = sum(useful(r, eos, None if lengths is None else lengths[i]) for i, r in enumerate(new))
+    return n, elapsed, cpu
 
 
-async def run_engine(
-    engine: EmbeddedEngine, prompts: list[list[int]], max_new: int
-) -> tuple[int, float, float]:
-    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
+async def run_engine(engine: EmbeddedEngine, prompts, lengths, max_new: int) -> tuple[int, float, float]:
+    if lengths is None:
+        params = [SamplingParams(max_new_tokens=max_new, temperature=1.0) for _ in prompts]
+    else:
+        params = [SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True) for n in lengths]
     start, cpu = time.perf_counter(), time.process_time()
-    outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, params)) for p in prompts))
+    outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, s)) for p, s in zip(prompts, params)))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return sum(len(o.output_ids) for o in outs), elapsed, cpu
 
 
+class ProfiledEngine(EmbeddedEngine):
+    """The engine with its worker thread (where every forward runs) under cProfile."""
+
+    def _run(self) -> None:
+        self.profile = cProfile.Profile()
+        self.profile.enable()
+        try:
+            super()._run()
+        finally:
+            self.profile.disable()
+
+
+def build_engine(args, tmp: str) -> tuple[EmbeddedEngine, int, int | None]:
+    """(engine, pad id, EOS id) for the tiny checkpoint or a random Llama of the asked shape."""
+    cls = ProfiledEngine if args.profile else EmbeddedEngine
+    if args.vocab is None and args.hidden is None and args.layers is None:
+        path = make_tiny_checkpoint(f"{tmp}/model")
+        engine = cls.from_pretrained(path, max_batch_size=args.requests)
+        return engine, engine.tokenizer.pad_token_id, engine.tokenizer.eos_token_id
+    model = build_tiny_llama(
+        args.vocab or 64,
+        hidden_size=args.hidden or 128,
+        num_layers=args.layers or 4,
+        num_heads=max(1, (args.hidden or 128) // 64),
+        max_position_embeddings=args.prompt_len[1] + args.max_new_tokens + 8,
+    )
+    return cls(model, None, max_batch_size=args.requests), 0, 2
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=64, help="rows in the batch")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (1 = all distinct)")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--lengths", choices=("drawn", "natural"), default="drawn")
+    ap.add_argument("--mean-new-tokens", type=float, default=48.0, help="mean of the drawn lengths")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile one engine run, no timing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(f"{tmp}/model")
-        engine = EmbeddedEngine.from_pretrained(path, max_batch_size=args.requests)
-        model, tok = engine.model, engine.tokenizer
-        prompts = make_prompts(args.requests, len(tok))
-        run_hf(model, prompts[:8], 4, tok.pad_token_id)  # warm-up
-        await run_engine(engine, prompts[:8], 4)
-        hf, eng, hf_cpu, eng_cpu = [], [], [], []
-        for _ in range(args.repeats):  # interleaved, so machine load hits both alike
-            n, t, c = run_hf(model, prompts, args.max_new_tokens, tok.pad_token_id)
+        engine, pad_id, eos = build_engine(args, tmp)
+        model = engine.model
+        params = sum(p.numel() for p in model.parameters())
+        prompts = make_prompts(args.requests, args.group_size, *args.prompt_len, engine.vocab_size)
+
+        def lengths_for(seed: int) -> list[int] | None:
+            if args.lengths == "natural":
+                return None
+            return draw_lengths(args.requests, args.mean_new_tokens, args.max_new_tokens, seed)
+
+        run_hf(model, prompts[:8], [4] * 8, 4, pad_id, eos)  # warm-up
+        await run_engine(engine, prompts[:8], [4] * 8, 4)
+        if args.profile:  # the worker thread's profile, warm-up included
+            for _ in range(args.repeats):
+                await run_engine(engine, prompts, lengths_for(0), args.max_new_tokens)
+            await engine.close()
+            pstats.Stats(engine.profile).sort_stats("tottime").print_stats(30)
+            return
+        hf, eng, hf_cpu, eng_cpu, toks = [], [], [], [], []
+        for rep in range(args.repeats):  # interleaved, so machine load hits both alike
+            lengths = lengths_for(rep)
+            n, t, c = run_hf(model, prompts, lengths, args.max_new_tokens, pad_id, eos)
             hf.append(n / t)
             hf_cpu.append(n / c)
-            n, t, c = await run_engine(engine, prompts, args.max_new_tokens)
-            eng.append(n / t)
-            eng_cpu.append(n / c)
+            m, t, c = await run_engine(engine, prompts, lengths, args.max_new_tokens)
+            eng.append(m / t)
+            eng_cpu.append(m / c)
+            toks.append((n, m))
+        saved = getattr(engine, "prefill_stats", None)
         await engine.close()
-    print(f"requests={args.requests} max_new_tokens={args.max_new_tokens} threads={args.threads}")
+    print(
+        f"requests={args.requests} group_size={args.group_size} prompt_len={args.prompt_len[0]}-{args.prompt_len[1]} "
+        f"max_new_tokens={args.max_new_tokens} lengths={args.lengths} threads={args.threads} "
+        f"params={params / 1e6:.2f}M vocab={engine.vocab_size}"
+    )
+    print(f"useful tokens per run (generate, engine): {', '.join(f'{a}/{b}' for a, b in toks)}")
+    print(f"engine prefill: {saved}")
     print(f"hf_generate_tok_s={statistics.median(hf):.0f} median (runs: {', '.join(f'{x:.0f}' for x in hf)})")
     print(
         f"embedded_engine_tok_s={statistics.median(eng):.0f} median (runs: {', '.join(f'{x:.0f}' for x in eng)})"
