@@ -95,7 +95,10 @@ def run_hf(model, prompts, lengths, max_new: int, pad_id: int, eos: int | None) 
         mask[i, width - len(p) :] = 1
     extra = {}
     if lengths is not None:  # rows end at their drawn length, EOS plays no part
-        extra = {"stopping_criteria": StoppingCriteriaList([_RowLengths(width, lengths)]), "eos_token_id": None}
+        extra = {
+            "stopping_criteria": StoppingCriteriaList([_RowLengths(width, lengths)]),
+            "eos_token_id": None,
+        }
     else:
         extra = {"eos_token_id": eos}
     start, cpu = time.perf_counter(), time.process_time()
@@ -123,7 +126,9 @@ async def run_engine(engine: EmbeddedEngine, prompts, lengths, max_new: int) -> 
     else:
         params = [SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True) for n in lengths]
     start, cpu = time.perf_counter(), time.process_time()
-    outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, s)) for p, s in zip(prompts, params)))
+    outs = await asyncio.gather(
+        *(engine.generate(GenerateRequest(p, s)) for p, s in zip(prompts, params, strict=True))
+    )
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return sum(len(o.output_ids) for o in outs), elapsed, cpu
 

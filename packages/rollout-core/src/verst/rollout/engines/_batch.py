@@ -1,10 +1,13 @@
 """The running decode batch of the embedded engine: rows, their KV cache, prefill, merge, step.
 
 Continuous batching on transformers' `DynamicCache`: a group of new requests is prefilled
-together (left-padded), its first token sampled, and the group is merged into the running
-batch between decode steps (the shorter cache is left-padded with masked zeros). Finished
-rows are dropped with `batch_select_indices`, and cache columns that every remaining row
-masks out are trimmed. Positions are explicit (`position_ids`), so padding never shifts RoPE.
+together (left-padded; identical prompts once, see `DecodeBatch.admit`), its first token
+sampled, and the group is merged into the running batch between decode steps (the shorter
+cache is left-padded with masked zeros). A finished row leaves `rows` at once, but its slot in
+the batch tensors stays (decoded and ignored) until a quarter of the slots are dead or new rows
+merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
+instead of one per departure. Cache columns that every remaining row masks out are trimmed.
+Positions are explicit (`position_ids`), so padding never shifts RoPE.
 """
 
 from __future__ import annotations
@@ -245,6 +248,11 @@ class DecodeBatch:
         self.pad_id = pad_id
         self.tokenizer = tokenizer
         self.rows: list[Row] = []
+        """The live rows, in slot order."""
+        self.slots: list[int] | None = None
+        """Each live row's slot in the batch tensors (None: row i is slot i, no dead slots)."""
+        self.slot_rows: list[Row] = []
+        """The row of every slot, finished ones included (what LoRA routing sees)."""
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [batch, cols] long; 1 = real token
         self.next_pos: torch.Tensor | None = None  # [batch] long; position of the next fed token
@@ -336,6 +344,7 @@ class DecodeBatch:
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
         tokens, lps = sample(last, sampling)
         self._record(rows, tokens, lps)
+        self._compact()
         self._merge(rows, cache, mask, mask.sum(1), tokens)
 
     def _merge(
@@ -343,6 +352,7 @@ class DecodeBatch:
     ) -> None:
         if not self.rows:
             self.rows, self.cache, self.mask, self.next_pos, self.last = rows, cache, mask, pos, last
+            self.slot_rows = rows
             self._resample()
             return
         assert self.mask is not None and self.next_pos is not None and self.last is not None
@@ -356,20 +366,20 @@ class DecodeBatch:
         self.mask = torch.cat([_pad_left(self.mask, width - a, 1), _pad_left(mask, width - b, 1)])
         self.next_pos = torch.cat([self.next_pos, pos])
         self.last = torch.cat([self.last, last])
-        self.rows = self.rows + rows
+        self.rows = self.slot_rows = self.rows + rows
         _set_spare(self.cache, self.rows)
         self._resample()
 
     def _resample(self) -> None:
-        self.sampling = BatchSampling.build([r.sampling for r in self.rows], self.vocab, self.device)
+        self.sampling = BatchSampling.build([r.sampling for r in self.slot_rows], self.vocab, self.device)
 
     # ---- decoding ---------------------------------------------------------------------------
     def step(self) -> None:
         """Feed every row's last token and sample the next one."""
         assert self.mask is not None and self.next_pos is not None and self.last is not None
-        n = len(self.rows)
+        n = self.mask.shape[0]  # slots, dead ones included
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
-        self._route(self.rows)
+        self._route(self.slot_rows)
         out = self.model(
             input_ids=self.last[:, None],
             attention_mask=self.mask,
@@ -381,23 +391,28 @@ class DecodeBatch:
         assert self.sampling is not None
         tokens, lps = sample(out.logits[:, -1, :], self.sampling)
         self.last = tokens
-        self._record(self.rows, tokens, lps)
+        self._record(self.rows, tokens, lps, self.slots)
 
-    def _record(self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor) -> None:
-        """Append sampled tokens (and asked-for log-probs) and mark finished rows."""
+    def _record(
+        self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor, slots: list[int] | None = None
+    ) -> None:
+        """Append sampled tokens (and asked-for log-probs) and mark finished rows.
+
+        tokens: [slots], lps: [slots, vocab]; row i's are at `slots[i]` (i when None)."""
+        at = slots if slots is not None else range(len(rows))
         toks = tokens.tolist()
         chosen = lps.gather(-1, tokens[:, None])[:, 0].tolist()
         need_top = [i for i, r in enumerate(rows) if r.request.top_logprobs_num > 0]
         if need_top:
             k = max(rows[i].request.top_logprobs_num for i in need_top)
-            tops = top_logprobs(lps[need_top], k)
+            tops = top_logprobs(lps[[at[i] for i in need_top]], k)
             for i, top in zip(need_top, tops, strict=True):
                 rows[i].output_top.append(top[: rows[i].request.top_logprobs_num])
-        for i, r in enumerate(rows):
+        for r, j in zip(rows, at, strict=True):
             if r.request.token_ids_logprob:
-                r.output_ids_lp.append(ids_logprobs(lps[i : i + 1], r.request.token_ids_logprob)[0])
-            r.output_ids.append(toks[i])
-            r.output_logprobs.append(chosen[i])
+                r.output_ids_lp.append(ids_logprobs(lps[j : j + 1], r.request.token_ids_logprob)[0])
+            r.output_ids.append(toks[j])
+            r.output_logprobs.append(chosen[j])
             self._check_finish(r)
 
     def _check_finish(self, r: Row) -> None:
@@ -423,36 +438,60 @@ class DecodeBatch:
             if r.finish is None and match(r):
                 r.finish = "abort"
 
+    DEAD_FRACTION = 0.25
+    """Compact the batch tensors once this fraction of their slots belongs to finished rows."""
+
     def pop_finished(self) -> list[Row]:
-        """Remove and return finished rows, compacting the cache."""
+        """Remove and return finished rows; their slots go when enough are dead (`_compact`)."""
         done = [r for r in self.rows if r.finish is not None]
         if not done:
             return []
-        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        at = self.slots if self.slots is not None else list(range(len(self.rows)))
+        keep = [(r, j) for r, j in zip(self.rows, at, strict=True) if r.finish is None]
         if not keep:
-            self.rows, self.cache, self.mask, self.next_pos, self.last, self.sampling = (
+            self.rows, self.slots, self.cache, self.mask, self.next_pos, self.last, self.sampling = (
                 [],
                 None,
                 None,
                 None,
                 None,
                 None,
+                None,
             )
+            self.slot_rows = []
             return done
+        self.rows, self.slots = [r for r, _ in keep], [j for _, j in keep]
+        gone = torch.tensor(sorted(set(at) - set(self.slots)), device=self.device)
+        self.next_pos[gone] = 0  # a dead slot is fed a harmless position (never past the context)
+        if (self.mask.shape[0] - len(self.rows)) >= self.DEAD_FRACTION * self.mask.shape[0]:
+            self._compact()
+        self._trim()
+        return done
+
+    def _compact(self) -> None:
+        """Drop the dead slots from the cache and the batch tensors (one copy of the live rows)."""
+        if self.slots is None:
+            return
         assert self.mask is not None and self.next_pos is not None and self.last is not None
-        index = torch.tensor(keep, device=self.device)
-        self.rows = [self.rows[i] for i in keep]
+        index = torch.tensor(self.slots, device=self.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.next_pos, self.last = self.next_pos[index], self.last[index]
-        live = self.mask.any(dim=0).nonzero()  # columns some row still attends to
+        self.slots = None
+        self.slot_rows = self.rows
+        self._resample()
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that no live row attends to (views: nothing is copied)."""
+        assert self.mask is not None
+        live_mask = self.mask if self.slots is None else self.mask[self.slots]
+        live = live_mask.any(dim=0).nonzero()  # columns some live row still attends to
         first = int(live[0, 0]) if live.numel() else 0
         if first > 0:
             self.mask = self.mask[:, first:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-        self._resample()
-        return done
 
     def drop_all(self, reason: FinishReason) -> list[Row]:
         """Finish every row with `reason` (after a failed step) and empty the batch."""

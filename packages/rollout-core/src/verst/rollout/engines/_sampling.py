@@ -5,9 +5,12 @@ sampling parameters. The log-prob reported for a sampled token is `log_softmax(l
 (T = 0 counts as 1) *before* top-k/top-p truncation, computed in float32 — what SGLang returns
 and what the trainer recomputes.
 
-Sampling uses the exponential race (`argmax(p / E)`, `E ~ Exp(1)`), which draws exactly one
-fixed-size noise vector per row and step: a seeded request draws its noise from its own
-`torch.Generator`, so its tokens do not depend on which other requests share the batch.
+Sampling inverts each row's CDF at one uniform draw per row and step: a seeded request draws
+its uniform from its own `torch.Generator`, so its tokens do not depend on which other requests
+share the batch. The CDF is two-level (sums of `BLOCK`-token blocks, then the cumulative sum
+inside the chosen block): it reads the probabilities about twice instead of drawing a noise
+value per vocabulary entry (at a 49k vocabulary the noise was most of a step's sampling time),
+and keeps every float32 running sum short.
 """
 
 from __future__ import annotations
@@ -50,10 +53,16 @@ class BatchSampling:
     """No row samples."""
     truncate: bool
     """Some row uses top-k or top-p."""
-    noise: torch.Tensor | None = None  # [batch, vocab] float32
-    """The noise buffer, refilled every step (None when no row samples)."""
-    seeded: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
-    """(row of `noise`, generator) of every seeded row, built once per batch layout."""
+    unit_temp: bool = False
+    """Every row's 1 / T is 1 (T = 1 or greedy): logits need no scaling."""
+    greedy_rows: torch.Tensor | None = None  # [greedy] long
+    """Indices of the greedy rows when some (not all) rows are greedy."""
+    seeded_rows: torch.Tensor | None = None  # [seeded] long
+    """Indices of the seeded sampling rows (None when there are none)."""
+    generators: list[Any] = field(default_factory=list)
+    """Their generators, in the same order."""
+    probs: torch.Tensor | None = None  # [batch, blocks * BLOCK] float32
+    """Scratch for the probabilities, zero past the vocabulary (None when no row samples)."""
 
     @classmethod
     def build(cls, rows: list[RowSampling], vocab_size: int, device: Any) -> BatchSampling:
@@ -65,13 +74,40 @@ class BatchSampling:
         top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
         sampling = [r for r in rows if r.temperature > 0]
         truncate = any(r.top_p < 1.0 or 0 < r.top_k < vocab_size for r in sampling)
-        noise = torch.empty((len(rows), vocab_size), device=device) if sampling else None
-        seeded = _seeded_rows(noise, rows) if noise is not None else []
-        return cls(rows, inv_temp, greedy, top_k, top_p, not sampling, truncate, noise, seeded)
+        some_greedy = [i for i, t in enumerate(temps) if t <= 0]
+        greedy_rows = torch.tensor(some_greedy, device=device) if some_greedy and sampling else None
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and r.temperature > 0]
+        seeded_rows = torch.tensor(seeded, device=device) if seeded else None
+        generators = [rows[i].generator for i in seeded]
+        probs = None
+        if sampling:
+            probs = torch.zeros((len(rows), _blocks(vocab_size) * _block(vocab_size)), device=device)
+        return cls(
+            rows,
+            inv_temp,
+            greedy,
+            top_k,
+            top_p,
+            not sampling,
+            truncate,
+            all(t <= 0 or t == 1.0 for t in temps),
+            greedy_rows,
+            seeded_rows,
+            generators,
+            probs,
+        )
 
 
-def _seeded_rows(noise: torch.Tensor, rows: list[RowSampling]) -> list[tuple[torch.Tensor, Any]]:
-    return [(noise[i], r.generator) for i, r in enumerate(rows) if r.generator is not None]
+BLOCK = 256
+"""Tokens per block of the two-level CDF."""
+
+
+def _block(vocab: int) -> int:
+    return min(BLOCK, vocab)
+
+
+def _blocks(vocab: int) -> int:
+    return -(-vocab // _block(vocab))
 
 
 def logprobs_of(logits: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
@@ -92,27 +128,49 @@ def _truncate(logprobs: torch.Tensor, s: BatchSampling) -> torch.Tensor:
     return torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)
 
 
+def _uniforms(s: BatchSampling, n: int, device: Any) -> torch.Tensor:
+    """One draw in (0, 1] per row, seeded rows' from their own generator.  → [batch, 1]."""
+    u = torch.rand((n, 1), device=device)
+    if s.seeded_rows is not None:
+        u[s.seeded_rows] = torch.cat([torch.rand((1, 1), generator=g, device=device) for g in s.generators])
+    return 1.0 - u
+
+
+def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """A token per row from `softmax(scores)` at one uniform draw.  scores: [batch, vocab]
+    log-probs (-inf = excluded) → [batch] long. Only tokens of positive probability can come
+    out: the draw lands in (cdf[i-1], cdf[i]] of exactly one token i (its block searched first)."""
+    n, vocab = scores.shape
+    blk, nb = _block(vocab), _blocks(vocab)
+    probs = s.probs
+    if probs is None or probs.shape != (n, nb * blk) or probs.device != scores.device:
+        probs = torch.zeros((n, nb * blk), device=scores.device)
+    torch.exp(scores, out=probs[:, :vocab])  # the padding past the vocabulary stays 0
+    blocks = probs.view(n, nb, blk)  # [batch, blocks, blk]
+    cum = blocks.sum(-1).cumsum(-1)  # [batch, blocks]
+    x = _uniforms(s, n, scores.device) * cum[:, -1:]  # [batch, 1], in (0, total]
+    b = torch.searchsorted(cum, x).clamp_(max=nb - 1)  # [batch, 1]: first block with cum >= x
+    before = torch.where(b > 0, cum.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(x))
+    inner = blocks.gather(1, b[:, :, None].expand(n, 1, blk))[:, 0].cumsum(-1)  # [batch, blk]
+    y = torch.minimum(x - before, inner[:, -1:])  # > 0, since x lies past the earlier blocks
+    j = torch.searchsorted(inner, y).clamp_(max=blk - 1)  # [batch, 1]
+    return (b * blk + j)[:, 0].clamp_(max=vocab - 1)  # a NaN row (never a live one) stays in range
+
+
 def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     logits: [batch, vocab]. Returns (tokens [batch] long, logprobs [batch, vocab] float32),
     where logprobs are the untruncated `log_softmax(logits / T)`.
     """
-    logprobs = logprobs_of(logits, s.inv_temp)  # [batch, vocab]
+    # [batch, vocab]; unit temperatures skip the scaling pass
+    logprobs = torch.log_softmax(logits.float(), dim=-1) if s.unit_temp else logprobs_of(logits, s.inv_temp)
     if s.all_greedy:
         return logprobs.argmax(dim=-1), logprobs
     scores = _truncate(logprobs, s) if s.truncate else logprobs
-    noise, seeded = s.noise, s.seeded  # [batch, vocab]; the same draws as a fresh tensor
-    if noise is None or noise.shape != scores.shape or noise.dtype != scores.dtype:
-        noise = torch.empty_like(scores)
-        seeded = _seeded_rows(noise, s.rows)
-    if len(seeded) < len(s.rows):
-        noise.exponential_()
-    for row, generator in seeded:
-        row.exponential_(generator=generator)
-    tokens = (scores - noise.log()).argmax(dim=-1)  # [batch]
-    if s.greedy.any():
-        tokens = torch.where(s.greedy, logprobs.argmax(dim=-1), tokens)
+    tokens = _invert_cdf(scores, s)  # [batch]
+    if s.greedy_rows is not None:
+        tokens[s.greedy_rows] = logprobs[s.greedy_rows].argmax(dim=-1)
     return tokens, logprobs
 
 
