@@ -117,3 +117,25 @@ def test_spare_capacity_follows_the_rows_budget(model):
             batch.pop_finished()
         assert len(batch) == 1 and len(rows[1].output_ids) == 4
         assert batch.cache.layers[0]._start() is not None  # still views of the grown buffer
+
+
+def test_finished_rows_are_compacted_in_bulk(model, monkeypatch):
+    """A finished row's slot lingers (decoded, ignored) until a quarter of the slots are dead:
+    one cache copy then serves several departures; the others' tokens are unchanged."""
+    layer_cls = _batch._growing_layer_class()
+    original = layer_cls.batch_select_indices
+    kept: list[int] = []
+
+    def counting(self, indices):
+        kept.append(len(indices))
+        original(self, indices)
+
+    monkeypatch.setattr(layer_cls, "batch_select_indices", counting)
+    rows = [make_row(4 + i % 3, 1 + i, i) for i in range(8)]  # one leaves per step
+    decode(model, [rows])
+    assert kept[:: model.config.num_hidden_layers] == [6, 4, 3, 2, 1]  # 5 copies for 7 departures
+    for r in rows:
+        alone = decode(model, [[make_row(len(r.request.input_ids), len(r.output_ids), int(r.request.rid))]])[
+            0
+        ]
+        assert alone.output_ids == r.output_ids

@@ -71,7 +71,8 @@ async def test_two_adapters_and_the_base_in_one_batch(tiny_checkpoint, adapters)
         assert engine.lora_adapters == {"a": str(adapters["dir"] / "a"), "b": "__tensor__"}
         names = [None, "a", "b"] * 4
         reqs = [
-            GenerateRequest(PROMPT, SamplingParams(max_new_tokens=10, sampling_seed=i), lora_path=n)
+            # different lengths: finished rows' slots linger while the others decode (routing by slot)
+            GenerateRequest(PROMPT, SamplingParams(max_new_tokens=4 + i, sampling_seed=i), lora_path=n)
             for i, n in enumerate(names)
         ]
         outs = await asyncio.gather(*(engine.generate(r) for r in reqs))

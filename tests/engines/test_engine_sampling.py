@@ -1,0 +1,46 @@
+"""The embedded engine's sampler: the two-level inverse CDF draws from softmax(logits / T)
+restricted to the top-k / top-p set, never a token of zero probability, for vocabularies that
+are and are not a multiple of its block size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verst.rollout.engines._sampling import BLOCK, BatchSampling, RowSampling, sample
+
+
+@pytest.mark.parametrize(
+    ("vocab", "temperature", "top_k", "top_p"),
+    [(40, 1.0, -1, 1.0), (300, 0.7, -1, 1.0), (2 * BLOCK, 1.3, 50, 1.0), (777, 1.0, -1, 0.6)],
+)
+def test_sampled_frequencies_match_the_truncated_softmax(vocab, temperature, top_k, top_p):
+    n = 20_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 2  # [vocab]
+    rows = [RowSampling(temperature, top_p, top_k, None)] * n
+    tokens, _ = sample(logits.expand(n, vocab), BatchSampling.build(rows, vocab, "cpu"))
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    cum = torch.cumsum(probs[order], 0)
+    allowed = int((cum - probs[order] < top_p).sum())
+    keep[order[: min(allowed, top_k if top_k > 0 else vocab)]] = True
+    target = torch.where(keep, probs, 0.0)
+    target /= target.sum()
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    assert freq.shape == (vocab,) and freq[~keep].sum() == 0  # nothing outside the allowed set
+    tol = 5 * (target * (1 - target) / n).sqrt() + 1e-4
+    bad = ((freq - target).abs() > tol).nonzero()[:, 0].tolist()
+    assert not bad, [(i, float(freq[i]), float(target[i])) for i in bad[:5]]
+
+
+def test_one_hot_rows_and_mixed_greedy_and_seeded_rows():
+    vocab = 300
+    logits = torch.full((4, vocab), -30.0)
+    logits[0, 299] = logits[1, 0] = logits[2, 256] = logits[3, 17] = 30.0  # block edges and padding
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    rows = [RowSampling(1.0, 1.0, -1, gens[0]), RowSampling(0.0, 1.0, -1, None)]
+    rows += [RowSampling(1.0, 1.0, -1, gens[1]), RowSampling(1.0, 1.0, -1, None)]
+    tokens, lps = sample(logits, BatchSampling.build(rows, vocab, "cpu"))
+    assert tokens.tolist() == [299, 0, 256, 17]
+    assert torch.allclose(lps, torch.log_softmax(logits, -1))
