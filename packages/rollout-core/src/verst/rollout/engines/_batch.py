@@ -21,9 +21,10 @@ import torch
 from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines._sampling import (
     BatchSampling,
+    PromptScores,
     RowSampling,
     ids_logprobs,
-    logprobs_of,
+    prompt_scores,
     sample,
     top_logprobs,
 )
@@ -172,26 +173,6 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-PromptScores = tuple[
-    list[float | None],
-    list[list[tuple[float, int]] | None] | None,
-    list[list[tuple[float, int]] | None] | None,
-]
-"""(log-probs, top-k pairs, `token_ids_logprob` pairs) per prompt position; the first is None."""
-
-
-def prompt_scores(row: Row, logits: torch.Tensor, inv_temp: float) -> PromptScores:
-    """The row's prompt log-probs from the logits over its prompt.  logits: [prompt, vocab]."""
-    req = row.request
-    ids = req.input_ids
-    lp = logprobs_of(logits[:-1], torch.tensor(inv_temp))  # [prompt-1, vocab]; predicts ids[1:]
-    target = torch.tensor(ids[1:], device=lp.device)
-    chosen: list[float | None] = [None, *lp.gather(-1, target[:, None])[:, 0].tolist()]
-    top = [None, *top_logprobs(lp, req.top_logprobs_num)] if req.top_logprobs_num > 0 else None
-    by_id = [None, *ids_logprobs(lp, req.token_ids_logprob)] if req.token_ids_logprob else None
-    return chosen, top, by_id
-
-
 def _set_scores(row: Row, scores: PromptScores) -> None:
     """Give the row its own copy of (possibly shared) prompt scores."""
     chosen, top, by_id = scores
@@ -287,7 +268,7 @@ class DecodeBatch:
         self._route([row])
         logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
         if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
-            _set_scores(row, prompt_scores(row, logits, _inv_temp(row)))
+            _set_scores(row, prompt_scores(row.request, logits, _inv_temp(row)))
         row.finish = "length"
 
     def admit(self, rows: list[Row]) -> None:
@@ -339,7 +320,7 @@ class DecodeBatch:
                     q = r.request
                     key = (u, _inv_temp(r), q.top_logprobs_num, tuple(q.token_ids_logprob or ()))
                     if key not in memo:
-                        memo[key] = prompt_scores(r, logits[u, width - lens[u] :], _inv_temp(r))
+                        memo[key] = prompt_scores(q, logits[u, width - lens[u] :], _inv_temp(r))
                     _set_scores(r, memo[key])
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
         tokens, lps = sample(last, sampling)

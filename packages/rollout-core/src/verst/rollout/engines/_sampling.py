@@ -185,3 +185,22 @@ def ids_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> list[list[tupl
     index = torch.tensor(token_ids, device=logprobs.device)
     values = logprobs.index_select(-1, index).tolist()  # [rows, len(ids)]
     return [list(zip(v, token_ids, strict=True)) for v in values]
+
+
+PromptScores = tuple[
+    list[float | None],
+    list[list[tuple[float, int]] | None] | None,
+    list[list[tuple[float, int]] | None] | None,
+]
+"""(log-probs, top-k pairs, `token_ids_logprob` pairs) per prompt position; the first is None."""
+
+
+def prompt_scores(req: Any, logits: torch.Tensor, inv_temp: float) -> PromptScores:
+    """A `GenerateRequest`'s prompt scores from the logits over its prompt.  logits: [prompt, vocab]."""
+    ids = req.input_ids
+    lp = logprobs_of(logits[:-1], torch.tensor(inv_temp))  # [prompt-1, vocab]; predicts ids[1:]
+    target = torch.tensor(ids[1:], device=lp.device)
+    chosen: list[float | None] = [None, *lp.gather(-1, target[:, None])[:, 0].tolist()]
+    top = [None, *top_logprobs(lp, req.top_logprobs_num)] if req.top_logprobs_num > 0 else None
+    by_id = [None, *ids_logprobs(lp, req.token_ids_logprob)] if req.token_ids_logprob else None
+    return chosen, top, by_id
