@@ -17,8 +17,8 @@ over the batch (TRL `loss_type="dapo"`, verst `loss_agg="token_mean"`), group-st
 (TRL `scale_rewards="group"`, verst `normalize_std=true`), float32 on CPU, the same torch thread
 count, the same reward (the share of response tokens in the lower half of the vocabulary — a
 random model's answers differ in it, so every group has a spread). The compute floor, measured
-in the same run: generation of the batch (plain `model.generate` and a static-cache `generate`,
-whichever is faster), one forward+backward over it in the same micro-batches with the LM head
+in the same run: generation of the batch (plain `model.generate` and the plainest greedy loop on
+the KV cache — no sampling, no stopping — whichever is faster), one forward+backward over it in the same micro-batches with the LM head
 on the completion positions only, one fused AdamW step (the kernel transformers' Trainer, so
 TRL, and verst use) — each timed alone, summed.
 
@@ -325,9 +325,33 @@ def child_trl(a: argparse.Namespace) -> dict[str, Any]:
     return {"steps": [{"time/step_s": t} for t in times], "peak_gib": peak_rss_gib()}
 
 
+def greedy_loop(model: Any, input_ids: Any, attention: Any, max_new: int) -> Any:
+    """The plainest decode: one prefill (last-position logits only), then `max_new - 1` steps of
+    one token per row on the model's KV cache, argmax — no sampling, no stopping, no logits
+    processors. Returns `[batch, width + max_new]`."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    pos = (attention.cumsum(1) - 1).clamp(min=0)  # [batch, width]
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)  # fmt: skip
+    tok = out.logits[:, -1].argmax(-1)  # [batch]
+    toks, mask, pos = [tok], attention, pos[:, -1:]
+    for _ in range(max_new - 1):
+        mask = torch.cat([mask, mask.new_ones((len(tok), 1))], dim=1)
+        pos = pos + 1
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True)  # fmt: skip
+        tok = out.logits[:, -1].argmax(-1)
+        toks.append(tok)
+    return torch.cat([input_ids, torch.stack(toks, dim=1)], dim=1)
+
+
 def child_floor(a: argparse.Namespace) -> dict[str, Any]:
-    """Medians of: generate the batch (plain or static cache, the faster), one forward+backward
-    over it in micro-batches (LM head on the completion positions only), one AdamW step."""
+    """Medians of: generate the batch (plain `generate` or `greedy_loop`, the faster), one
+    forward+backward over it in micro-batches (LM head on the completion positions only), one
+    fused AdamW step. A tiny batch warms every path up first (allocations, AdamW state)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -337,34 +361,32 @@ def child_floor(a: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     rows = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
     pad = tok.pad_token_id
-    timings: dict[str, list[float]] = {"generate_plain": [], "generate_static": [], "fwd_bwd": [], "opt": []}
-    for rep in range(a.floor_repeats + 1):  # the first is a warm-up (allocations, AdamW state)
-        batch = [r["prompt"] for r in rows[rep * PROMPTS : (rep + 1) * PROMPTS] for _ in range(GROUP)]
+    timings: dict[str, list[float]] = {"generate_plain": [], "generate_loop": [], "fwd_bwd": [], "opt": []}
+
+    def one(prompts: list[str], max_new: int, timed: bool) -> None:
+        batch = [p for p in prompts for _ in range(GROUP)]
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in batch]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # [batch, width]
         attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])  # [batch, width]
         model.eval()
-        out = None
-        for mode in ("plain", "static"):
-            extra = {"cache_implementation": "static"} if mode == "static" else {}
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention,
-                    max_new_tokens=a.max_new,
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    pad_token_id=pad,
-                    eos_token_id=tok.eos_token_id,
-                    **extra,
-                )  # [batch, width + new]
-            if rep:
-                timings[f"generate_{mode}"].append(time.perf_counter() - t0)
-        assert out is not None
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
+            )  # [batch, width + new]; fmt: skip
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            greedy_loop(model, input_ids, attention, max_new)
+        t2 = time.perf_counter()
         model.train()
         completion = out[:, width:]  # [batch, new]
         is_eos = (completion == tok.eos_token_id).int()
@@ -373,7 +395,7 @@ def child_floor(a: argparse.Namespace) -> dict[str, Any]:
         total = mask.sum()
         advantages = torch.randn(len(batch), 1)  # [batch, 1]
         opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t3 = time.perf_counter()
         for s in range(0, len(batch), MICRO):
             sl = slice(s, s + MICRO)
             hidden = model.model(input_ids=out[sl], attention_mask=full_attention[sl]).last_hidden_state
@@ -382,14 +404,19 @@ def child_floor(a: argparse.Namespace) -> dict[str, Any]:
             loss = -(advantages[sl] * logp * mask[sl]).sum() / total
             loss.backward()
             del hidden, logits, logp, loss
-        t1 = time.perf_counter()
+        t4 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if rep:
-            timings["fwd_bwd"].append(t1 - t0)
-            timings["opt"].append(time.perf_counter() - t1)
+        t5 = time.perf_counter()
+        if timed:
+            for k, v in zip(timings, (t1 - t0, t2 - t1, t4 - t3, t5 - t4), strict=True):
+                timings[k].append(v)
+
+    one([r["prompt"][:200] for r in rows[:1]], 4, timed=False)  # warm-up
+    for rep in range(a.floor_repeats):
+        one([r["prompt"] for r in rows[rep * PROMPTS : (rep + 1) * PROMPTS]], a.max_new, timed=True)
     med = {k: statistics.median(v) for k, v in timings.items()}
-    gen = min(med["generate_plain"], med["generate_static"])
+    gen = min(med["generate_plain"], med["generate_loop"])
     return {**med, "generate": gen, "total": gen + med["fwd_bwd"] + med["opt"], "peak_gib": peak_rss_gib()}
 
 
@@ -442,7 +469,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (every side)")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
-    ap.add_argument("--floor-repeats", type=int, default=2)
+    ap.add_argument("--floor-repeats", type=int, default=1, help="timed floor repeats (after a tiny warm-up)")
     ap.add_argument("--profile", action="store_true", help="split verst's step into phases")
     ap.add_argument("--sides", default="floor,verst,trl", help="comma-separated subset to run")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -465,7 +492,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         a.work = work
         n_params = make_checkpoint(a.size, tok_dir, Path(work) / "model")
-        n_batches = max(a.steps, a.floor_repeats + 1) + 2
+        n_batches = max(a.steps, a.floor_repeats) + 2
         prompts = make_prompts(tok_dir, n_batches, *a.prompt_len)
         (Path(work) / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         (Path(work) / "scale_reward.py").write_text(REWARD_MODULE)
@@ -484,8 +511,7 @@ def main() -> None:
                     print(
                         f"floor run {seed}: "
                         + " ".join(
-                            f"{k}={r[k]:.2f}s"
-                            for k in ("generate_plain", "generate_static", "fwd_bwd", "opt")
+                            f"{k}={r[k]:.2f}s" for k in ("generate_plain", "generate_loop", "fwd_bwd", "opt")
                         )
                         + f" total={r['total']:.2f}s peak={r['peak_gib']:.2f}GiB",
                         flush=True,
