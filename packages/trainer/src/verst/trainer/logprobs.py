@@ -8,91 +8,47 @@ after the head (a logit scale, a soft-cap, a bias: `verst.trainer.logit_head`) i
 every path, so the logits are the ones the engine samples from. Temperature is the rollout's:
 the engine reports `log_softmax(logits / T)` of each sampled token, so the trainer does the same.
 
-Sequences are packed padding-free by default: a micro-batch becomes one row `[1, total]` with
-`position_ids` restarting at 0 for each sequence and no attention mask; transformers then
-builds a block-diagonal causal mask (SDPA/eager) or uses varlen kernels (flash-attention), so
-no token attends across sequences (tested against the right-padded layout).
+A micro-batch arrives in one of the layouts of `verst.trainer.layout` (right-padded rows, one
+packed row, or one row per shared prompt with a 4D mask); all give the same log-probs (tested
+against the right-padded layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from verst.trainer.layout import LAYOUTS, PackedInputs, additive_mask
 from verst.trainer.logit_head import LogitHead, logit_head
 
-
-@dataclass
-class PackedInputs:
-    """One micro-batch laid out for the decoder, plus where the response predictions sit."""
-
-    input_ids: torch.Tensor  # [rows, width]
-    """Token ids (one packed row, or right-padded rows)."""
-    position_ids: torch.Tensor  # [rows, width]
-    """Positions, restarting at 0 for every sequence."""
-    attention_mask: torch.Tensor | None  # [rows, width]
-    """1 = real token (padded layout only; None when packed)."""
-    gather_index: torch.Tensor  # [num_response_tokens]
-    """Flat indices into `rows * width` of the hidden states that predict response tokens."""
-    target_ids: torch.Tensor  # [num_response_tokens]
-    """The response tokens those positions predict."""
-    response_lengths: list[int]
-    """Response length of each sequence, in order (to unflatten the result)."""
+__all__ = ["PackedInputs", "PolicyLogprobs", "hidden_logprobs", "pack_sequences", "unflatten"]
 
 
 def pack_sequences(
-    tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, packing: bool, pad_id: int = 0
+    tokens: Sequence[Sequence[int]],
+    response_lengths: Sequence[int],
+    *,
+    packing: bool | None = None,
+    layout: str | None = None,
+    pad_id: int = 0,
 ) -> PackedInputs:
-    """Lay out sequences (prompt + response ids) for one forward pass.
+    """Lay out sequences (prompt + response ids) for one forward pass (`verst.trainer.layout`).
 
-    Position `p` predicts token `p + 1`, so a sequence of length L with R response tokens needs
-    the hidden states at positions `L-R-1 .. L-2`.
+    `layout` names the layout ('padded', 'packed', 'shared_prompt'); `packing=True/False` is the
+    older spelling of 'packed'/'padded'. Position `p` predicts token `p + 1`, so a sequence of
+    length L with R response tokens needs the hidden states at positions `L-R-1 .. L-2`.
     """
-    if any(r > 0 and r >= len(t) for t, r in zip(tokens, response_lengths, strict=True)):
-        raise ValueError("every sequence with a response needs at least one prompt token before it")
-    gather, targets = [], []
-    if packing:
-        ids, pos, offset = [], [], 0
-        for seq, r in zip(tokens, response_lengths, strict=True):
-            n = len(seq)
-            ids.extend(seq)
-            pos.extend(range(n))
-            gather.extend(range(offset + n - r - 1, offset + n - 1))
-            targets.extend(seq[n - r :])
-            offset += n
-        return PackedInputs(
-            input_ids=torch.tensor([ids], dtype=torch.long),
-            position_ids=torch.tensor([pos], dtype=torch.long),
-            attention_mask=None,
-            gather_index=torch.tensor(gather, dtype=torch.long),
-            target_ids=torch.tensor(targets, dtype=torch.long),
-            response_lengths=list(response_lengths),
-        )
-    width = max(len(t) for t in tokens)
-    padded, lengths = [], []
-    for row, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
-        n = len(seq)
-        padded.append([*seq, *([pad_id] * (width - n))])
-        lengths.append(n)
-        gather.extend(range(row * width + n - r - 1, row * width + n - 1))
-        targets.extend(seq[n - r :])
-    ids_t = torch.tensor(padded, dtype=torch.long)  # [rows, width]
-    cols = torch.arange(width)[None, :]  # [1, width]
-    mask = (cols < torch.tensor(lengths)[:, None]).long()  # [rows, width]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return PackedInputs(
-        input_ids=ids_t,
-        position_ids=pos,
-        attention_mask=mask,
-        gather_index=torch.tensor(gather, dtype=torch.long),
-        target_ids=torch.tensor(targets, dtype=torch.long),
-        response_lengths=list(response_lengths),
-    )
+    if layout is None:
+        if packing is None:
+            raise TypeError("pack_sequences needs layout= (or packing=)")
+        layout = "packed" if packing else "padded"
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[layout].build(tokens, response_lengths, pad_id=pad_id)
 
 
 def unflatten(flat: torch.Tensor, response_lengths: Sequence[int], width: int) -> torch.Tensor:
@@ -190,12 +146,16 @@ class PolicyLogprobs(nn.Module):
         the gathered weight) and its result is returned third — used by on-policy distillation
         for top-k log-probs through the chunked kernels (`head.kernel_args(T)`).
         """
-        device = next(self.policy.parameters()).device
+        param = next(self.policy.parameters())
+        device = param.device
+        mask = None if inputs.attention_mask is None else inputs.attention_mask.to(device)
+        if mask is not None and mask.dim() == 4:  # shared prompt: bool -> additive (SDPA and eager)
+            mask = additive_mask(mask, param.dtype if param.dtype.is_floating_point else torch.float32)
         decoder = self.policy.get_decoder()
         out = decoder(
             input_ids=inputs.input_ids.to(device),
             position_ids=inputs.position_ids.to(device),
-            attention_mask=None if inputs.attention_mask is None else inputs.attention_mask.to(device),
+            attention_mask=mask,
             use_cache=False,
         )
         hidden = out.last_hidden_state  # [rows, width, H]
