@@ -85,7 +85,9 @@ def test_shared_prompt_and_packed_equal_padded(attn, batch):
     ref_lp, ref_ent, ref_grads = run(model, pack_sequences(tokens, resp, layout="padded"), weights)
     for layout in ("shared_prompt", "packed"):
         inputs = pack_sequences(tokens, resp, layout=layout)
-        assert inputs.target_ids.tolist() == [t for seq, r in zip(tokens, resp) for t in seq[len(seq) - r :]]
+        assert inputs.target_ids.tolist() == [
+            t for seq, r in zip(tokens, resp, strict=True) for t in seq[len(seq) - r :]
+        ]
         lp, ent, grads = run(model, inputs, weights)
         torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5, msg=lambda m, la=layout: f"{la} lp: {m}")
         torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=1e-5, msg=lambda m, la=layout: f"{la}: {m}")
@@ -150,7 +152,7 @@ def test_flash_attention_never_gets_shared_prompt_and_packs_varlen():
 def test_fixed_layouts_and_bad_names():
     cfg = tiny_llama("sdpa").config
     assert LayoutChooser.build("padded", config=cfg, attn="sdpa").candidates == ("padded",)
-    with pytest.raises(ValueError, match="unknown layout 'stacked'.*padded, packed, shared_prompt"):
+    with pytest.raises(ValueError, match=r"unknown layout 'stacked'.*padded, packed, shared_prompt"):
         LayoutChooser.build("stacked", config=cfg, attn="sdpa")
     with pytest.raises(ValueError, match="unknown layout"):
         pack_sequences([[1, 2]], [1], layout="stacked")
@@ -162,7 +164,7 @@ def test_shared_prompt_refused_for_sliding_windows_and_models_that_mix_tokens():
     assert "sliding-window" in shared_prompt_unsupported(sliding)
     auto = LayoutChooser.build("auto", config=sliding, attn="sdpa")
     assert "shared_prompt" not in auto.candidates
-    with pytest.raises(ValueError, match="sliding-window.*set train.layout"):
+    with pytest.raises(ValueError, match=r"sliding-window.*set train.layout"):
         LayoutChooser.build("shared_prompt", config=sliding, attn="sdpa")
     model = MODELS["sdpa"]
 
