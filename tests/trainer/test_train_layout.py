@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from verst.trainer.batch import micro_batches
 from verst.trainer.layout import (
     LAYOUTS,
     DecoderShape,
@@ -180,3 +181,125 @@ def test_shared_prompt_refused_for_sliding_windows_and_models_that_mix_tokens():
     assert "differ between the padded and the shared-prompt layout" in shared_prompt_unsupported(
         model.policy.config, leaky
     )
+
+
+# ---------------------------------------------------------------- micro-batches keep groups together
+
+
+@given(
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=12), mbs=st.integers(1, 9), world=st.integers(1, 3)
+)
+def test_micro_batches_with_group_keys_keep_the_contract(sizes, mbs, world):
+    keys = [g for g, size in enumerate(sizes) for _ in range(size)]
+    n = len(keys)
+    per_rank = [micro_batches(list(range(n)), mbs, rank=r, world_size=world, keys=keys) for r in range(world)]
+    plain = [micro_batches(list(range(n)), mbs, rank=r, world_size=world) for r in range(world)]
+    assert [len(m) for m in per_rank] == [len(m) for m in plain]  # same count as without keys
+    assert sorted(i for m in per_rank for mb in m for i in mb) == list(range(n))
+    assert all(len(mb) <= mbs for m in per_rank for mb in m)
+    for m, p in zip(per_rank, plain, strict=True):  # no more empty micro-batches than before
+        assert sum(not mb for mb in m) == sum(not mb for mb in p)
+
+
+@given(g=st.integers(1, 8), groups=st.integers(1, 6), per_mb=st.integers(1, 3), world=st.integers(1, 3))
+def test_micro_batches_never_split_a_group_when_sizes_allow(g, groups, per_mb, world):
+    """Groups of g, micro-batches of a multiple of g, every rank a whole number of groups."""
+    keys = [i // g for i in range(world * groups * g)]
+    for r in range(world):
+        for mb in micro_batches(range(len(keys)), per_mb * g, rank=r, world_size=world, keys=keys):
+            assert not mb or (mb[0] % g == 0 and len(mb) % g == 0), (mb, g)  # whole groups only
+
+
+# ---------------------------------------------------------------- config and the train side
+
+
+def test_layout_config_keeps_old_packing_configs_and_reports_bad_values(tmp_path):
+    from verst.rollout.errors import ConfigError
+    from verst.trainer.config import TrainConfig, layout_problems, load_run_config
+
+    assert TrainConfig(packing=False).effective_layout == "padded"  # old configs mean what they meant
+    assert TrainConfig(packing=True).effective_layout == "packed"
+    assert TrainConfig().effective_layout == "auto"
+    assert TrainConfig(layout="shared_prompt").effective_layout == "shared_prompt"
+    assert layout_problems(TrainConfig(packing=False, layout="padded"), cuda_available=False) == []
+    (clash,) = layout_problems(TrainConfig(packing=False, layout="shared_prompt"), cuda_available=False)
+    assert clash.key == "train.packing" and "'padded'" in clash.why and "remove train.packing" in clash.fix
+    (fa2,) = layout_problems(
+        TrainConfig(layout="shared_prompt", attn_implementation="flash_attention_2"), cuda_available=True
+    )
+    assert fa2.key == "train.layout" and "flash_attention_2" in fa2.why
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nmodel_path = "/m"\nlayout = "stacked"\n')
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, [])
+    (bad,) = info.value.problems
+    assert bad.key == "train.layout" and "shared_prompt" in str(bad)
+
+
+@pytest.fixture(scope="module")
+def group_batch(tiny_checkpoint):
+    """Two groups of 3 sharing a prompt each (different lengths), one agentic sample."""
+    from verst.rollout.sample import Sample, Status
+    from verst.trainer.batch import build_train_batch
+
+    gen = torch.Generator().manual_seed(3)
+    groups = []
+    for g, p in enumerate((5, 9)):
+        prompt = torch.randint(4, 30, (p,), generator=gen).tolist()
+        group = []
+        for j in range(3):
+            r = 2 + (g + 2 * j) % 5
+            mask = [1] * r if (g, j) != (1, 1) else [1, 0, 0] + [1] * (r - 3)  # a masked tool result
+            group.append(
+                Sample(
+                    prompt=str(g),
+                    tokens=prompt + torch.randint(4, 30, (r,), generator=gen).tolist(),
+                    response_length=r,
+                    loss_mask=mask,
+                    reward=float(j),
+                    status=Status.COMPLETED,
+                    rollout_logprobs=[-2.0] * r,
+                    group_index=g,
+                    sample_index=3 * g + j,
+                )
+            )
+        groups.append(group)
+    return build_train_batch(groups)
+
+
+def _side(tiny_checkpoint, **train):
+    from verst.trainer.algorithms import AlgorithmConfig
+    from verst.trainer.config import TrainConfig
+    from verst.trainer.train_side import TrainSide
+
+    # eps = 1: AdamW's first update is ~ lr * grad (not lr * sign(grad)), so weights compare like grads
+    cfg = TrainConfig(model_path=str(tiny_checkpoint), micro_batch_size=3, lr=1e-2, eps=1.0, **train)
+    return TrainSide(
+        cfg,
+        AlgorithmConfig(),
+        model_path=str(tiny_checkpoint),
+        total_steps=1,
+        max_response_len=8,
+        temperature=1.0,
+        env={},
+    )
+
+
+def test_train_side_shared_prompt_step_equals_padded(tiny_checkpoint, group_batch):
+    padded = _side(tiny_checkpoint, layout="padded")
+    shared = _side(tiny_checkpoint, layout="shared_prompt")
+    auto = _side(tiny_checkpoint)
+    assert auto.layout.candidates == ("padded", "packed", "shared_prompt")  # the probe passed
+    mask = group_batch.loss_mask
+    ref = padded.compute_old_logprobs(group_batch)
+    for side in (shared, auto):
+        torch.testing.assert_close(
+            side.compute_old_logprobs(group_batch) * mask, ref * mask, atol=1e-5, rtol=0
+        )
+    assert shared.layout_counts == {"shared_prompt": 2}  # one micro-batch per group
+    m_padded, m_shared = padded.train_step(group_batch), shared.train_step(group_batch)
+    for key in ("train/loss", "train/entropy", "train/grad_norm"):
+        assert m_shared[key] == pytest.approx(m_padded[key], rel=1e-4, abs=1e-6), key
+    after = {n: p.detach() for n, p in padded.bundle.hf_model.named_parameters()}
+    for n, p in shared.bundle.hf_model.named_parameters():
+        torch.testing.assert_close(p.detach(), after[n], atol=1e-7, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")

@@ -11,9 +11,11 @@ Tensors are response-aligned and right-padded to the longest response: `[num_sam
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -165,13 +167,52 @@ def split_even(indices: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def micro_batches(
-    rows: Sequence[int], micro_batch_size: int, *, rank: int, world_size: int
+    rows: Sequence[int],
+    micro_batch_size: int,
+    *,
+    rank: int,
+    world_size: int,
+    keys: Sequence[Hashable] | None = None,
 ) -> list[list[int]]:
     """This rank's micro-batches of `rows`.
 
     Rows are dealt to ranks in contiguous even chunks; every rank gets the SAME number of
     micro-batches (FSDP collectives must line up), so some may be empty on some ranks.
+    `keys[row]` (optional): rows with equal keys (samples of one prompt) are kept in one
+    micro-batch where the count and `micro_batch_size` allow it (`split_at_groups`), so the
+    shared-prompt layout computes each prompt once.
     """
     per_rank = split_even(rows, world_size)
     count = max(1, max(-(-len(chunk) // micro_batch_size) for chunk in per_rank))
-    return split_even(per_rank[rank], count)
+    if keys is None:
+        return split_even(per_rank[rank], count)
+    return split_at_groups(per_rank[rank], count, micro_batch_size, keys)
+
+
+def split_at_groups(
+    rows: Sequence[int], parts: int, capacity: int, keys: Sequence[Hashable]
+) -> list[list[int]]:
+    """Split `rows` into `parts` contiguous chunks of at most `capacity` rows, cutting between
+    rows of different `keys` where it can.
+
+    Each cut starts where `split_even` would put it and moves to the nearest change of key that
+    keeps every chunk within `capacity` (and, when there are at least `parts` rows, non-empty);
+    with no such change in reach it stays where it was. Needs `len(rows) <= parts * capacity`.
+    """
+    n = len(rows)
+    if n > parts * capacity:
+        raise ValueError(f"{n} rows do not fit {parts} chunks of {capacity}")
+    changes = [i for i in range(1, n) if keys[rows[i]] != keys[rows[i - 1]]]
+    bounds = [0]
+    for k in range(1, parts):
+        left = parts - k  # chunks after this cut
+        lo = max(bounds[-1] + (1 if n >= parts else 0), n - left * capacity)
+        hi = min(bounds[-1] + capacity, n - (left if n >= parts else 0))
+        even = bounds[-1] + (n - bounds[-1]) / (left + 1)  # split_even of what is left
+        options = [c for c in changes if lo <= c <= hi]
+        if options:
+            bounds.append(min(options, key=lambda c: (abs(c - even), c)))
+        else:
+            bounds.append(min(max(math.ceil(even), lo), hi))
+    bounds.append(n)
+    return [list(rows[a:b]) for a, b in itertools.pairwise(bounds)]

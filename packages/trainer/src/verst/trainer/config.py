@@ -77,12 +77,22 @@ class TrainConfig(Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="Attention kernel: 'auto' = flash_attention_2 when installed on CUDA, else sdpa."
     )
+    layout: Literal["auto", "padded", "packed", "shared_prompt"] = Field(
+        "auto",
+        description=(
+            "How a micro-batch's sequences are laid out for the decoder: 'padded' (one right-padded "
+            "row each), 'packed' (one row, positions restarting; block-diagonal mask with SDPA/eager, "
+            "varlen with flash_attention_2), 'shared_prompt' (the samples of a group in one row "
+            "[prompt, resp_1, ..., resp_k]: the prompt is computed once; SDPA/eager only, full-attention "
+            "models), or 'auto' = per micro-batch the one with the lowest estimated decoder cost "
+            "(docs/training.md)."
+        ),
+    )
     packing: bool | None = Field(
         None,
         description=(
-            "Pack a micro-batch's sequences into one row (padding-free). None = auto: packed with "
-            "flash_attention_2 (varlen kernels), right-padded otherwise (SDPA/eager attend over the "
-            "whole packed row with a block-diagonal mask, slower for many short sequences)."
+            "Older switch for the layout: true = layout 'packed', false = 'padded', None = train.layout "
+            "decides."
         ),
     )
     fsdp: bool = Field(
@@ -122,6 +132,13 @@ class TrainConfig(Section):
                 table = {"type": "distributed"} if isinstance(mode, str) else dict(mode)
                 data["weight_sync"] = {"master_address": address, **table}
         return data
+
+    @property
+    def effective_layout(self) -> str:
+        """The layout asked for: `packing` true/false (the older switch) wins over `layout`."""
+        if self.packing is None:
+            return self.layout
+        return "packed" if self.packing else "padded"
 
 
 class RunSection(Section):
@@ -396,6 +413,7 @@ def train_problems(
                     "installed by hand, is picked up by 'auto'",
                 )
             )
+    problems += layout_problems(cfg.train, cuda_available=cuda_available)
     samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     if samples % cfg.train.num_updates_per_rollout:
         problems.append(
@@ -407,6 +425,33 @@ def train_problems(
             )
         )
     problems += weight_sync_problems(cfg.train, cfg.engine)
+    return problems
+
+
+def layout_problems(train: TrainConfig, *, cuda_available: bool) -> list[Problem]:
+    """`train.packing` against `train.layout`, and shared prompts against flash-attention 2."""
+    problems = []
+    if train.packing is not None and train.layout not in ("auto", train.effective_layout):
+        problems.append(
+            Problem(
+                "train.packing",
+                f"train.packing={str(train.packing).lower()} means layout {train.effective_layout!r}, "
+                f"but train.layout={train.layout!r}",
+                "remove train.packing (train.layout replaces it) or make the two agree",
+            )
+        )
+    if train.effective_layout == "shared_prompt":
+        from verst.trainer.model import resolve_attn_implementation
+
+        if resolve_attn_implementation(train.attn_implementation, cuda=cuda_available) == "flash_attention_2":
+            problems.append(
+                Problem(
+                    "train.layout",
+                    "'shared_prompt' needs a custom attention mask, which flash_attention_2 does not take",
+                    "use train.layout='auto' or 'packed' with flash_attention_2, or "
+                    "train.attn_implementation='sdpa'",
+                )
+            )
     return problems
 
 

@@ -93,6 +93,15 @@ def prompt_groups(tokens: Sequence[Sequence[int]], response_lengths: Sequence[in
     return list(groups.values())
 
 
+def prompt_keys(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
+    """A group id per sequence: equal ids = identical prompts (for `batch.micro_batches`)."""
+    keys = [0] * len(tokens)
+    for gid, members in enumerate(prompt_groups(tokens, response_lengths)):
+        for i in members:
+            keys[i] = gid
+    return keys
+
+
 def _check(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> None:
     if len(tokens) != len(response_lengths):
         raise ValueError(f"{len(tokens)} sequences but {len(response_lengths)} response lengths")
@@ -292,7 +301,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def shared_prompt_unsupported(
-    config: Any, probe: Callable[[PackedInputs], torch.Tensor] | None = None
+    config: Any, probe: Callable[[PackedInputs], torch.Tensor] | None = None, *, tolerance: float = 1e-3
 ) -> str | None:
     """Why `shared_prompt` would give wrong log-probs for this model, or None when it is safe.
 
@@ -300,7 +309,7 @@ def shared_prompt_unsupported(
     chunked attention, no `layer_types` other than full attention). `probe(inputs)` — the
     model's response log-probs of a `PackedInputs` — is then run on a tiny group in both the
     padded and the shared layout: a model that mixes tokens outside attention (recurrent or
-    SSM layers) or ignores a custom 4D mask disagrees and is refused.
+    SSM layers) or ignores a custom 4D mask disagrees by more than `tolerance` and is refused.
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = set(getattr(cfg, "layer_types", None) or ())
@@ -320,7 +329,7 @@ def shared_prompt_unsupported(
     lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
     lp_shared = probe(LAYOUTS["shared_prompt"].build(tokens, resp)).float()
     diff = float((lp_padded - lp_shared).abs().max())
-    if not math.isfinite(diff) or diff > 1e-3:
+    if not math.isfinite(diff) or diff > tolerance:
         return (
             f"a probe's log-probs differ between the padded and the shared-prompt layout (max {diff:.3g}): "
             "the model mixes tokens outside its attention mask"
@@ -350,6 +359,7 @@ class LayoutChooser:
         config: Any,
         attn: str,
         probe: Callable[[PackedInputs], torch.Tensor] | None = None,
+        tolerance: float = 1e-3,
     ) -> LayoutChooser:
         """The chooser for `requested` ('auto' or a layout name) on a model with this config.
 
@@ -366,7 +376,7 @@ class LayoutChooser:
             if attn == "flash_attention_2":
                 reason = "flash_attention_2 takes no custom attention mask"
             else:
-                reason = shared_prompt_unsupported(config, probe)
+                reason = shared_prompt_unsupported(config, probe, tolerance=tolerance)
         if requested == "shared_prompt" and reason is not None:
             raise ValueError(
                 f"train.layout='shared_prompt' cannot be used with this model: {reason}; "

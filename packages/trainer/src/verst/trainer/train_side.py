@@ -12,6 +12,7 @@ micro-batches and ranks equals the full-batch gradient.
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from verst.trainer.algorithms.terms import LossTerm, compose, to_floats
 from verst.trainer.batch import TrainBatch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
 from verst.trainer.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
+from verst.trainer.layout import LayoutChooser, PackedInputs, prompt_keys
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.lora import LoraState
 from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
@@ -127,13 +129,18 @@ class TrainSide:
         self.lora = LoraState(self.bundle, cfg.lora) if cfg.lora is not None else None
         """Adapter-only sync, checkpoints and the adapter-disabled reference (`[train.lora]`)."""
         self.optimizer_steps = 0
-        self.packing = (
-            cfg.packing
-            if cfg.packing is not None
-            else resolve_attn_implementation(cfg.attn_implementation, cuda=torch.cuda.is_available())
-            == "flash_attention_2"
+        attn = resolve_attn_implementation(cfg.attn_implementation, cuda=torch.cuda.is_available())
+        layout = cfg.effective_layout
+        self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
+        """Packed rather than right-padded, for forwards that take no layout choice (distillation)."""
+        self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
+        """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
+        self.ref_layout = (
+            self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
         )
-        """Sequences packed into one row (padding-free) rather than right-padded."""
+        """The same for the separate reference (its own model may share prompts or not)."""
+        self.layout_counts: Counter[str] = Counter()
+        """Micro-batches run in each layout so far (all forwards)."""
         self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
         """On-policy distillation (`[opd]`), when enabled: a step extension."""
         self.extensions: list[StepExtension] = [self.opd] if self.opd is not None else []
@@ -142,6 +149,27 @@ class TrainSide:
             t for ext in self.extensions for t in ext.terms(self.algo.aggregate)
         ]
         """The extensions' loss terms, added to the algorithm's."""
+
+    def _chooser(self, module: torch.nn.Module, config: Any, attn: str) -> LayoutChooser:
+        """`train.layout` for `module`; whether it may share prompts is probed on it (in eval mode,
+        the same tiny forward on every rank)."""
+
+        def probe(inputs: PackedInputs) -> torch.Tensor:
+            with torch.no_grad():
+                return module(inputs)[0].float().cpu()
+
+        was_training = module.training
+        module.eval()
+        try:
+            return LayoutChooser.build(
+                self.cfg.effective_layout,
+                config=config,
+                attn=attn,
+                probe=probe,
+                tolerance=1e-3 if self.cfg.dtype == "float32" else 5e-2,
+            )
+        finally:
+            module.train(was_training)
 
     def _opd_trainer(self, opd: OpdConfig) -> OpdTrainer:
         cfg = self.cfg
@@ -172,11 +200,9 @@ class TrainSide:
             inputs = pack_sequences([seq], [1], packing=True)
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
-        inputs = pack_sequences(
-            [batch.tokens[i] for i in rows],
-            [batch.response_lengths[i] for i in rows],
-            packing=self.packing,
-        )
+        chooser = self.ref_layout if module is self.ref else self.layout
+        inputs = chooser.lay_out([batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows])
+        self.layout_counts[inputs.layout] += 1
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
@@ -190,6 +216,7 @@ class TrainSide:
             self.cfg.micro_batch_size,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
+            keys=prompt_keys(batch.tokens, batch.response_lengths),
         ):
             lp, _ = self._forward(module, batch, mb, entropy=False)
             if mb:
@@ -255,10 +282,11 @@ class TrainSide:
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
         updates = split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout)
+        keys = prompt_keys(batch.tokens, batch.response_lengths)  # samples of a group: same micro-batch
         for u, rows in enumerate(updates):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in micro_batches(
-                rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size
+                rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size, keys=keys
             ):
                 self._micro_step(batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0)
             step_metrics.append(self._optimizer_step())
