@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from verst.rollout.errors import ConfigError
 from verst.trainer.batch import micro_batches
 from verst.trainer.layout import (
     LAYOUTS,
@@ -146,7 +147,7 @@ def test_flash_attention_never_gets_shared_prompt_and_packs_varlen():
     assert chooser.candidates == ("padded", "packed")
     ragged = [[1] * 30, [2] * 5, [3] * 9]
     assert chooser.choose(ragged, [2, 2, 2]) == "packed"  # varlen: no padding, linear attention
-    with pytest.raises(ValueError, match="flash_attention_2 takes no custom attention mask"):
+    with pytest.raises(ConfigError, match="flash_attention_2 takes no custom attention mask"):
         LayoutChooser.build("shared_prompt", config=cfg, attn="flash_attention_2")
 
 
@@ -165,7 +166,7 @@ def test_shared_prompt_refused_for_sliding_windows_and_models_that_mix_tokens():
     assert "sliding-window" in shared_prompt_unsupported(sliding)
     auto = LayoutChooser.build("auto", config=sliding, attn="sdpa")
     assert "shared_prompt" not in auto.candidates
-    with pytest.raises(ValueError, match=r"sliding-window.*set train.layout"):
+    with pytest.raises(ConfigError, match=r"train.layout: .*sliding-window.*\n  fix: set train.layout"):
         LayoutChooser.build("shared_prompt", config=sliding, attn="sdpa")
     model = MODELS["sdpa"]
 
@@ -214,7 +215,6 @@ def test_micro_batches_never_split_a_group_when_sizes_allow(g, groups, per_mb, w
 
 
 def test_layout_config_keeps_old_packing_configs_and_reports_bad_values(tmp_path):
-    from verst.rollout.errors import ConfigError
     from verst.trainer.config import TrainConfig, layout_problems, load_run_config
 
     assert TrainConfig(packing=False).effective_layout == "padded"  # old configs mean what they meant

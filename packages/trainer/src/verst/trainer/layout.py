@@ -21,8 +21,9 @@ the decoder's work from the shapes alone), in one table, `LAYOUTS`:
 `LayoutChooser` picks one layout per micro-batch: a fixed one, or with `auto` the cheapest by
 `cost`. The estimate is per decoder layer (every layer is alike): linear work ∝ tokens processed
 (padding included) × the layer's weights, attention ∝ Σ over rows of the pairs of positions it
-scores × the attention width — dense `width²` for SDPA/eager with a mask, `Σ len²/2` for
-flash-attention's varlen/causal kernels. The LM head and loss are the same for every layout
+scores × the attention width — dense `width²` for SDPA/eager with a mask, half that when
+transformers can drop the mask (padded rows of equal length: causal kernel), `Σ len²/2` for
+flash-attention's varlen kernels. The LM head and loss are the same for every layout
 (only response positions reach them) and are left out.
 """
 
@@ -172,6 +173,8 @@ class PaddedLayout:
         width = max(lengths)
         if attn == "flash_attention_2":  # unpadded to varlen inside transformers; causal
             pairs = sum(n * n for n in lengths) / 2
+        elif min(lengths) == width:  # no padding: transformers drops the mask, SDPA runs causal
+            pairs = len(lengths) * width * width / 2
         else:
             pairs = len(lengths) * width * width
         return _cost(shape, len(lengths) * width, pairs)
@@ -365,7 +368,7 @@ class LayoutChooser:
 
         'auto' chooses among padded and packed, plus shared_prompt where it is exact (not with
         flash-attention 2, see `shared_prompt_unsupported`); asking for shared_prompt where it is
-        not exact raises a `ValueError` naming the reason.
+        not exact raises a `ConfigError` under `train.layout` naming the reason.
         """
         if requested != "auto" and requested not in LAYOUTS:
             raise ValueError(f"unknown layout {requested!r}; choose one of 'auto', {', '.join(LAYOUT_NAMES)}")
@@ -378,9 +381,16 @@ class LayoutChooser:
             else:
                 reason = shared_prompt_unsupported(config, probe, tolerance=tolerance)
         if requested == "shared_prompt" and reason is not None:
-            raise ValueError(
-                f"train.layout='shared_prompt' cannot be used with this model: {reason}; "
-                "set train.layout to 'auto', 'padded' or 'packed'"
+            from verst.rollout.errors import ConfigError, Problem
+
+            raise ConfigError(
+                [
+                    Problem(
+                        "train.layout",
+                        f"'shared_prompt' would not give this model's log-probs: {reason}",
+                        "set train.layout to 'auto', 'padded' or 'packed'",
+                    )
+                ]
             )
         if requested != "auto":
             return cls((requested,), shape, attn)

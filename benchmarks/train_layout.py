@@ -1,0 +1,162 @@
+"""Micro-batch layouts at a GRPO size: forward + backward time and peak memory, padded vs shared prompt.
+
+Why: in GRPO the n samples of a group share their prompt, and the padded layout computes that
+prompt n times, forward and backward. `train.layout = "shared_prompt"` (verst.trainer.layout)
+puts a group in one row `[prompt, resp_1, ..., resp_n]` with a 4D mask, so the prompt is
+computed once. This measures what that buys on the train step's log-prob forward/backward, and
+which layout `auto` picks, against the padded layout in the same run.
+
+Setup: a random-init Llama built from a config (SmolLM2's vocabulary 49,152 and tied
+embeddings, a scaled-down SmolLM2 shape: hidden 384, 8 layers, 6 heads / 2 KV heads, MLP 1024:
+~32M parameters), float32, SDPA, `--threads` torch threads. A batch of `--groups` prompts × `--n`
+samples, prompts of 64–256 tokens (evenly spread), responses of `--response` tokens; one
+micro-batch per group (micro_batch_size = n, as `micro_batches` lays them out). A step is the
+forward + backward of `Σ log-probs` (+ entropy as a metric, as the train step computes it) over
+every micro-batch, through `PolicyLogprobs` (chunked LM head). Layouts are timed interleaved
+(`--repeats` rounds after one warm-up round; median wall time per step); the peak memory is the
+highest running sum of the torch profiler's allocation events during one micro-batch (the
+biggest group), above what was alive before it. `--entropy` also times the shared layout
+without the entropy output (what the entropy metric costs).
+
+Run (padded ≈ 40 s per step at the default size on 2 quiet cores):
+  uv run python benchmarks/train_layout.py
+  uv run python benchmarks/train_layout.py --groups 2 --repeats 1     # a quick check
+
+The last line is `shared_over_padded=<padded time / shared time> shared_peak_mem_ratio=<padded/shared>
+auto=<layout auto picks>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def build_model(args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verst.trainer.logprobs import PolicyLogprobs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    return PolicyLogprobs(LlamaForCausalLM(cfg).float(), backend="auto", chunk_size=256)
+
+
+def build_batch(args: argparse.Namespace) -> list[tuple[list[list[int]], list[int]]]:
+    """Micro-batches (tokens, response lengths), one group each."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for g in range(args.groups):
+        p = 64 + (192 * g) // max(1, args.groups - 1)
+        prompt = torch.randint(4, 49152, (p,), generator=gen).tolist()
+        seqs = [
+            prompt + torch.randint(4, 49152, (args.response,), generator=gen).tolist() for _ in range(args.n)
+        ]
+        out.append((seqs, [args.response] * args.n))
+    return out
+
+
+def step(model, micro_batches, layout: str, *, entropy: bool = True) -> float:
+    from verst.trainer.logprobs import pack_sequences
+
+    t0 = time.perf_counter()
+    for tokens, resp in micro_batches:
+        lp, ent = model(pack_sequences(tokens, resp, layout=layout), return_entropy=entropy)
+        float(ent.detach().mean()) if ent is not None else None  # the metric
+        lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def peak_bytes(model, tokens, resp, layout: str) -> int:
+    """Highest running sum of allocations - frees during one micro-batch's forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verst.trainer.logprobs import pack_sequences
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        lp, ent = model(pack_sequences(tokens, resp, layout=layout), return_entropy=True)
+        lp.sum().backward()
+        del lp, ent
+    model.zero_grad(set_to_none=True)
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--groups", type=int, default=8, help="prompts (one micro-batch each)")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--response", type=int, default=128, help="response tokens per sample")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--layouts", default="padded,shared_prompt", help="comma-separated layouts to time")
+    p.add_argument("--entropy", action="store_true", help="also time shared_prompt without entropy")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from verst.trainer.layout import LayoutChooser
+
+    model = build_model(args)
+    batch = build_batch(args)
+    params = sum(p.numel() for p in model.parameters())
+    chooser = LayoutChooser.build("auto", config=model.policy.config, attn="sdpa")
+    picks = [chooser.choose(t, r) for t, r in batch]
+    auto = max(set(picks), key=picks.count)
+    layouts = args.layouts.split(",")
+    variants = [(name, True) for name in layouts]
+    if args.entropy:
+        variants.append(("shared_prompt", False))
+    times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+    for r in range(args.repeats + 1):
+        for name, ent in variants:
+            t = step(model, batch, name, entropy=ent)
+            if r:
+                times[(name, ent)].append(t)
+    tokens, resp = batch[-1]  # the longest prompt
+    peaks = {name: peak_bytes(model, tokens, resp, name) for name in layouts}
+    print(
+        f"model: {params / 1e6:.1f}M params, {args.groups} prompts x {args.n} samples, prompts 64-256, "
+        f"response {args.response}, {args.threads} threads; auto picks {picks}"
+    )
+    for (name, ent), ts in times.items():
+        label = name if ent else f"{name} (no entropy)"
+        print(f"{label:28s} step {statistics.median(ts):7.2f} s  (runs {', '.join(f'{t:.2f}' for t in ts)})")
+    for name, b in peaks.items():
+        print(f"{name:28s} peak {b / 2**20:8.1f} MiB (one micro-batch, prompt {len(tokens[0]) - resp[0]})")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    extra = ""
+    if args.entropy:
+        extra = f" entropy_cost={med[('shared_prompt', True)] / med[('shared_prompt', False)]:.3f}"
+    print(
+        f"shared_over_padded={med[('padded', True)] / med[('shared_prompt', True)]:.3f} "
+        f"shared_peak_mem_ratio={peaks['padded'] / peaks['shared_prompt']:.3f} auto={auto}{extra}"
+    )
+
+
+if __name__ == "__main__":
+    main()
