@@ -24,6 +24,7 @@ from verst.trainer.layout import (
     DecoderShape,
     LayoutChooser,
     PackedInputs,
+    SharedPromptLayout,
     prompt_groups,
     shared_prompt_unsupported,
 )
@@ -85,8 +86,11 @@ def test_shared_prompt_and_packed_equal_padded(attn, batch):
     tokens, resp, w = batch
     model, weights = MODELS[attn], torch.tensor(w)
     ref_lp, ref_ent, ref_grads = run(model, pack_sequences(tokens, resp, layout="padded"), weights)
-    for layout in ("shared_prompt", "packed"):
-        inputs = pack_sequences(tokens, resp, layout=layout)
+    for layout in ("shared_prompt", "packed", 2):  # 2: shared prompts, at most 2 responses per row
+        if layout == 2:
+            inputs = SharedPromptLayout(per_row=2).build(tokens, resp)
+        else:
+            inputs = pack_sequences(tokens, resp, layout=layout)
         assert inputs.target_ids.tolist() == [
             t for seq, r in zip(tokens, resp, strict=True) for t in seq[len(seq) - r :]
         ]
@@ -118,6 +122,9 @@ def test_shared_prompt_row_layout():
         [1, 1, 1, 1, 0],
         [1, 1, 0, 0, 1],  # resp 2 sees the prompt and itself, not resp 1
     ]
+    assert SharedPromptLayout(per_row=1).rows(tokens, [2, 2, 1]) == [[0], [2], [1]]
+    five = [[5, 6, 7 + j] for j in range(5)]
+    assert SharedPromptLayout(per_row=2).rows(five, [1] * 5) == [[0, 1], [2, 3], [4]]  # balanced
     pad = out.attention_mask[1, 0].int().tolist()
     assert pad[3] == [0, 0, 0, 1, 0] and pad[4] == [0, 0, 0, 0, 1]  # padding attends only itself
 
@@ -137,6 +144,11 @@ def test_auto_picks_shared_prompt_for_groups_and_padded_for_distinct_prompts():
     # one long and many short sequences, nothing shared: padding wastes most, packing wins
     ragged = [[1] * 60] + [[i + 2, 3] for i in range(30)]
     assert chooser.choose(ragged, [1] * 31) == "packed"
+    # long responses after a mid-sized prompt: one row of 8 attends too widely, 8 rows repeat
+    # the prompt 8 times; two rows of 4 responses cost least (tokens 360, pairs 2 x 180^2)
+    split = [list(range(1, 61)) + [7 + j] * 30 for j in range(8)]
+    assert chooser.pick(split, [30] * 8) == SharedPromptLayout(per_row=4)
+    assert chooser.pick(group, [12] * 8) == SharedPromptLayout()
     for name, layout in LAYOUTS.items():  # the cost is what decides
         assert layout.cost(group, [12] * 8, shape(), "sdpa") > 0, name
 

@@ -220,24 +220,42 @@ class PackedLayout:
         return _cost(shape, total, pairs)
 
 
+@dataclass(frozen=True, slots=True)
 class SharedPromptLayout:
-    """One row per distinct prompt: `[prompt, resp_1, ..., resp_k]` with a 4D mask (module doc)."""
+    """One row per distinct prompt: `[prompt, resp_1, ..., resp_k]` with a 4D mask (module doc).
+
+    `per_row` caps the responses in one row: a larger group is split into rows of at most that
+    many (balanced), each with its own copy of the prompt — fewer tokens than padding, less
+    attention than one long row (the chooser weighs the two)."""
 
     name: ClassVar[str] = "shared_prompt"
+    per_row: int | None = None
+    """Most responses in one row (None = the whole group)."""
 
-    @staticmethod
-    def row_widths(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
-        """Length of each shared row (prompt + its responses), in `prompt_groups` order."""
+    def rows(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[list[int]]:
+        """The sequences of each row: `prompt_groups`, split by `per_row`."""
+        out = []
+        for g in prompt_groups(tokens, response_lengths):
+            parts = 1 if self.per_row is None else -(-len(g) // self.per_row)
+            size, extra, start = len(g) // parts, len(g) % parts, 0
+            for p in range(parts):
+                end = start + size + (1 if p < extra else 0)
+                out.append(g[start:end])
+                start = end
+        return out
+
+    def row_widths(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
+        """Length of each row (prompt + its responses), in `rows` order."""
         return [
             len(tokens[g[0]]) - response_lengths[g[0]] + sum(response_lengths[i] for i in g)
-            for g in prompt_groups(tokens, response_lengths)
+            for g in self.rows(tokens, response_lengths)
         ]
 
     def build(
         self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
     ) -> PackedInputs:
         _check(tokens, response_lengths)
-        groups = prompt_groups(tokens, response_lengths)
+        groups = self.rows(tokens, response_lengths)
         width = max(self.row_widths(tokens, response_lengths))
         ids = torch.full((len(groups), width), pad_id, dtype=torch.long)  # [rows, width]
         pos = torch.zeros((len(groups), width), dtype=torch.long)  # [rows, width]
@@ -397,15 +415,29 @@ class LayoutChooser:
         names = ("padded", "packed") + (("shared_prompt",) if reason is None else ())
         return cls(names, shape, attn)
 
+    def pick(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> Layout:
+        """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
+        prompts also weigh splitting a group into rows of 2, 4, 8, ... responses."""
+        options: list[Layout] = []
+        for name in self.candidates:
+            options.append(LAYOUTS[name])
+            if name == "shared_prompt":
+                largest = max(map(len, prompt_groups(tokens, response_lengths)))
+                k = 2
+                while k < largest:
+                    options.append(SharedPromptLayout(per_row=k))
+                    k *= 2
+        if len(options) == 1:
+            return options[0]
+        costs = [o.cost(tokens, response_lengths, self.shape, self.attn) for o in options]
+        return options[costs.index(min(costs))]
+
     def choose(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> str:
-        """The cheapest candidate for these sequences (ties: the earlier candidate)."""
-        if len(self.candidates) == 1:
-            return self.candidates[0]
-        costs = [LAYOUTS[n].cost(tokens, response_lengths, self.shape, self.attn) for n in self.candidates]
-        return self.candidates[costs.index(min(costs))]
+        """The name of the layout `pick` takes."""
+        return self.pick(tokens, response_lengths).name
 
     def lay_out(
         self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
     ) -> PackedInputs:
         """`tokens` in the chosen layout."""
-        return LAYOUTS[self.choose(tokens, response_lengths)].build(tokens, response_lengths, pad_id=pad_id)
+        return self.pick(tokens, response_lengths).build(tokens, response_lengths, pad_id=pad_id)
