@@ -4,7 +4,8 @@ Why: in GRPO the n samples of a group share their prompt, and the padded layout 
 prompt n times, forward and backward. `train.layout = "shared_prompt"` (verst.trainer.layout)
 puts a group in one row `[prompt, resp_1, ..., resp_n]` with a 4D mask, so the prompt is
 computed once. This measures what that buys on the train step's log-prob forward/backward, and
-which layout `auto` picks, against the padded layout in the same run.
+what `auto` (which may also split a group into rows of 2, 4, ... responses) picks and buys,
+against the padded layout in the same run.
 
 Setup: a random-init Llama built from a config (SmolLM2's vocabulary 49,152 and tied
 embeddings, a scaled-down SmolLM2 shape: hidden 384, 8 layers, 6 heads / 2 KV heads, MLP 1024:
@@ -12,18 +13,20 @@ embeddings, a scaled-down SmolLM2 shape: hidden 384, 8 layers, 6 heads / 2 KV he
 samples, prompts of 64–256 tokens (evenly spread), responses of `--response` tokens; one
 micro-batch per group (micro_batch_size = n, as `micro_batches` lays them out). A step is the
 forward + backward of `Σ log-probs` (+ entropy as a metric, as the train step computes it) over
-every micro-batch, through `PolicyLogprobs` (chunked LM head). Layouts are timed interleaved
-(`--repeats` rounds after one warm-up round; median wall time per step); the peak memory is the
-highest running sum of the torch profiler's allocation events during one micro-batch (the
-biggest group), above what was alive before it. `--entropy` also times the shared layout
+every micro-batch, through `PolicyLogprobs` (chunked LM head). Layouts are timed interleaved per
+micro-batch, back to back (`--repeats` rounds after one warm-up round; median step time); the
+peak memory is the highest running sum of the torch profiler's allocation events during one
+micro-batch (the biggest group), above what was alive before it. `--entropy` also times the shared layout
 without the entropy output (what the entropy metric costs).
 
-Run (padded ≈ 40 s per step at the default size on 2 quiet cores):
+Run (padded ≈ 15 s per step at the default size on 2 quiet cores; ~3 min in all):
   uv run python benchmarks/train_layout.py
   uv run python benchmarks/train_layout.py --groups 2 --repeats 1     # a quick check
 
-The last line is `shared_over_padded=<padded time / shared time> shared_peak_mem_ratio=<padded/shared>
-auto=<layout auto picks>`.
+The last line is `shared_over_padded=<padded / shared wall time> shared_over_padded_cpu=<the same in
+CPU time> shared_peak_mem_ratio=<padded / shared> auto=<the layout auto picks most>
+auto_over_padded=<padded / auto wall time>` (+ `entropy_cost=<with / without>` with `--entropy`).
+CPU time is printed because a loaded box shifts wall time by several times between rounds.
 """
 
 from __future__ import annotations
@@ -69,16 +72,26 @@ def build_batch(args: argparse.Namespace) -> list[tuple[list[list[int]], list[in
     return out
 
 
-def step(model, micro_batches, layout: str, *, entropy: bool = True) -> float:
+def layout_label(layout) -> str:
+    """'padded', 'shared_prompt', or 'shared_prompt/4' (at most 4 responses per row)."""
+    per_row = getattr(layout, "per_row", None)
+    return layout.name if per_row is None else f"{layout.name}/{per_row}"
+
+
+def micro_step(model, tokens, resp, layout: str, chooser, *, entropy: bool = True) -> tuple[float, float]:
+    """Wall and CPU seconds of one micro-batch's forward + backward in `layout` ('auto' = chooser)."""
     from verst.trainer.logprobs import pack_sequences
 
-    t0 = time.perf_counter()
-    for tokens, resp in micro_batches:
-        lp, ent = model(pack_sequences(tokens, resp, layout=layout), return_entropy=entropy)
-        float(ent.detach().mean()) if ent is not None else None  # the metric
-        lp.sum().backward()
+    t0, c0 = time.perf_counter(), time.process_time()
+    inputs = (
+        chooser.lay_out(tokens, resp) if layout == "auto" else pack_sequences(tokens, resp, layout=layout)
+    )
+    lp, ent = model(inputs, return_entropy=entropy)
+    if ent is not None:
+        float(ent.detach().mean())  # the metric
+    lp.sum().backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def peak_bytes(model, tokens, resp, layout: str) -> int:
@@ -114,7 +127,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--layouts", default="padded,shared_prompt", help="comma-separated layouts to time")
+    p.add_argument(
+        "--layouts",
+        default="padded,shared_prompt,auto",
+        help="comma-separated layouts to time ('auto' = chooser)",
+    )
     p.add_argument("--entropy", action="store_true", help="also time shared_prompt without entropy")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,35 +142,52 @@ def main() -> None:
     batch = build_batch(args)
     params = sum(p.numel() for p in model.parameters())
     chooser = LayoutChooser.build("auto", config=model.policy.config, attn="sdpa")
-    picks = [chooser.choose(t, r) for t, r in batch]
+    picks = [layout_label(chooser.pick(t, r)) for t, r in batch]
     auto = max(set(picks), key=picks.count)
     layouts = args.layouts.split(",")
     variants = [(name, True) for name in layouts]
     if args.entropy:
         variants.append(("shared_prompt", False))
-    times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+    # interleaved per micro-batch (variants back to back), so load drift hits all alike
+    wall: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+    cpu: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
     for r in range(args.repeats + 1):
-        for name, ent in variants:
-            t = step(model, batch, name, entropy=ent)
-            if r:
-                times[(name, ent)].append(t)
+        step_wall = dict.fromkeys(variants, 0.0)
+        step_cpu = dict.fromkeys(variants, 0.0)
+        for tokens, resp in batch:
+            for name, ent in variants:
+                w, c = micro_step(model, tokens, resp, name, chooser, entropy=ent)
+                step_wall[(name, ent)] += w
+                step_cpu[(name, ent)] += c
+        if r:  # round 0 is the warm-up
+            for v in variants:
+                wall[v].append(step_wall[v])
+                cpu[v].append(step_cpu[v])
     tokens, resp = batch[-1]  # the longest prompt
-    peaks = {name: peak_bytes(model, tokens, resp, name) for name in layouts}
+    peaks = {name: peak_bytes(model, tokens, resp, name) for name in layouts if name != "auto"}
     print(
         f"model: {params / 1e6:.1f}M params, {args.groups} prompts x {args.n} samples, prompts 64-256, "
         f"response {args.response}, {args.threads} threads; auto picks {picks}"
     )
-    for (name, ent), ts in times.items():
+    for (name, ent), ts in wall.items():
         label = name if ent else f"{name} (no entropy)"
-        print(f"{label:28s} step {statistics.median(ts):7.2f} s  (runs {', '.join(f'{t:.2f}' for t in ts)})")
+        cs = cpu[(name, ent)]
+        print(
+            f"{label:28s} step {statistics.median(ts):7.2f} s wall ({', '.join(f'{t:.2f}' for t in ts)}), "
+            f"{statistics.median(cs):7.2f} s cpu ({', '.join(f'{t:.2f}' for t in cs)})"
+        )
     for name, b in peaks.items():
         print(f"{name:28s} peak {b / 2**20:8.1f} MiB (one micro-batch, prompt {len(tokens[0]) - resp[0]})")
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    pad, shared = ("padded", True), ("shared_prompt", True)
     extra = ""
+    if ("auto", True) in med:
+        extra += f" auto_over_padded={med[pad] / med[('auto', True)]:.3f}"
     if args.entropy:
-        extra = f" entropy_cost={med[('shared_prompt', True)] / med[('shared_prompt', False)]:.3f}"
+        extra += f" entropy_cost={med[shared] / med[('shared_prompt', False)]:.3f}"
     print(
-        f"shared_over_padded={med[('padded', True)] / med[('shared_prompt', True)]:.3f} "
+        f"shared_over_padded={med[pad] / med[shared]:.3f} shared_over_padded_cpu={med_cpu[pad] / med_cpu[shared]:.3f} "
         f"shared_peak_mem_ratio={peaks['padded'] / peaks['shared_prompt']:.3f} auto={auto}{extra}"
     )
 
