@@ -95,6 +95,17 @@ class StepExtension(Protocol):
         ...
 
 
+def _reshard(module: torch.nn.Module) -> None:
+    """Reshard FSDP2 units after a forward without backward (the layout probe): the root unit
+    keeps its parameters gathered after a forward, and loading a checkpoint into gathered
+    (plain-tensor) parameters fails."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class TrainSide:
     """Owns the trained model; turns train batches into optimizer steps."""
 
@@ -152,7 +163,7 @@ class TrainSide:
 
     def _chooser(self, module: torch.nn.Module, config: Any, attn: str) -> LayoutChooser:
         """`train.layout` for `module`; whether it may share prompts is probed on it (in eval mode,
-        the same tiny forward on every rank)."""
+        the same tiny forward on every rank; FSDP units resharded after)."""
 
         def probe(inputs: PackedInputs) -> torch.Tensor:
             with torch.no_grad():
@@ -170,6 +181,7 @@ class TrainSide:
             )
         finally:
             module.train(was_training)
+            _reshard(module)
 
     def _opd_trainer(self, opd: OpdConfig) -> OpdTrainer:
         cfg = self.cfg
