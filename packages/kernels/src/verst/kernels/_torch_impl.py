@@ -19,6 +19,36 @@ def _scaled_float32(logits: torch.Tensor, temperature: float, overwrite: bool) -
     return x
 
 
+_MOMENT_ROWS = 16
+"""Rows per step of `_exp_moments` on CPU: a `[16, V]` float32 buffer stays in cache."""
+
+
+def _exp_moments(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(Σ_v e^xs, Σ_v e^xs · xs)` per row of `xs = x - max` `[N, V]` (may hold -inf), float32.
+
+    On CPU a few rows at a time through one reused buffer with a fused dot product (no `[N, V]`
+    temporary; ~2x faster than exp + mul + nan_to_num + sum over the whole chunk); a row whose
+    dot product is NaN (0 * -inf: a masked logit) is redone with 0 * -inf = 0. On GPU the
+    whole-chunk form (one kernel each)."""
+    if xs.device.type != "cpu":
+        p = xs.exp()  # [N, V] unnormalised
+        return p.sum(-1), p.mul_(xs).nan_to_num_(nan=0.0).sum(-1)  # 0 * -inf -> 0
+    n, v = xs.shape
+    s = torch.empty(n, dtype=torch.float32)
+    t = torch.empty(n, dtype=torch.float32)
+    buf = torch.empty((min(n, _MOMENT_ROWS), v), dtype=torch.float32)  # [rows, V]
+    for i in range(0, n, _MOMENT_ROWS):
+        j = min(i + _MOMENT_ROWS, n)
+        p = torch.exp(xs[i:j], out=buf[: j - i])
+        s[i:j] = p.sum(-1)
+        t[i:j] = torch.linalg.vecdot(p, xs[i:j])
+    bad = t.isnan()
+    if bool(bad.any()):
+        rows = xs[bad]
+        t[bad] = rows.exp().mul_(rows).nan_to_num_(nan=0.0).sum(-1)
+    return s, t
+
+
 class TorchRowOps:
     """Row-wise log-prob forward/backward and top-k written with torch ops."""
 
@@ -44,9 +74,7 @@ class TorchRowOps:
         xs = x.sub_(m)  # x - m, in place
         entropy = None
         if with_entropy:  # H = log s - sum p (x - m) / s: two non-negative terms, no cancellation
-            p = xs.exp()  # [N, V] unnormalised
-            s = p.sum(-1)
-            t = p.mul_(xs).nan_to_num_(nan=0.0).sum(-1)  # 0 * -inf -> 0
+            s, t = _exp_moments(xs)
             entropy = s.log() - t / s
         else:
             s = xs.exp_().sum(-1)
