@@ -183,6 +183,9 @@ class EmbeddedEngine(LoraEngineMixin):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype)
         ).to(_resolve_device(device))
+        from verst.rollout.engines._attention import use_grouped_sdpa
+
+        use_grouped_sdpa(model)  # the engine owns this model: grouped KV heads without copies
         if tokenizer is None or isinstance(tokenizer, str | Path):
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer or path))
         return cls(model, tokenizer, model_path=str(path), **kwargs)

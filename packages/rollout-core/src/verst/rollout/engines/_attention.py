@@ -1,0 +1,84 @@
+"""Grouped-query attention for the embedded engine without copying the KV cache.
+
+transformers' SDPA attention repeats every key/value head `num_heads / num_kv_heads` times
+(`repeat_kv`) whenever an attention mask is given on CPU/CUDA — and the engine always gives one
+(its rows have different lengths). In a decode step that copy is the whole KV cache, times the
+group size, in every layer: at SmolLM2's shapes (3 query heads per KV head) it writes three
+times the cache each step, more than the step's matmuls. `grouped_sdpa` instead folds each KV
+head's query heads into the query-length dimension — `[b, kv, rep * t, d]` against the
+unrepeated `[b, kv, L, d]` keys, the mask repeated over the `rep` query rows — which is the
+same attention, row for row, with no copy of the cache. Prefill without a mask (causal, no
+padding) keeps transformers' own path, where causality is per query position.
+
+`use_grouped_sdpa(model)` switches a model the engine owns to it (registered once under
+`ATTENTION_NAME` in transformers' attention and mask registries; idempotent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ATTENTION_NAME = "verst_grouped_sdpa"
+"""The name the attention function (and its mask function, transformers' SDPA mask) is registered under."""
+
+
+def grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [b, heads, t, d]
+    key: torch.Tensor,  # [b, kv_heads, L, d]
+    value: torch.Tensor,  # [b, kv_heads, L, d]
+    attention_mask: torch.Tensor | None,  # [b or 1, 1, t, L] bool (True = attend) or additive
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; returns `([b, t, heads, d], None)`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, t, d = query.shape
+    kv = key.shape[1]
+    rep = heads // kv
+    if rep == 1 or (attention_mask is None and t > 1) or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    q = query.reshape(b, kv, rep * t, d)  # query head kv * rep + r, position i -> row r * t + i
+    mask = attention_mask
+    if mask is not None:
+        mb, mh, mt, ml = mask.shape
+        mask = mask[:, :, None].expand(mb, mh, rep, mt, ml).reshape(mb, mh, rep * mt, ml)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [b, kv, rep * t, d]
+    return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model: Any) -> bool:
+    """Switch `model` (a transformers causal LM on SDPA with grouped KV heads) to `grouped_sdpa`.
+
+    Returns whether it switched: models on another attention implementation, or with one KV
+    head per query head, are left as they are."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not heads or kv == heads:
+        return False
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, grouped_sdpa)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return True
