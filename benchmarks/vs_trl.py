@@ -129,6 +129,16 @@ def run_verst(
 
 # ---------------------------------------------------------------- TRL
 
+TRL_SAME_AS_VERST: dict[str, Any] = dict(
+    temperature=1.0, top_k=0, top_p=1.0,  # no truncation
+    lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+    beta=0.0, epsilon=CLIP, loss_type="dapo", scale_rewards="group", num_iterations=1,
+    use_cpu=True, bf16=False, gradient_checkpointing=False,
+    report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True,
+)  # fmt: skip
+"""`GRPOConfig` settings that match verst's side (both benchmarks): sampling, schedule, loss,
+one update per batch, float32 on CPU, no logging."""
+
 
 def run_trl(seed: int, steps: int, eval_rows: list[dict[str, str]]) -> tuple[list[float], float]:
     try:
@@ -175,27 +185,10 @@ def run_trl(seed: int, steps: int, eval_rows: list[dict[str, str]]) -> tuple[lis
             per_device_train_batch_size=PROMPTS * GROUP,
             num_generations=GROUP,
             max_completion_length=MAX_NEW,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
             learning_rate=LR,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            epsilon=CLIP,
-            loss_type="dapo",
-            scale_rewards="group",
-            num_iterations=1,
             max_steps=steps,
             seed=seed,
-            use_cpu=True,
-            bf16=False,
-            gradient_checkpointing=False,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=10_000,
-            disable_tqdm=True,
+            **TRL_SAME_AS_VERST,
         )
         dataset = Dataset.from_list(rows("train.jsonl"))
         trainer = GRPOTrainer(

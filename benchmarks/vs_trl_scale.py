@@ -263,6 +263,11 @@ def child_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vs_trl import CLIP as TINY_CLIP
+    from vs_trl import TRL_SAME_AS_VERST
+
+    assert TINY_CLIP == CLIP
     work = Path(a.work)
     sys.path.insert(0, str(work))
     from scale_reward import fraction_low
@@ -291,27 +296,10 @@ def child_trl(a: argparse.Namespace) -> dict[str, Any]:
             num_generations=GROUP,
             max_completion_length=a.max_new,
             shuffle_dataset=False,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
             learning_rate=LR,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            epsilon=CLIP,
-            loss_type="dapo",
-            scale_rewards="group",
-            num_iterations=1,
             max_steps=a.steps,
             seed=a.seed,
-            use_cpu=True,
-            bf16=False,
-            gradient_checkpointing=False,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=10_000,
-            disable_tqdm=True,
+            **TRL_SAME_AS_VERST,
         )
         trainer = GRPOTrainer(
             model=model,
