@@ -520,6 +520,63 @@ class _RolloutStub:
         return self.loop.submit(coro)
 
 
+def _decode_run(model: Any, ids: Any, att: Any, pos: Any, feed: Any) -> tuple[Any, float]:
+    """Left-padded prefill + one decode step per row of `feed` ([steps, b] token ids, the same
+    for both variants, so a flipped argmax cannot make them diverge) → (logits, s per step)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache)
+        logits, mask, q = [out.logits[:, -1].float()], att, pos[:, -1:]
+        sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for tok in feed:
+            mask = torch.cat([mask, mask.new_ones((len(ids), 1))], dim=1)
+            q = q + 1
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=q, past_key_values=cache)
+            logits.append(out.logits[:, -1].float())
+        sync()
+    return torch.stack(logits), (time.perf_counter() - t0) / len(feed)
+
+
+def grouped_attention(summary: Summary) -> None:
+    """The embedded engine's grouped-query attention (`engines/_attention.py`) on CUDA: logits of a
+    left-padded prefill + 8 decode steps equal transformers' SDPA (fp32 and bf16), and the
+    decode-step time of both (64 rows, SmolLM2-135M-like heads: 9 query / 3 KV, head_dim 64)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verst.rollout.engines._attention import use_grouped_sdpa
+
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 0.1)):
+        with summary.check(f"engine/grouped_attention_{str(dtype).split('.')[-1]}") as info:
+            cfg = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=4, num_attention_heads=9,
+                              num_key_value_heads=3, intermediate_size=1536, tie_word_embeddings=True)  # fmt: skip
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+            b, p = 64, 256
+            ids = torch.randint(0, 49152, (b, p), device="cuda")
+            att = torch.ones_like(ids)
+            for i in range(b):
+                att[i, : (i % 8) * 24] = 0
+            pos = (att.cumsum(1) - 1).clamp(min=0)
+            feed = torch.randint(0, 49152, (8, b), device="cuda")
+            _decode_run(model, ids, att, pos, feed)  # warm-up
+            want, t_sdpa = _decode_run(model, ids, att, pos, feed)
+            assert use_grouped_sdpa(model)
+            _decode_run(model, ids, att, pos, feed)
+            got, t_grouped = _decode_run(model, ids, att, pos, feed)
+            err = float((got - want).abs().max())
+            info["detail"] = (
+                f"max |logit diff| {err:.2e} (tol {tol}); decode step sdpa {t_sdpa * 1e3:.2f} ms, grouped {t_grouped * 1e3:.2f} ms"
+            )
+            if not err <= tol:
+                info["status"] = "FAIL"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -540,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = Summary(args.summary)
     if args.cmd == "kernels":
         kernels(summary)
+        grouped_attention(summary)
     else:
         logs = Path(args.logs or Path(args.summary).parent / "logs")
         logs.mkdir(parents=True, exist_ok=True)
