@@ -202,3 +202,19 @@ async def test_engine_groups_share_prefill_and_count_saved_tokens(tiny_checkpoin
         saved = sum(3 * len(p) for p in groups) if share else 0
         assert stats == {"rows": 12, "tokens": sum(4 * len(p) for p in groups) - saved, "saved": saved}
     assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+
+
+async def test_engine_config_switches_prefix_sharing(tiny_checkpoint):
+    from verst.rollout.engines.config import EmbeddedEngineConfig
+
+    req = GenerateRequest(prompt_ids(1, 9), SamplingParams(3, temperature=1.0, ignore_eos=True))
+    saved = {}
+    for share in (True, False):
+        cfg = EmbeddedEngineConfig(model_path=str(tiny_checkpoint), device="cpu", prefix_sharing=share)
+        engine = await cfg.build(max_concurrency=8)
+        try:
+            await asyncio.gather(*(engine.generate(req) for _ in range(8)))
+            saved[share] = engine.prefill_stats["saved"]
+        finally:
+            await engine.close()
+    assert saved[True] > 0 and saved[False] == 0

@@ -76,6 +76,13 @@ class EmbeddedEngineConfig(EngineSection):
     max_batch_size: int = Field(64, ge=1, description="Rows decoded together; more requests queue.")
     num_engines: int = Field(1, ge=1, description="Copies of the model (an EnginePool when more than one).")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's).")
+    prefix_sharing: bool = Field(
+        True,
+        description=(
+            "Prefill identical prompts of one admission (a GRPO group's samples) once and copy "
+            "their KV cache per row."
+        ),
+    )
 
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
@@ -102,6 +109,7 @@ class EmbeddedEngineConfig(EngineSection):
                 tokenizer=self.tokenizer_path,
                 num_threads=self.num_threads,
                 max_batch_size=self.max_batch_size,
+                prefix_sharing=self.prefix_sharing,
             )
 
         engines = [await asyncio.to_thread(make) for _ in range(self.num_engines)]
