@@ -6,7 +6,8 @@
 # reachable, no model download: it saves a tiny random model locally):
 #   kernels  compiled Triton kernels vs float64 at T=32,768 x V=151,936 bf16 (past 2^31
 #            elements), their time vs the measured copy bandwidth, a [B,T+1,V][:, :-1] slice read
-#            in place, the OPD backward with 16 target ids per row (registers, spills);
+#            in place, the OPD backward with 16 target ids per row (registers, spills); the
+#            embedded engine's grouped-query attention vs SDPA (fp32, bf16) and its decode time;
 #   sglang   two real SGLang servers on GPU 0 (memory saver + weights CPU backup; the second with
 #            --enable-deterministic-inference) and the client against them: the client test
 #            suite, log-probs vs HF, "default" version, exact-rid abort, refit from disk /
