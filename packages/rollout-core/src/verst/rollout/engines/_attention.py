@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "verst_grouped_sdpa"
 """The name the attention function (and its mask function, transformers' SDPA mask) is registered under."""
@@ -36,8 +37,6 @@ def grouped_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns `([b, t, heads, d], None)`."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     b, heads, t, d = query.shape
     kv = key.shape[1]
     rep = heads // kv

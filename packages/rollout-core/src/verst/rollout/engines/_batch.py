@@ -279,7 +279,8 @@ class DecodeBatch:
         logits and prompt scores are copied to every row that shares them (each row gets its own
         cache storage; sampling stays per row, with each row's own generator).
         """
-        unique, source = share_groups(rows) if self.share_prefix else (list(range(len(rows))), [])
+        every = list(range(len(rows)))
+        unique, source = share_groups(rows) if self.share_prefix else (every, every)
         firsts = [rows[u] for u in unique]
         lens = [r.prompt_len for r in firsts]
         width = max(lens)
@@ -311,8 +312,6 @@ class DecodeBatch:
             index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
             cache.batch_select_indices(index)  # index_select: every row its own copy
             mask, last = mask[index], last[index]
-        else:
-            source = list(range(len(rows)))
         if full:
             memo: dict[tuple[Any, ...], PromptScores] = {}
             for r, u in zip(rows, source, strict=True):
