@@ -49,6 +49,17 @@ def rows(name: str) -> list[dict[str, str]]:
     return [json.loads(line) for line in (EXAMPLE / "data" / name).read_text().splitlines() if line.strip()]
 
 
+def left_pad(ids: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """Token-id lists → (`[batch, width]` left-padded ids, `[batch, width]` mask, 1 = real token),
+    the layout `generate` takes."""
+    import torch
+
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    return input_ids, attention
+
+
 def greedy_eval(model: Any, tok: Any, eval_rows: list[dict[str, str]]) -> float:
     """Mean reward of greedy completions (digits + EOS partial credit) on the eval rows."""
     import torch
@@ -61,9 +72,8 @@ def greedy_eval(model: Any, tok: Any, eval_rows: list[dict[str, str]]) -> float:
     for i in range(0, len(eval_rows), 100):
         chunk = eval_rows[i : i + 100]
         ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # [batch, seq]
-        attention = (input_ids != tok.pad_token_id).long()  # [batch, seq]
+        input_ids, attention = left_pad(ids, tok.pad_token_id)  # [batch, width] each
+        width = input_ids.shape[1]
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids,
@@ -222,9 +232,8 @@ def measure_floor(repeats: int, seed: int) -> dict[str, float]:
     for _ in range(repeats):
         batch = [r for r in rng.sample(train, PROMPTS) for _ in range(GROUP)]
         ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in batch]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # [batch, seq]
-        attention = (input_ids != tok.pad_token_id).long()  # [batch, seq]
+        input_ids, attention = left_pad(ids, tok.pad_token_id)  # [batch, width] each
+        width = input_ids.shape[1]
         model.eval()
         t0 = time.perf_counter()
         with torch.no_grad():

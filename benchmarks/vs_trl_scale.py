@@ -48,6 +48,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from vs_trl import CLIP as TINY_CLIP  # benchmarks/ is this script's folder, so on sys.path
+from vs_trl import TRL_SAME_AS_VERST, left_pad
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "runs" / "bench-cache"
 
@@ -263,11 +266,7 @@ def child_trl(a: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from vs_trl import CLIP as TINY_CLIP
-    from vs_trl import TRL_SAME_AS_VERST
-
-    assert TINY_CLIP == CLIP
+    assert TINY_CLIP == CLIP  # TRL_SAME_AS_VERST carries vs_trl's clip
     work = Path(a.work)
     sys.path.insert(0, str(work))
     from scale_reward import fraction_low
@@ -354,9 +353,8 @@ def child_floor(a: argparse.Namespace) -> dict[str, Any]:
     def one(prompts: list[str], max_new: int, timed: bool) -> None:
         batch = [p for p in prompts for _ in range(GROUP)]
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in batch]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # [batch, width]
-        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])  # [batch, width]
+        input_ids, attention = left_pad(ids, pad)  # [batch, width] each
+        width = input_ids.shape[1]
         model.eval()
         t0 = time.perf_counter()
         with torch.no_grad():
