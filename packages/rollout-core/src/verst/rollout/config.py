@@ -160,6 +160,14 @@ class RolloutConfig(Section):
         description="sample.metadata key naming the LoRA adapter that generates a sample (multi-LoRA); "
         "samples without it use the trained adapter (or the base model without [train.lora]).",
     )
+    return_routed_experts: bool = Field(
+        False,
+        description=(
+            "Ask the engine for the MoE experts it chose at every position (Sample.routed_experts); "
+            "on by itself with train.moe.routing_replay = 'rollout'. Needs an engine with the "
+            "routing_replay capability and an MoE model (docs/moe.md)."
+        ),
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")

@@ -13,7 +13,10 @@ trainer may be handed directly) says where it runs and which weight-sync modes i
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from verst.rollout.moe import RoutedExperts
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -84,6 +87,11 @@ class GenerateRequest:
     """Also return the log-probs of these token ids at every position."""
     lora_path: str | None = None
     """The LoRA adapter to generate with, by its loaded name (SGLang's field name); None = base."""
+    return_routed_experts: bool = False
+    """Also return each MoE layer's chosen experts per position (SGLang's field name; engines
+    with the `routing_replay` capability)."""
+    routed_experts_start_len: int = 0
+    """First position whose routing is returned (SGLang's; 0 = the whole sequence)."""
 
 
 @dataclass(slots=True)
@@ -112,6 +120,10 @@ class GenerateOutput:
     """Per output position, the log-probs of `token_ids_logprob`."""
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     """Per prompt position, the log-probs of `token_ids_logprob` (first is None)."""
+    routed_experts: RoutedExperts | None = None
+    """With `return_routed_experts`: the experts chosen at positions `[routed_experts_start_len,
+    prompt + output - 1)` (`verst.rollout.moe`); None from a dense model or an engine that
+    cannot record them."""
 
     @property
     def completion_tokens(self) -> int:
@@ -298,6 +310,9 @@ class EngineCapabilities:
     """GPUs of the server processes it starts for the run (0 = it starts none)."""
     lora: bool = False
     """It can serve LoRA adapters."""
+    routing_replay: bool = False
+    """It returns the MoE experts it chose per token (`return_routed_experts`), which
+    `train.moe.routing_replay = 'rollout'` needs."""
 
 
 def engine_capabilities(engine: Any) -> EngineCapabilities:

@@ -120,6 +120,7 @@ def reset_sample(sample: Sample, *, keep_attempt: bool = False) -> Sample:
     sample.reward = None
     sample.loss_mask = None
     sample.rollout_logprobs = None
+    sample.routed_experts = None
     sample.status = Status.PENDING
     sample.weight_versions = []
     sample.token_versions = None
@@ -203,6 +204,7 @@ class SingleTurnGenerate:
             sampling=params if max_new == params.max_new_tokens else params.replace(max_new_tokens=max_new),
             rid=f"{request_prefix(state)}-{sample.sample_index}-{attempt}",
             lora_path=sample_adapter(sample, config.lora_key),
+            return_routed_experts=config.return_routed_experts,
         )
         output = await state.engine.generate(request)
         return self.apply_output(state, sample, output, previous_len)
@@ -231,6 +233,10 @@ class SingleTurnGenerate:
             sample.rollout_logprobs = None
         sample.tokens = sample.tokens + list(new_ids)
         sample.response_length = previous_len + n_new
+        routed = out.routed_experts  # the whole sequence's (start 0): replaces a partial's
+        sample.routed_experts = (
+            routed if routed is not None and routed.tokens == len(sample.tokens) - 1 else None
+        )
         text = out.text
         if not text and n_new and state.tokenizer is not None:
             text = state.tokenizer.decode(new_ids)

@@ -12,6 +12,8 @@ import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from verst.rollout.moe import RoutedExperts
+
 
 class Status(enum.StrEnum):
     """Where a sample is in its life."""
@@ -69,6 +71,10 @@ class Sample:
     `mask_offpolicy_in_partial_rollout` every response token whose version is older than the
     newest is loss-masked (`offpolicy_loss_mask`), whatever the rollout id; a generate function
     that appends a segment extends it with `[version] * len(segment)`."""
+    routed_experts: RoutedExperts | None = None
+    """MoE models: the experts the engine chose at every position fed as input (`len(tokens) - 1`
+    rows of layers × k ids, uint8/int16; -1 = not recorded, e.g. observation tokens of an agentic
+    trajectory), for `train.moe.routing_replay = 'rollout'` (`verst.rollout.moe`)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (dataset fields, `start_rollout_id`, errors, teacher ids...)."""
     generate_function_path: str | None = None
@@ -160,6 +166,11 @@ class Sample:
             problems.append(
                 f"len(token_versions)={len(self.token_versions)} != response_length={self.response_length}"
             )
+        if self.routed_experts is not None and self.routed_experts.tokens != max(len(self.tokens) - 1, 0):
+            problems.append(
+                f"routed_experts covers {self.routed_experts.tokens} positions, expected len(tokens) - 1 = "
+                f"{max(len(self.tokens) - 1, 0)}"
+            )
         if "segments" in self.metadata:  # a multi-turn trajectory built with append_turn
             from verst.rollout.agentic.trajectory import trajectory_problems
 
@@ -171,6 +182,8 @@ class Sample:
         """A JSON-friendly dict; `Sample.from_dict(s.to_dict()) == s`."""
         out = asdict(self)
         out["status"] = self.status.value
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts.to_json()
         return out
 
     @classmethod
@@ -183,6 +196,8 @@ class Sample:
         data = copy.deepcopy(dict(data))
         if "status" in data:
             data["status"] = Status(data["status"])
+        if isinstance(data.get("routed_experts"), dict):
+            data["routed_experts"] = RoutedExperts.from_json(data["routed_experts"])
         return cls(**data)
 
     def clone(self) -> Sample:

@@ -248,6 +248,8 @@ class AgenticGenerate:
                     out.weight_version,
                     text=text,
                     turn=turn,
+                    routed_experts=out.routed_experts,
+                    routed_start=sample.routed_experts.tokens if sample.routed_experts is not None else 0,
                 )
                 if mask_offpolicy:
                     mask_turns_before(sample, out.weight_version)
@@ -304,6 +306,9 @@ class AgenticGenerate:
             input_ids=list(sample.tokens),
             sampling=sampling,
             rid=f"{_request_prefix(state)}-{sample.sample_index}-{sample.metadata.get('attempt', 0)}-{k}",
+            return_routed_experts=state.config.return_routed_experts,
+            # only the positions this call adds (the earlier ones are recorded already)
+            routed_experts_start_len=sample.routed_experts.tokens if sample.routed_experts is not None else 0,
         )
         waited = time.perf_counter()
         if self.semaphore_scope == "episode":

@@ -15,6 +15,11 @@ The sample's response (everything after the prompt) is a sequence of **segments*
   injected token: the version of the last model token before it, -1 before the first; an
   empty model turn generated nothing, so it lends its version to no injected token).
 
+- `sample.routed_experts` (MoE engines asked to `return_routed_experts`) covers every position but
+  the last: a model turn adds the rows its engine call returned, an env segment adds rows of -1
+  (observation tokens carry no routing: the trainer's routers choose freely there). A model turn
+  without routing, or whose rows do not line up with the tokens, drops the sample's routing.
+
 `trajectory_problems` checks these invariants; `Sample.validate` calls it for samples that
 carry segments.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from verst.rollout.moe import RoutedExperts, extend_routing
 from verst.rollout.sample import Sample
 
 MASKED_LOGPROB = 0.0
@@ -50,6 +56,8 @@ def append_turn(
     source: Source | None = None,
     text: str | None = None,
     turn: int | None = None,
+    routed_experts: RoutedExperts | None = None,
+    routed_start: int = 0,
 ) -> None:
     """Append one turn's tokens to `sample` — the only way turns are added.
 
@@ -101,6 +109,7 @@ def append_turn(
         previous = [s["weight_version"] for s in segments if s["source"] == "model" and s["length"]]
         version = weight_version if source == "model" else (previous[-1] if previous else -1)
         sample.token_versions = [*sample.token_versions, *[int(version)] * len(ids)]  # type: ignore[arg-type]
+    _extend_routing(sample, ids, source, routed_experts, routed_start)
     sample.tokens = [*sample.tokens, *ids]
     sample.response_length = start + len(ids)
     if text:
@@ -115,6 +124,21 @@ def append_turn(
             "trainable": bool(trainable),
         }
     )
+
+
+def _extend_routing(
+    sample: Sample, ids: list[int], source: str, routed: RoutedExperts | None, routed_start: int
+) -> None:
+    """The routing rows of a turn (before its ids join `sample.tokens`)."""
+    current = sample.routed_experts
+    after = len(sample.tokens) + len(ids) - 1
+    if source == "env":
+        if current is not None and ids:
+            sample.routed_experts = current.concat(RoutedExperts.unrecorded(len(ids), current.width))
+        return
+    covered = current.tokens if current is not None else 0
+    joined = extend_routing(current, routed, routed_start, covered)
+    sample.routed_experts = joined if joined is not None and joined.tokens == after else None
 
 
 def mask_turns_before(sample: Sample, weight_version: int) -> int:

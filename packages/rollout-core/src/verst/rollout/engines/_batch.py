@@ -28,6 +28,7 @@ from verst.rollout.engines._sampling import (
     sample,
     top_logprobs,
 )
+from verst.rollout.moe import RouterHooks, find_routers, moe_spec
 
 
 @dataclass(slots=True)
@@ -62,6 +63,8 @@ class Row:
     """The stop token id or stop string that ended it."""
     handle: Any = None
     """The engine's completion handle (future, loop, stream queue)."""
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """MoE models: the experts chosen at each fed position, in chunks (`[n, layers × k]`, CPU)."""
 
     @property
     def prompt_len(self) -> int:
@@ -251,6 +254,8 @@ class DecodeBatch:
         """Prompt tokens run through prefill forwards so far (padding not counted)."""
         self.prefill_tokens_saved = 0
         """Prompt tokens not run because their row shared another row's prefill."""
+        self.routers = RouterHooks(model) if moe_spec(model.config) and find_routers(model) else None
+        """MoE models: records every forward's expert choices (rows keep theirs, `Row.routing`)."""
         growing_cache(model.config)  # fail at construction for unsupported cache layouts
 
     def __len__(self) -> int:
@@ -267,6 +272,9 @@ class DecodeBatch:
         ids = torch.tensor([row.request.input_ids], device=self.device)  # [1, prompt]
         self._route([row])
         logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
+        routed = self._routed()
+        if routed is not None:
+            row.routing = [routed]
         if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
             _set_scores(row, prompt_scores(row.request, logits, _inv_temp(row)))
         row.finish = "length"
@@ -304,6 +312,11 @@ class DecodeBatch:
             logits_to_keep=0 if full else 1,
         )
         logits = out.logits  # [unique, width or 1, vocab]
+        routed = self._routed()
+        if routed is not None:  # [unique * width, layers × k]: each row its prompt's (shared) rows
+            routed = routed.reshape(len(firsts), width, -1)
+            for r, u in zip(rows, source, strict=True):
+                r.routing = [routed[u, width - lens[u] :]]
         self.prefill_rows += len(rows)
         self.prefill_tokens += sum(lens)
         self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(lens)
@@ -368,10 +381,23 @@ class DecodeBatch:
             use_cache=True,
         )
         self.next_pos = self.next_pos + 1
+        routed = self._routed()
+        if routed is not None:  # [slots, layers × k]
+            at = self.slots if self.slots is not None else range(len(self.rows))
+            for r, j in zip(self.rows, at, strict=True):
+                r.routing.append(routed[j : j + 1])
         assert self.sampling is not None
         tokens, lps = sample(out.logits[:, -1, :], self.sampling)
         self.last = tokens
         self._record(self.rows, tokens, lps, self.slots)
+
+    def _routed(self) -> torch.Tensor | None:
+        """The last forward's expert choices `[tokens, layers × k]` on CPU (None: dense model)."""
+        if self.routers is None:
+            return None
+        chosen = self.routers.chosen()  # [tokens, layers, k]
+        self.routers.clear()
+        return chosen.reshape(chosen.shape[0], -1).to("cpu", torch.int16)
 
     def _record(
         self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor, slots: list[int] | None = None

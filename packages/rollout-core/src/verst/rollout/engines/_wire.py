@@ -11,6 +11,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.engines._common import InvalidRequest, new_rid
+from verst.rollout.moe import RoutedExperts
 
 # key -> (accepted types, value verst serve supports or None for any)
 _SAMPLING_KEYS: dict[str, tuple[tuple[type, ...], Any]] = {
@@ -141,6 +142,14 @@ def parse_generate(
     top_n = body.get("top_logprobs_num", 0)
     _check(_is_int(start) and _is_int(top_n), "logprob_start_len and top_logprobs_num must be ints")
     _check(start in (-1, 0), f"logprob_start_len must be -1 or 0 in verst serve, got {start}")
+    routed = body.get("return_routed_experts", False)
+    routed_start = body.get("routed_experts_start_len", 0)
+    _check(isinstance(routed, bool), "return_routed_experts must be a bool")
+    _check(_is_int(routed_start) and routed_start >= 0, "routed_experts_start_len must be an int >= 0")
+    _check(
+        all(routed_start <= len(p) for p in prompts),
+        "routed_experts_start_len must not exceed the number of input tokens",
+    )
     token_ids = body.get("token_ids_logprob")
     _check(token_ids is None or _int_list(token_ids), "token_ids_logprob must be a list of ints")
     parsed = [_sampling(sp) for sp in sps]
@@ -169,6 +178,8 @@ def parse_generate(
                 logprob_start_len=start,
                 token_ids_logprob=token_ids,
                 lora_path=lora or None,
+                return_routed_experts=routed,
+                routed_experts_start_len=routed_start,
             )
             items.append(WireItem(req, skip, no_trim))
     return items, batch or len(items) > 1, flags["stream"]
@@ -223,6 +234,8 @@ def output_json(
         if req.token_ids_logprob:
             meta["output_token_ids_logprobs"] = _pairs(out.output_token_ids_logprobs)
             meta["input_token_ids_logprobs"] = _pairs(out.input_token_ids_logprobs)
+    if req.return_routed_experts and out.routed_experts is not None:  # SGLang: base64 int32
+        meta["routed_experts"] = out.routed_experts.to_sglang()
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
@@ -241,6 +254,9 @@ def request_json(req: GenerateRequest) -> dict[str, Any]:
         body["token_ids_logprob"] = list(req.token_ids_logprob)
     if req.lora_path is not None:
         body["lora_path"] = req.lora_path
+    if req.return_routed_experts:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = req.routed_experts_start_len
     return body
 
 
@@ -267,12 +283,19 @@ def parse_output(data: Any, req: GenerateRequest) -> GenerateOutput:
             ids, lps = [int(i) for i in data.get("output_ids", [])], []
         inputs = meta.get("input_token_logprobs")
         version = meta.get("weight_version")
+        prompt_tokens = int(meta.get("prompt_tokens", len(req.input_ids)))
+        routed = meta.get("routed_experts")
+        if routed is not None and req.return_routed_experts:  # [seqlen - 1 - start, layers, k]
+            rows = prompt_tokens + len(ids) - 1 - req.routed_experts_start_len
+            routed = RoutedExperts.from_sglang(routed, max(rows, 0))
+        else:
+            routed = None
         return GenerateOutput(
             output_ids=ids,
             output_logprobs=lps if req.return_logprob else [],
             finish_reason=kind,
             weight_version=int(version) if version not in (None, "", "default") else 0,
-            prompt_tokens=int(meta.get("prompt_tokens", len(req.input_ids))),
+            prompt_tokens=prompt_tokens,
             text=data.get("text", ""),
             input_logprobs=None
             if inputs is None
@@ -281,6 +304,7 @@ def parse_output(data: Any, req: GenerateRequest) -> GenerateOutput:
             input_top_logprobs=_unpairs(meta.get("input_top_logprobs")),
             output_token_ids_logprobs=_unpairs(meta.get("output_token_ids_logprobs")),
             input_token_ids_logprobs=_unpairs(meta.get("input_token_ids_logprobs")),
+            routed_experts=routed,
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EngineError(

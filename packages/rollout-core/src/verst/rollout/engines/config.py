@@ -94,6 +94,7 @@ class EmbeddedEngineConfig(EngineSection):
             ray_engine_actors=True,
             engine_count=self.num_engines,
             lora=True,
+            routing_replay=True,
         )
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
@@ -125,6 +126,14 @@ class HttpEngineConfig(EngineSection):
     backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="/pause_generation mode used during a weight refit."
+    )
+    routed_experts: bool = Field(
+        False,
+        description=(
+            "The servers return the MoE experts they chose (SGLang --enable-return-routed-experts; "
+            "verst serve always can): declares the routing_replay capability that "
+            "train.moe.routing_replay = 'rollout' needs. sglang_launch adds the flag itself."
+        ),
     )
 
     def _client(self, url: str, router: bool, share: int) -> InferenceEngine:
@@ -166,6 +175,7 @@ class SGLangEngineConfig(HttpEngineConfig):
             release_memory=True,
             engine_count=None if self.router_url else len(self.urls),
             lora=True,  # servers launched with --enable-lora (docs/lora.md)
+            routing_replay=self.routed_experts,
         )
 
     def problems(self, key: str = "engine") -> list[Problem]:
@@ -217,6 +227,7 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
             engine_count=self.num_engines,
             launched_gpus=self.num_engines * self.tp_size,
             lora=True,
+            routing_replay=self.routed_experts,
         )
 
     def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
@@ -243,7 +254,10 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
             mem_fraction_static=self.mem_fraction_static,
             memory_saver=self.memory_saver,
             deterministic=self.deterministic_inference,
-            extra_args=self.extra_args,
+            extra_args=[
+                *self.extra_args,
+                *(["--enable-return-routed-experts"] if self.routed_experts else []),
+            ],
             router=self.launch_router and self.num_engines > 1,
             router_policy=self.router_policy,
             ready_timeout_s=self.ready_timeout_s,

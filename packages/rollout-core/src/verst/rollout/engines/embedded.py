@@ -160,6 +160,7 @@ class EmbeddedEngine(LoraEngineMixin):
             release_memory=True,
             ray_engine_actors=True,
             lora=True,
+            routing_replay=True,
         )
 
     @classmethod
@@ -480,7 +481,21 @@ class EmbeddedEngine(LoraEngineMixin):
             input_top_logprobs=r.input_top,
             output_token_ids_logprobs=list(r.output_ids_lp) if req.token_ids_logprob else None,
             input_token_ids_logprobs=r.input_ids_lp,
+            routed_experts=self._routed_experts(r) if req.return_routed_experts else None,
         )
+
+    @staticmethod
+    def _routed_experts(r: Any) -> Any:
+        """Rows `[routed_experts_start_len, prompt + output - 1)` of the row's recorded routing
+        (SGLang's range); None for a dense model or a row that never ran a forward."""
+        import torch
+
+        from verst.rollout.moe import RoutedExperts
+
+        if not r.routing:
+            return None
+        rows = torch.cat(r.routing)[: r.prompt_len + len(r.output_ids) - 1]  # [positions, layers × k]
+        return RoutedExperts.from_tensor(rows[max(0, r.request.routed_experts_start_len) :])
 
     def _emit(self, r: Any) -> None:
         _deliver(r.handle, self._output(r), final=True)
