@@ -1,13 +1,14 @@
 """Rebuild the MoE example's models, deterministically: a tiny Qwen3-MoE and its SFT warm start.
 
 Why: the MoE example must not download anything, so the project makes its own mixture-of-experts
-model (`verst.rollout.toy_moe`: 8 experts, top-2 routing, hidden 128, 4 layers, ~1.1M parameters,
+model (`verst.rollout.toy_moe`: 8 experts, top-2 routing, hidden 128, 2 layers, ~0.6M parameters,
 the character tokenizer of the reverse-digits example) and warm-starts it with the reverse-digits
 mixed-rule SFT data (`../reverse_digits/data/sft.jsonl`: the reversal with probability 0.3, else
 the copy), so that GRPO with routing replay then has something to select.
 
 1. `model/init/`: the randomly initialised tiny MoE (seed 0);
-2. `model/warm_start/`: `verst sft sft.toml` (600 steps, AdamW 1e-3, batch 64) from `model/init`.
+2. `model/warm_start/`: `verst sft sft.toml` (200 steps, AdamW 2e-3, batch 64) from `model/init`
+   (committed; `model/init/` is not: this script rebuilds it).
 
 Run from the repository root (the reverse-digits data must exist; it is committed):
 
@@ -41,7 +42,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     greedy_eval = _greedy_eval()
-    make_tiny_moe_checkpoint(HERE / "model" / "init", family="qwen3_moe", seed=0)
+    make_tiny_moe_checkpoint(HERE / "model" / "init", family="qwen3_moe", seed=0, num_layers=2)
     print(
         f"init greedy eval reward: {greedy_eval(HERE / 'model' / 'init', DIGITS / 'data' / 'eval.jsonl'):.3f}"
     )

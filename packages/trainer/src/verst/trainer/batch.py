@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class TrainBatch:
     """Batch statistics (dropped groups, lengths, rewards)."""
     opd: OpdBatch | None = None
     """Teacher data for on-policy distillation (None when no sample was distilled)."""
+    routed_experts: list[Any] = field(default_factory=list)
+    """Per sample, the engine's recorded MoE routing (`RoutedExperts`, or None), for
+    `train.moe.routing_replay = 'rollout'`; empty when no sample carried any."""
 
     @property
     def num_samples(self) -> int:
@@ -152,6 +156,9 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         prompts=[str(g[0].prompt) for g in kept],
         metrics=metrics,
         opd=collate_opd(samples, width),
+        routed_experts=[s.routed_experts for s in samples]
+        if any(s.routed_experts is not None for s in samples)
+        else [],
     )
 
 

@@ -24,6 +24,7 @@ from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.lora import LoraSection
 from verst.trainer.opd.config import OpdConfig, opd_problems
 from verst.trainer.placement.layout import RaySection, placement_problems
+from verst.trainer.train.moe import MoeSection
 from verst.trainer.weight_sync_modes import WEIGHT_SYNCS, WeightSyncConfig
 
 
@@ -115,6 +116,10 @@ class TrainConfig(Section):
     lora: LoraSection | None = Field(
         None, description="Train a LoRA adapter on the frozen model instead of every weight (None = full)."
     )
+    moe: MoeSection = Field(
+        default_factory=MoeSection,
+        description="Mixture-of-experts models: routing replay (R3/R2), load-balancing loss (docs/moe.md).",
+    )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None = torch's default)."
@@ -186,6 +191,17 @@ class RunConfig(Section):
     opd: OpdConfig = Field(
         default_factory=OpdConfig, description="On-policy distillation: teachers, sampled-token or top-k KL."
     )
+
+    @model_validator(mode="after")
+    def _routing_request_default(self) -> RunConfig:
+        """R3 (`train.moe.routing_replay = 'rollout'`) asks the engine for its recorded experts
+        (`rollout.return_routed_experts`) unless that is set explicitly."""
+        if (
+            self.train.moe.routing_replay == "rollout"
+            and "return_routed_experts" not in self.rollout.model_fields_set
+        ):
+            self.rollout.return_routed_experts = True
+        return self
 
     @model_validator(mode="after")
     def _off_policy_correction_default(self) -> RunConfig:
@@ -513,6 +529,9 @@ def validate_run_config(
     from verst.trainer.lora import lora_problems
 
     problems += lora_problems(cfg, cfg.train.model_path or _engine_model_path(cfg))
+    from verst.trainer.train.moe import moe_problems
+
+    problems += moe_problems(cfg, cfg.train.model_path or _engine_model_path(cfg), config_dir)
     problems += placement_problems(cfg, env)
     problems = merge_problems(schema_problems, problems)
     if problems:

@@ -11,6 +11,7 @@ micro-batches and ranks equals the full-batch gradient.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,8 @@ from verst.trainer.lora import LoraState
 from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
+from verst.trainer.train.moe import MoeAuxTerm
+from verst.trainer.train.moe_runtime import MoeRuntime, Phase
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
 """Algorithm metrics already normalised by the mini-batch's LossNorm: summed over its micro-batches
@@ -160,6 +163,26 @@ class TrainSide:
             t for ext in self.extensions for t in ext.terms(self.algo.aggregate)
         ]
         """The extensions' loss terms, added to the algorithm's."""
+        self.moe = MoeRuntime.maybe(
+            cfg.moe, self.bundle.hf_model, self.ref.policy if self.ref is not None else None
+        )
+        """MoE models: routing replay, routing metrics and the load-balancing loss (`[train.moe]`)."""
+        if self.moe is not None:
+            self.extra_terms.append(MoeAuxTerm(cfg.moe.aux_loss_coef))
+        elif cfg.moe.routing_replay != "off" or cfg.moe.aux_loss_coef:
+            from verst.rollout.errors import ConfigError, Problem
+
+            raise ConfigError(
+                [
+                    Problem(
+                        "train.moe.routing_replay"
+                        if cfg.moe.routing_replay != "off"
+                        else "train.moe.aux_loss_coef",
+                        f"{model_path!r} is a dense model (no MoE routers to replay or balance)",
+                        "set train.moe.routing_replay = 'off' and train.moe.aux_loss_coef = 0, or train an MoE model",
+                    )
+                ]
+            )
 
     def _chooser(self, module: torch.nn.Module, config: Any, attn: str) -> LayoutChooser:
         """`train.layout` for `module`; whether it may share prompts is probed on it (in eval mode,
@@ -199,7 +222,13 @@ class TrainSide:
     # ------------------------------------------------------------ log-probs
 
     def _forward(
-        self, module: torch.nn.Module, batch: TrainBatch, rows: list[int], *, entropy: bool
+        self,
+        module: torch.nn.Module,
+        batch: TrainBatch,
+        rows: list[int],
+        *,
+        entropy: bool,
+        phase: Phase = "current",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) `[len(rows), R]` of `rows`; a 1-token dummy for empty rows.
 
@@ -210,17 +239,29 @@ class TrainSide:
         if not rows:
             seq = batch.tokens[0][:2]
             inputs = pack_sequences([seq], [1], packing=True)
-            lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
+            with self._moe(None, rows, phase, module):
+                lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
-        inputs = chooser.lay_out([batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows])
+        toks, lens = [batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows]
+        layout = chooser.pick(toks, lens)
+        inputs = layout.build(toks, lens)
         self.layout_counts[inputs.layout] += 1
-        lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
+        with self._moe(layout, rows, phase, module):
+            lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
 
+    def _moe(self, layout: Any, rows: list[int], phase: Phase, module: torch.nn.Module) -> Any:
+        """The MoE runtime around one forward (a no-op context for a dense model)."""
+        if self.moe is None:
+            return contextlib.nullcontext()
+        return self.moe.around(
+            layout, rows if layout is not None else [], phase, reference=module is self.ref
+        )
+
     @torch.no_grad()
-    def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch, phase: Phase = "old") -> torch.Tensor:
         """Log-probs `[B, R]` of every sample (no grad), gathered from all ranks."""
         out = torch.zeros(batch.loss_mask.shape)
         for mb in micro_batches(
@@ -230,7 +271,7 @@ class TrainSide:
             world_size=self.dist.world_size,
             keys=prompt_keys(batch.tokens, batch.response_lengths),
         ):
-            lp, _ = self._forward(module, batch, mb, entropy=False)
+            lp, _ = self._forward(module, batch, mb, entropy=False, phase=phase)
             if mb:
                 out[mb] = lp.float().cpu()
         if self.dist.distributed:
@@ -246,9 +287,35 @@ class TrainSide:
         was_training = self.bundle.module.training
         self.bundle.module.eval()
         try:
-            return self._all_logprobs(self.bundle.module, batch)
+            old = self._all_logprobs(self.bundle.module, batch, "old")
+            if self.moe is not None:
+                self.moe.end_old_pass()
+            return old
         finally:
             self.bundle.module.train(was_training)
+
+    def _moe_mismatch_without_replay(self, batch: TrainBatch) -> dict[str, float]:
+        """With replay on: |log-prob − engine log-prob| of the trainer's own routing (a no-grad
+        pass at the step's starting weights; `train.moe.compare_without_replay`)."""
+        if self.moe is None or self.moe.mode == "off" or not self.cfg.moe.compare_without_replay:
+            return {}
+        if not batch.has_rollout_logprobs:
+            return {}
+        module = self.bundle.module
+        was_training = module.training
+        module.eval()
+        try:
+            free = self._all_logprobs(module, batch, "free")
+        finally:
+            module.train(was_training)
+        mask = batch.loss_mask
+        diff = (free - batch.rollout_logprobs).abs() * mask
+        return {
+            "moe/logprob_mismatch_no_replay": float(diff.sum() / mask.sum().clamp(min=1)),
+            "moe/logprob_ratio_clip_frac_no_replay": float(
+                (_outside_clip(free - batch.rollout_logprobs) * mask).sum() / mask.sum().clamp(min=1)
+            ),
+        }
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """The frozen reference's log-probs `[B, R]`, or None when no reference is needed.
@@ -260,10 +327,10 @@ class TrainSide:
             module.eval()
             try:
                 with self.lora.adapter_disabled():
-                    return self._all_logprobs(module, batch)
+                    return self._all_logprobs(module, batch, "ref")
             finally:
                 module.train(was_training)
-        return None if self.ref is None else self._all_logprobs(self.ref, batch)
+        return None if self.ref is None else self._all_logprobs(self.ref, batch, "ref")
 
     # ------------------------------------------------------------ the step
 
@@ -277,11 +344,20 @@ class TrainSide:
                 "the algorithm needs rollout log-probs (tis / use_rollout_logprobs_as_old) but the "
                 "engine returned none; request log-probs from the engine"
             )
+        moe_metrics: dict[str, float] = {}
+        if self.moe is not None:
+            self.moe.begin_step(
+                batch.tokens, batch.response_lengths, batch.routed_experts or [None] * batch.num_samples
+            )
+            moe_metrics = self._moe_mismatch_without_replay(batch)
+        r2 = self.moe is not None and self.moe.mode == "old_policy"
+        if r2:  # the old pass records the old policy's experts before anything replays them
+            old_r2 = self.compute_old_logprobs(batch)
         ref_lp = self.compute_ref_logprobs(batch)
         precompute_old = algo.needs_old_logprobs and (
-            cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward
+            cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
         )
-        old_all = self.compute_old_logprobs(batch) if precompute_old else None
+        old_all = (old_r2 if r2 else self.compute_old_logprobs(batch)) if precompute_old else None
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
@@ -312,6 +388,8 @@ class TrainSide:
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
         for ext in self.extensions:
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
+        if self.moe is not None:
+            out.update({f"train/{k}": v for k, v in {**self.moe.step_metrics(), **moe_metrics}.items()})
         out.update(batch.metrics)
         return out
 
@@ -321,11 +399,14 @@ class TrainSide:
         """The micro-step forward: an extension's own (e.g. top-k OPD), else the default."""
         module = self.bundle.module
         for ext in self.extensions if rows else ():
+            if self.moe is not None:
+                self.moe.hooks.replay = None  # an extension's own forward routes freely
             own = ext.forward(module, batch, rows)
             if own is not None:
                 return own
         lp, ent = self._forward(module, batch, rows, entropy=True)
-        return lp, ent, {}
+        aux = self.moe.aux_loss if self.moe is not None and rows else None
+        return lp, ent, ({"moe_aux_loss": aux} if aux is not None else {})
 
     def _micro_step(
         self,
@@ -378,6 +459,9 @@ class TrainSide:
             diff = (old.detach() - rl).abs() * m
             metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
             metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
+            metrics["logprob_ratio_clip_frac"] = float((_outside_clip(old.detach() - rl) * m).sum()) / max(
+                ntok, 1.0
+            )
         sums.add(metrics, ntok)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -533,3 +617,10 @@ class TrainSide:
         """Release the models (the process group is the launcher's to destroy)."""
         self.bundle = None  # type: ignore[assignment]
         self.ref = None
+
+
+def _outside_clip(log_ratio: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
+    """1 where the trainer/engine ratio `exp(log_ratio)` leaves `[1 - eps, 1 + eps]` (the tokens a
+    PPO clip of 0.2 would clip at the first update), else 0."""
+    ratio = log_ratio.exp()
+    return ((ratio < 1 - eps) | (ratio > 1 + eps)).to(log_ratio.dtype)

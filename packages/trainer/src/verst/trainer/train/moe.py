@@ -233,6 +233,73 @@ class MoeAuxTerm:
         return TermOutput(self.coef * aux * share.to(aux.dtype), metrics)
 
 
+def model_moe_spec(model_path: str | None, config_dir: Any = None) -> tuple[int, int, int] | str | None:
+    """`moe_spec` of a local checkpoint's `config.json` (read as JSON, nothing imported); 'unknown'
+    when the path is not a local directory (a hub id: checked when the model loads)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    if model_path is None:
+        return "unknown"
+    for base in (Path.cwd(), Path(config_dir) if config_dir else None):
+        if base is None:
+            continue
+        cfg = base / model_path / "config.json"
+        if cfg.is_file():
+            data = json.loads(cfg.read_text())
+            data = data.get("text_config", data)
+            from verst.rollout.moe import moe_spec
+
+            return moe_spec(SimpleNamespace(**{"num_hidden_layers": 0, **data}))
+    return "unknown"
+
+
+def moe_problems(cfg: Any, model_path: str | None, config_dir: Any = None) -> list[Any]:
+    """`[train.moe]` against the model and the engine: replay (or the aux loss) on a dense model,
+    R3 with an engine that cannot return its experts."""
+    from verst.rollout.errors import Problem
+
+    moe, out = cfg.train.moe, []
+    spec = (
+        model_moe_spec(model_path, config_dir) if (moe.routing_replay != "off" or moe.aux_loss_coef) else None
+    )
+    if spec is None and moe.routing_replay != "off":
+        out.append(
+            Problem(
+                "train.moe.routing_replay",
+                f"routing replay {moe.routing_replay!r} needs a mixture-of-experts model, and {model_path!r} is "
+                "dense (its config has no num_experts_per_tok / num_experts)",
+                "set train.moe.routing_replay = 'off', or train an MoE model (docs/moe.md)",
+            )
+        )
+    if spec is None and moe.aux_loss_coef and moe.routing_replay == "off":
+        out.append(
+            Problem(
+                "train.moe.aux_loss_coef",
+                f"the load-balancing loss needs a mixture-of-experts model, and {model_path!r} is dense",
+                "set train.moe.aux_loss_coef = 0",
+            )
+        )
+    caps = cfg.engine.capabilities()
+    wants = moe.routing_replay == "rollout" or cfg.rollout.return_routed_experts
+    if wants and not caps.routing_replay:
+        key = (
+            "train.moe.routing_replay" if moe.routing_replay == "rollout" else "rollout.return_routed_experts"
+        )
+        out.append(
+            Problem(
+                key,
+                f"engine type {cfg.engine.type!r} cannot return the experts it chose (its capabilities say "
+                "routing_replay=False), so there is no recorded routing to replay",
+                "use engine.type = 'embedded'; for SGLang servers launched with --enable-return-routed-experts "
+                "(or verst serve) set engine.routed_experts = true; or use train.moe.routing_replay = "
+                "'old_policy' (R2), which needs nothing from the engine",
+            )
+        )
+    return out
+
+
 __all__ = [
     "REPLAY_MODES",
     "MoeAuxTerm",
@@ -242,5 +309,6 @@ __all__ = [
     "canonical_prompts",
     "expert_counts",
     "load_balancing_loss",
+    "moe_problems",
     "routing_agreement",
 ]

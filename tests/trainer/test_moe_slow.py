@@ -1,0 +1,175 @@
+"""MoE routing replay under 2-process FSDP2 (R3 and R2 train like one process) and across a resume
+(a run stopped and resumed ends with the weights of a straight run). Slow: `pytest -m slow`."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verst.rollout.engines.launcher import free_port
+from verst.rollout.moe import RoutedExperts
+from verst.rollout.sample import Sample, Status
+from verst.rollout.toy_moe import make_tiny_moe_checkpoint
+from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.batch import build_train_batch
+from verst.trainer.config import TrainConfig
+from verst.trainer.train.moe import MoeSection
+from verst.trainer.train_side import TrainSide
+
+pytestmark = pytest.mark.slow
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", num_layers=2, seed=1)
+
+
+def _groups() -> list[list[Sample]]:
+    """Three groups of four; every sample carries a (random, valid) recorded routing."""
+    gen = torch.Generator().manual_seed(3)
+    groups = []
+    for g in range(3):
+        prompt = torch.randint(4, 60, (2 + g,), generator=gen).tolist()
+        group = []
+        for j in range(4):
+            r = 1 + (3 * g + j) % 5
+            tokens = prompt + torch.randint(4, 60, (r,), generator=gen).tolist()
+            ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range((len(tokens) - 1) * 2)])
+            group.append(
+                Sample(
+                    prompt=str(g),
+                    tokens=tokens,
+                    response_length=r,
+                    reward=float((g * j) % 3),
+                    status=Status.COMPLETED,
+                    rollout_logprobs=[-2.0] * r,
+                    routed_experts=RoutedExperts.from_tensor(ids.reshape(len(tokens) - 1, 2, 2)),
+                    group_index=g,
+                    sample_index=4 * g + j,
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def _side(model: str, mode: str, env: dict[str, str], fsdp: bool) -> TrainSide:
+    cfg = TrainConfig(
+        model_path=model,
+        fsdp=fsdp,
+        micro_batch_size=2,
+        lr=0.5,
+        eps=1.0,
+        num_threads=1,
+        num_updates_per_rollout=2,
+        moe=MoeSection(routing_replay=mode, aux_loss_coef=0.01),
+    )
+    return TrainSide(
+        cfg,
+        AlgorithmConfig(),
+        model_path=model,
+        total_steps=STEPS,
+        max_response_len=5,
+        temperature=1.0,
+        env=env,
+    )
+
+
+def _worker(rank: int, port: int, model: str, mode: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    side = _side(model, mode, env, fsdp=True)
+    batch = build_train_batch(_groups())
+    metrics = [side.train_step(batch) for _ in range(STEPS)]
+    weights = side.state_dict_for_sync()
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
+        pickle.dump({"metrics": metrics, "weights": weights}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("mode", ["rollout", "old_policy"])
+def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) -> None:
+    torch.set_num_threads(1)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, str(moe_model), mode, str(tmp_path))) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    single = _side(str(moe_model), mode, {}, fsdp=False)
+    batch = build_train_batch(_groups())
+    ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
+    ref = single.state_dict_for_sync()
+    for p in procs:
+        p.join(300)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
+    r0 = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    for k, v in ref.items():
+        torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):
+        assert m_fsdp["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-4, abs=1e-7)
+        for key in ("train/moe/routing_agreement", "train/moe/replay_agreement", "train/moe_aux_loss"):
+            assert m_fsdp[key] == pytest.approx(m_ref[key], rel=1e-4), key
+    if mode == "rollout":
+        assert ref_metrics[0]["train/moe/replay_agreement"] == 1.0
+
+
+def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:
+    from train_testlib import install_reward_module, run_dict, write_prompts
+
+    from verst.trainer.checkpoint import latest_checkpoint
+    from verst.trainer.config import run_config_from_dict
+    from verst.trainer.controller import run_training
+
+    torch.set_num_threads(1)
+    reward = install_reward_module(tmp_path, monkeypatch)
+    data = write_prompts(tmp_path / "p.jsonl", n=5)
+
+    def cfg(steps: int):
+        return run_config_from_dict(
+            run_dict(
+                moe_model,
+                data,
+                run={"num_steps": steps, "save_interval": 2},
+                rollout={"reward": {"type": reward}},
+                train={"moe": {"routing_replay": "rollout"}},
+            )
+        )
+
+    run_training(cfg(4), tmp_path / "straight", env={})
+    run_training(cfg(2), tmp_path / "resumed", env={})
+    summary = run_training(cfg(4), tmp_path / "resumed", env={})
+    assert summary.steps_done == 4
+
+    def weights(run: Path) -> dict[str, torch.Tensor]:
+        ckpt = latest_checkpoint(run / "checkpoints")
+        out = {}
+        for f in sorted((ckpt / "model").glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
