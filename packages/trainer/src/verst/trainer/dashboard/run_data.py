@@ -467,6 +467,7 @@ class RunData:
             "items": items,
             "statuses": sorted({str(r.get("status")) for r in all_records}),
             "reward_range": [min(rewards), max(rewards)] if rewards else None,
+            "reward_key": self.reward_key,
         }
 
     @property

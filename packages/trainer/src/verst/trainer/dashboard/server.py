@@ -59,6 +59,11 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunData]:
     return runs
 
 
+def run_entry(run: RunData) -> dict[str, Any]:
+    """The `/api/runs` entry of a run: id, name (`run.name`), folder, path."""
+    return {"id": run.run_id, "name": run.name, "folder": run.root.name, "path": str(run.root)}
+
+
 def _json(data: Any) -> web.Response:
     return web.Response(
         text=json.dumps(data, default=str, allow_nan=False, separators=(",", ":")),
@@ -138,7 +143,7 @@ def build_app(runs: Sequence[RunData], *, token: str | None = None) -> web.Appli
         )
 
     async def list_runs(request: web.Request) -> web.Response:
-        return _json([{"id": r.run_id, "name": r.name, "path": str(r.root)} for r in runs])
+        return _json([run_entry(r) for r in runs])
 
     async def overview(request: web.Request) -> web.Response:
         return await view(request, lambda r: r.overview())

@@ -17,7 +17,7 @@ sample indices) and for every failed or aborted sample. One JSON object per line
      "token_versions": [per response token] | null, "weight_versions": [...],
      "segments": [{"source": "model" | "env", "start", "length", "turn", "weight_version",
                    "trainable"}] (response-relative; one model segment for a single-turn sample),
-     "routed_experts": <per-token routing as the sample holds it> | null,
+     "routed_experts": {"width": layers × k, "per_token": [[expert ids] per response token]} | null,
      "env": {"termination", "turn_rewards", "env_info", "env_metrics"} | null,
      "truncated_tokens": <ids cut by `run.record.max_tokens`, 0 when whole>}
 
@@ -121,7 +121,7 @@ def trajectory_record(
         "token_versions": None if sample.token_versions is None else list(sample.token_versions)[:r_keep],
         "weight_versions": list(sample.weight_versions),
         "segments": sample.metadata.get("segments") or _single_segment(sample),
-        "routed_experts": _to_list(routed, r_keep) if routed is not None else None,
+        "routed_experts": _routing(routed, plen, r_keep) if routed is not None else None,
         "env": env or None,
         "truncated_tokens": len(tokens) - keep,
     }
@@ -143,10 +143,21 @@ def _single_segment(sample: Sample) -> list[dict[str, Any]]:
     ]
 
 
-def _to_list(value: Any, n: int) -> Any:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return list(value)[:n] if isinstance(value, list | tuple) else value
+def _routing(routed: Any, prompt_length: int, n: int) -> dict[str, Any] | None:
+    """Per response token, the experts the engine routed it through: `{"width", "per_token"}`.
+
+    `Sample.routed_experts` (`verst.rollout.moe.RoutedExperts`) holds one row of `layers × k` ids
+    per input position; row `j` predicts token `j + 1`, so response token `i` comes from row
+    `prompt_length - 1 + i`. -1 marks positions without a recorded choice (observations)."""
+    to_ints, width = getattr(routed, "to_ints", None), getattr(routed, "width", None)
+    if to_ints is None or not isinstance(width, int) or width < 1:
+        return None
+    flat, rows = to_ints(), int(getattr(routed, "tokens", 0))
+    per_token = []
+    for i in range(n):
+        j = prompt_length - 1 + i
+        per_token.append(flat[j * width : (j + 1) * width] if 0 <= j < rows else [-1] * width)
+    return {"width": width, "per_token": per_token}
 
 
 def write_lines(fh: Any, records: Iterable[Mapping[str, Any]]) -> int:
