@@ -137,7 +137,6 @@ class RunData:
                     self.metrics_tail.count_malformed()
             self._read_events()
             self._read_samples()
-            self.trajectories.read()
             live = self.status()["state"] == "running"
             if live != self._live:
                 self._live = live
@@ -321,7 +320,7 @@ class RunData:
             "config_error": self.config_error,
             "eval": evals,
             "last_rewards": last_rewards(self.metrics),
-            "n_trajectories": sum(len(v) for v in self.trajectories.offsets.values()),
+            "n_trajectories": self.trajectories.read(),
             "steps_with_events": len(self.event_lines),
             "n_events": self.n_events,
             "n_samples": self.n_samples,
@@ -449,8 +448,8 @@ class RunData:
         all_records = self.sample_records(step, split)
         records = query_samples(all_records, query, reward_key=self.reward_key)
         offset, limit = max(0, offset), max(1, min(limit, 500))
-        with self._lock:
-            recorded = self.trajectories.keys_of(step, split)
+        self.trajectories.read()
+        recorded = self.trajectories.keys_of(step, split)
         items = [
             {**r, "has_trajectory": r.get("sample_index") in recorded}
             for r in records[offset : offset + limit]
@@ -478,8 +477,8 @@ class RunData:
 
     def trajectory(self, step: int, split: str, sample_index: int) -> dict[str, Any]:
         """The recorded full trajectory of one sample (`found: false` when none was recorded)."""
-        with self._lock:
-            record = self.trajectories.get(step, split, sample_index)
+        self.trajectories.read()
+        record = self.trajectories.get(step, split, sample_index)
         return {
             "id": self.run_id,
             "step": step,

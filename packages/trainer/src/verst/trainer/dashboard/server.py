@@ -229,7 +229,7 @@ async def start_server(
         raise _bind_error(exc, host, port) from None
     loop = asyncio.get_running_loop()
     for run in runs:  # index the files now, while the browser is still loading the page
-        loop.run_in_executor(None, lambda r=run: r.refresh(force=True))
+        loop.run_in_executor(None, lambda r=run: (r.refresh(force=True), r.trajectories.read()))
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, bound

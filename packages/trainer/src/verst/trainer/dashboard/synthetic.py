@@ -55,7 +55,16 @@ def _ids(text: str) -> list[int]:
 
 
 def _sample(
-    rng: random.Random, rid: int, i: int, group: int, status: Status, reward, attempt: int, *, agentic: bool
+    rng: random.Random,
+    rid: int,
+    i: int,
+    group: int,
+    status: Status,
+    reward,
+    attempt: int,
+    *,
+    agentic: bool,
+    pad: int = 0,
 ) -> Sample:
     """One sample with real token ids, loss mask, log-probs and segments (built with `append_turn`)."""
     prompt = f"what is {i} + {rid}? answer:"
@@ -63,7 +72,8 @@ def _sample(
         prompt=prompt, label=str(i + rid), tokens=_ids(prompt), reward=reward, status=status,
         metadata={"attempt": attempt}, group_index=group, sample_index=i,
     )  # fmt: skip
-    answer = [*_ids(f" the answer is {i + rid}."), 104]
+    filler = " let me check that again." * (pad // 25 + 1) if pad else ""
+    answer = [*_ids(f"{filler[:pad]} the answer is {i + rid}."), 104]
 
     def lps(n: int) -> list[float]:
         return [round(-rng.random() * 2, 4) for _ in range(n)]
@@ -73,7 +83,7 @@ def _sample(
         append_turn(sample, call, lps(len(call)), True, rid, text=f"<tool_call>{i}+{rid}</tool_call>")
         obs = [102, *_ids(str(i + rid)), 103]
         append_turn(sample, obs, None, False, text=f"<tool_response>{i + rid}</tool_response>")
-    append_turn(sample, answer, lps(len(answer)), True, rid, text=f" the answer is {i + rid}.")
+    append_turn(sample, answer, lps(len(answer)), True, rid, text=f"{filler[:pad]} the answer is {i + rid}.")
     if status is Status.FAILED:
         sample.metadata["error"] = "reward: ValueError: could not parse the answer"
     return sample
@@ -97,15 +107,20 @@ def write_synthetic_run(
     seed: int = 0,
     t_start: float = 1_800_000_000.0,
     trajectories_per_step: int = 4,
+    trajectory_tokens: int = 0,
+    tool_turns: bool | None = None,
 ) -> Path:
     """Write `steps` steps of `samples_per_step` samples (4 events each, more when `agentic`).
 
     `retry_every=k`: every k-th sample fails its first attempt and succeeds on a retry;
     `unfinished_every=k`: every k-th sample's attempt has no `attempt_end`;
     `trajectories_per_step`: full trajectories (`trajectories.jsonl`) of the first samples of each
-    step, plus every failed or aborted one (multi-turn with a tool observation when `agentic`).
+    step, plus every failed or aborted one (multi-turn with a tool observation when `agentic`);
+    `trajectory_tokens`: those recorded samples' last turn is padded to about this many tokens;
+    `tool_turns`: samples hold a tool call and its observation (default: `agentic`).
     """
     rng = random.Random(seed)
+    multi = agentic if tool_turns is None else tool_turns
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     total = total_steps if total_steps is not None else steps
@@ -193,19 +208,20 @@ def write_synthetic_run(
                     {"score": round(rng.random(), 3), "format": 1.0} if i % 7 == 0 else round(rng.random(), 3)
                 )
                 rewards.append(reward["score"] if isinstance(reward, dict) else reward)
-                sample = _sample(rng, rid, i, group, status, reward, attempts - 1, agentic=agentic)
+                full = i < trajectories_per_step or status in (Status.FAILED, Status.ABORTED)
+                pad = trajectory_tokens if full else 0
+                sample = _sample(rng, rid, i, group, status, reward, attempts - 1, agentic=multi, pad=pad)
                 advantage = round(rewards[-1] - 0.5, 4)
                 record = sample_record(sample, step=rid + 1, rollout_id=rid, split="train")
                 record["advantage"] = advantage if status not in (Status.FAILED, Status.ABORTED) else None
                 samples.write(json.dumps(record) + "\n")
-                reason = "sampled" if i < trajectories_per_step else None
-                if status in (Status.FAILED, Status.ABORTED):
-                    reason = status.value
-                if reason is not None:
+                if full:
+                    reason = status.value if status in (Status.FAILED, Status.ABORTED) else "sampled"
                     n = sample.response_length
                     detail = TokenDetail(
                         [advantage] * n if record["advantage"] is not None else None,
-                        [lp + rng.uniform(-0.01, 0.01) for lp in sample.rollout_logprobs or []] or None,
+                        [round(lp + rng.uniform(-0.01, 0.01), 4) for lp in sample.rollout_logprobs or []]
+                        or None,
                     )
                     line = trajectory_record(
                         sample, step=rid + 1, rollout_id=rid, split="train", reason=reason,

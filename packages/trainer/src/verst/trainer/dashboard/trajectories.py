@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,15 +239,23 @@ _HEAD = re.compile(
 
 class TrajectoryIndex:
     """`trajectories.jsonl` of a run indexed by (step, split, sample_index) -> byte offset, read
-    incrementally like the other files (the dashboard's trajectory view)."""
+    incrementally like the other files (the dashboard's trajectory view). It has its own lock and
+    is read when a view needs it, never by `RunData.refresh`: a large file of long trajectories
+    never holds up the timeline."""
 
     def __init__(self, root: Path) -> None:
+        self._lock = threading.Lock()
         self.tail = JsonlTail(root / TRAJECTORIES_FILE)
         self.offsets: dict[tuple[int, str], dict[int, int]] = {}
         """(step, split) -> sample_index -> byte offset of its line."""
 
-    def read(self) -> None:
-        """Index the lines the file gained."""
+    def read(self) -> int:
+        """Index the lines the file gained; returns how many trajectories are indexed."""
+        with self._lock:
+            self._read()
+            return sum(len(v) for v in self.offsets.values())
+
+    def _read(self) -> None:
         for offset, line in self.tail.raw_lines():
             m = _HEAD.match(line)
             if m is not None:
@@ -264,11 +273,13 @@ class TrajectoryIndex:
 
     def keys_of(self, step: int, split: str) -> set[int]:
         """Sample indices of `step` and `split` that have a recorded trajectory."""
-        return set(self.offsets.get((step, split), {}))
+        with self._lock:
+            return set(self.offsets.get((step, split), {}))
 
     def get(self, step: int, split: str, sample_index: int) -> dict[str, Any] | None:
         """The recorded trajectory, or None."""
-        offset = self.offsets.get((step, split), {}).get(sample_index)
+        with self._lock:
+            offset = self.offsets.get((step, split), {}).get(sample_index)
         if offset is None:
             return None
         try:

@@ -362,8 +362,9 @@ async function renderSamples() {
   if (!state.steps) await loadSteps();
   const step = state.step;
   if (step == null) { $("#samples-count").textContent = "no samples yet"; return; }
-  const p = await api(runPath(state.run, "samples"), { step, split: state.split, offset: state.offset, limit: PAGE, ...sampleParams() });
-  if (step !== state.step) return;
+  const query = sampleParams();
+  const p = await api(runPath(state.run, "samples"), { step, split: state.split, offset: state.offset, limit: PAGE, ...query });
+  if (step !== state.step || JSON.stringify(query) !== JSON.stringify(sampleParams())) return;  // superseded
   renderStatusFilter(p.statuses || []);
   $("#samples-table tbody").innerHTML = p.items.map(sampleRow).join("");
   $$("#samples-table thead th[data-sort]").forEach((th) => {
@@ -378,13 +379,13 @@ async function renderSamples() {
   $("#samples-prev").disabled = p.offset <= 0;
   $("#samples-next").disabled = end >= p.total;
   document.body.dataset.samplesStep = String(step);
-  document.body.dataset.samplesQuery = JSON.stringify(sampleParams());
+  document.body.dataset.samplesQuery = JSON.stringify(query);
 }
 
 function bindSampleControls() {
   $("#samples-split").addEventListener("change", (e) => { state.split = e.target.value; state.offset = 0; renderSamples(); });
   let timer = null;
-  const later = (fn) => { clearTimeout(timer); timer = setTimeout(() => { fn(); state.offset = 0; renderSamples(); }, 200); };
+  const later = (fn) => { fn(); clearTimeout(timer); timer = setTimeout(() => { state.offset = 0; renderSamples(); }, 200); };
   $("#sample-search").addEventListener("input", (e) => later(() => (state.q = e.target.value)));
   $("#reward-min").addEventListener("input", (e) => later(() => (state.rewardMin = e.target.value)));
   $("#reward-max").addEventListener("input", (e) => later(() => (state.rewardMax = e.target.value)));
