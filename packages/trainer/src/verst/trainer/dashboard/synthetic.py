@@ -50,8 +50,13 @@ def decode(ids: list[int]) -> list[str]:
     return [_SPECIAL.get(i) or (_VOCAB[i] if 0 <= i < len(_VOCAB) else f"<{i}>") for i in ids]
 
 
+_ID_OF = {c: k for k, c in enumerate(_VOCAB)}
+_LOGPROBS = [round(-random.Random(7).random() * 2, 4) for _ in range(4099)]
+"""A fixed log-prob pattern (per-token random draws made the big benchmark run slow to write)."""
+
+
 def _ids(text: str) -> list[int]:
-    return [_VOCAB.index(c) for c in text if c in _VOCAB]
+    return [_ID_OF[c] for c in text if c in _ID_OF]
 
 
 def _sample(
@@ -76,7 +81,8 @@ def _sample(
     answer = [*_ids(f"{filler[:pad]} the answer is {i + rid}."), 104]
 
     def lps(n: int) -> list[float]:
-        return [round(-rng.random() * 2, 4) for _ in range(n)]
+        k = rng.randrange(len(_LOGPROBS))
+        return [_LOGPROBS[(k + j) % len(_LOGPROBS)] for j in range(n)]
 
     if agentic:
         call = [100, *_ids(f"{i}+{rid}"), 101]
@@ -220,7 +226,10 @@ def write_synthetic_run(
                     n = sample.response_length
                     detail = TokenDetail(
                         [advantage] * n if record["advantage"] is not None else None,
-                        [round(lp + rng.uniform(-0.01, 0.01), 4) for lp in sample.rollout_logprobs or []]
+                        [
+                            round(lp + 0.01 * _LOGPROBS[j % 97], 4)
+                            for j, lp in enumerate(sample.rollout_logprobs or [])
+                        ]
                         or None,
                     )
                     line = trajectory_record(
