@@ -79,7 +79,8 @@ def agentic_run(tmp_path_factory) -> Path:
 async def test_json_views_match_the_files(serve, agentic_run):
     client = await serve(agentic_run)
     status, runs = await client.get("/api/runs")
-    assert status == 200 and runs == [{"id": 0, "name": "agentic", "path": str(agentic_run.resolve())}]
+    assert status == 200
+    assert runs == [{"id": 0, "name": "agentic", "folder": "agentic", "path": str(agentic_run.resolve())}]
 
     _, overview = await client.get("/api/runs/0/overview")
     assert overview["status"]["state"] == "finished" and overview["status"]["step"] == 3
@@ -171,6 +172,17 @@ async def test_path_traversal_is_refused(serve, agentic_run, tmp_path):
             body = await resp.read()
             assert 400 <= resp.status < 500, (path, resp.status)
             assert b"do not serve" not in body and b"root:" not in body
+
+
+def test_runs_are_labelled_by_run_name(tmp_path):
+    run = write_synthetic_run(tmp_path / "folder-7", steps=2, samples_per_step=4)
+    text = (run / "config.toml").read_text().replace('name = "folder-7"', 'name = "grpo lr=3e-4"')
+    (run / "config.toml").write_text(text)
+    data = RunData(run, run_id=0)
+    assert data.name == "grpo lr=3e-4" and data.overview()["name"] == "grpo lr=3e-4"
+    (run / "config.toml").write_text("[run]\nnum_steps = 2\n")  # no run.name: the folder
+    data.refresh(force=True)
+    assert data.name == "folder-7"
 
 
 def test_default_bind_is_loopback():
