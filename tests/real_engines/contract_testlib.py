@@ -15,7 +15,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def load_policy(model_dir: str | Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def trainer_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -63,7 +63,9 @@ def peft_adapter(model_dir: str | Path, dst: str | Path, seed: int = 1, rank: in
 
     torch.manual_seed(seed)
     base = load_policy(model_dir)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     model = get_peft_model(base, config).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():

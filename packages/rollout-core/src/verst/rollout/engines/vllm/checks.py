@@ -104,7 +104,7 @@ async def check_server(
             Problem(
                 key,
                 f"weight_sync='distributed' needs {url} started with a weight-transfer backend",
-                "start it with --weight-transfer-config '{\"backend\": \"nccl\"}' (GPU only)",
+                'start it with --weight-transfer-config \'{"backend": "nccl"}\' (GPU only)',
             )
         )
     parallel = config.get("parallel_config") or {}

@@ -165,10 +165,14 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
             futures[rid] = loop.create_future()
             self._waiters.setdefault(rid, []).append(futures[rid])
         await self.abort(rid_prefix)
-        done, pending = await asyncio.wait(futures.values(), timeout=timeout_s) if futures else (set(), set())
+        _done, pending = (
+            await asyncio.wait(futures.values(), timeout=timeout_s) if futures else (set(), set())
+        )
         if pending:
             left = [r for r, f in futures.items() if f in pending]
-            raise EngineError(f"abort at {self.base_url}: {left} still running {timeout_s:.0f}s after the abort")
+            raise EngineError(
+                f"abort at {self.base_url}: {left} still running {timeout_s:.0f}s after the abort"
+            )
         return {rid: fut.result() for rid, fut in futures.items()}
 
     async def _abort_exact(self, rids: list[str]) -> None:
@@ -230,7 +234,9 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
             await self.resume()
         got = await self.get_weight_version()
         if got != target:
-            raise EngineError(f"{what} on {self.base_url}: server reports weight version {got}, expected {target}")
+            raise EngineError(
+                f"{what} on {self.base_url}: server reports weight version {got}, expected {target}"
+            )
         return got
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> int:
@@ -263,7 +269,7 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         try:
             await self.http.once("GET", "/health", timeout_s=5.0)
             return True
-        except Exception:  # noqa: BLE001 - any failure is "not healthy"
+        except Exception:
             return False
 
     async def close(self) -> None:
@@ -293,4 +299,3 @@ class _Tracked:
             self.inflight[self.rid] = left
         else:
             self.inflight.pop(self.rid, None)
-

@@ -42,7 +42,7 @@ class VllmHttpConfig(EngineSection):
     nccl_weight_transfer: bool = Field(
         False,
         description=(
-            "The servers run --weight-transfer-config '{\"backend\": \"nccl\"}' (GPU only): "
+            'The servers run --weight-transfer-config \'{"backend": "nccl"}\' (GPU only): '
             "train.weight_sync='distributed' broadcasts to them over NCCL."
         ),
     )
@@ -102,7 +102,9 @@ class VllmEngineConfig(VllmHttpConfig):
     def problems(self, key: str = "engine") -> list[Problem]:
         if self.urls:
             return []
-        return [Problem(f"{key}.urls", "type='vllm' needs servers", f"set {key}.urls to the servers' base URLs")]
+        return [
+            Problem(f"{key}.urls", "type='vllm' needs servers", f"set {key}.urls to the servers' base URLs")
+        ]
 
     def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
         return self.model_copy(update={"lora": True})
@@ -132,16 +134,22 @@ class VllmLaunchEngineConfig(VllmHttpConfig):
     max_model_len: int | None = Field(None, ge=1, description="vLLM --max-model-len (None = the model's).")
     max_num_seqs: int = Field(64, ge=1, description="vLLM --max-num-seqs (sequences decoded together).")
     tp_size: int = Field(1, ge=1, description="GPU: --tensor-parallel-size per server.")
-    base_gpu_id: int = Field(0, ge=0, description="GPU: server i gets GPUs base + i*tp_size ... (CUDA_VISIBLE_DEVICES).")
+    base_gpu_id: int = Field(
+        0, ge=0, description="GPU: server i gets GPUs base + i*tp_size ... (CUDA_VISIBLE_DEVICES)."
+    )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="GPU: vLLM --gpu-memory-utilization (None = vLLM's default)."
     )
-    enforce_eager: bool = Field(True, description="--enforce-eager (skips graph capture / compile at start-up).")
+    enforce_eager: bool = Field(
+        True, description="--enforce-eager (skips graph capture / compile at start-up)."
+    )
     cpu_kvcache_gib: int = Field(1, ge=1, description="CPU: VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB.")
     max_lora_rank: int = Field(8, ge=1, description="--max-lora-rank when LoRA is on.")
     max_loras: int = Field(2, ge=1, description="--max-loras (adapters in one batch) when LoRA is on.")
     extra_args: list[str] = Field(default_factory=list, description="Extra api_server arguments.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the servers.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables of the servers."
+    )
     ready_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for /health.")
 
     def resolved_device(self) -> str:
@@ -170,7 +178,13 @@ class VllmLaunchEngineConfig(VllmHttpConfig):
 
         out = []
         if not loopback_only(self.host):
-            out.append(Problem(f"{key}.host", f"launched vLLM servers listen on loopback only, not {self.host!r}", "set it to 127.0.0.1"))
+            out.append(
+                Problem(
+                    f"{key}.host",
+                    f"launched vLLM servers listen on loopback only, not {self.host!r}",
+                    "set it to 127.0.0.1",
+                )
+            )
         if self.nccl_weight_transfer and self.device == "cpu":
             out.append(
                 Problem(
@@ -180,12 +194,22 @@ class VllmLaunchEngineConfig(VllmHttpConfig):
                 )
             )
         if self.python is not None and not os.path.exists(os.path.expanduser(self.python)):
-            out.append(Problem(f"{key}.python", f"{self.python!r} does not exist", "point it at the vLLM venv's bin/python"))
+            out.append(
+                Problem(
+                    f"{key}.python",
+                    f"{self.python!r} does not exist",
+                    "point it at the vLLM venv's bin/python",
+                )
+            )
         return out
 
     def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
         """Launch with --enable-lora, a rank covering the adapter and room for every adapter."""
-        update = {"lora": True, "max_lora_rank": max(self.max_lora_rank, max_rank), "max_loras": max(self.max_loras, adapters)}
+        update = {
+            "lora": True,
+            "max_lora_rank": max(self.max_lora_rank, max_rank),
+            "max_loras": max(self.max_loras, adapters),
+        }
         return self.model_copy(update=update)
 
     def spec(self) -> Any:

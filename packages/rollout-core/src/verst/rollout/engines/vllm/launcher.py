@@ -77,7 +77,13 @@ def server_command(spec: VllmServerSpec, *, host: str, port: int) -> list[str]:
         if spec.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.lora_max_rank is not None:
-        cmd += ["--enable-lora", "--max-lora-rank", str(spec.lora_max_rank), "--max-loras", str(spec.max_loras)]
+        cmd += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(spec.lora_max_rank),
+            "--max-loras",
+            str(spec.max_loras),
+        ]
     if spec.nccl_weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return [*cmd, *spec.extra_args]

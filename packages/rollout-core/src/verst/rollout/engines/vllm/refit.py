@@ -180,7 +180,9 @@ class VllmWeightTransferMixin:
         if check and weight_version is not None:
             got = await self.get_weight_version()
             if got != weight_version:
-                raise EngineError(f"refit on {self.base_url}: server reports version {got}, expected {weight_version}")
+                raise EngineError(
+                    f"refit on {self.base_url}: server reports version {got}, expected {weight_version}"
+                )
 
     async def update_weights_from_distributed(
         self,
