@@ -266,7 +266,9 @@ class SGLangClient(SGLangLoraMixin):
     async def begin_weight_update(self) -> None:
         """Open a refit on every worker: pause → flush → `/begin_weight_update`.
 
-        On failure the workers that were paused are continued again before the error is raised.
+        All or nothing: a worker that fails is continued again, and if any failed, the workers
+        where the session did open are rolled back (`/end_weight_update`, then continued) before
+        the error is raised, so no worker stays paused with an open session.
         """
 
         async def one(url: str) -> None:
@@ -278,7 +280,25 @@ class SGLangClient(SGLangLoraMixin):
                 await self._continue(url)
                 raise
 
-        await self._each_worker("begin_weight_update", one)
+        urls = await self.workers()
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        failed = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            begun = [u for u, r in zip(urls, results, strict=True) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self._roll_back(u) for u in begun), return_exceptions=True)
+            detail = "; ".join(f"{u}: {e}" for u, e in failed)
+            cls = InvalidRequest if all(isinstance(e, InvalidRequest) for _, e in failed) else EngineError
+            raise cls(
+                f"begin_weight_update failed on {len(failed)} of {len(urls)} workers ({detail}); "
+                f"the session was rolled back on the other {len(begun)}"
+            )
+
+    async def _roll_back(self, url: str) -> None:
+        """Close a session that was opened on `url` and continue it (after another worker failed)."""
+        try:
+            await self._checked("end_weight_update", url, {})
+        finally:
+            await self._continue(url)
 
     async def _continue(self, url: str) -> None:
         """Continue generation unless released memory holds it paused (colocated refit)."""
@@ -314,7 +334,7 @@ class SGLangClient(SGLangLoraMixin):
     ) -> int:
         """pause → flush → begin → each call (the last gets the version) → end → continue."""
         target = (await self.get_weight_version()) + 1 if version is None else int(version)
-        await self.begin_weight_update()
+        await self.begin_weight_update()  # all or nothing: on failure no worker is left in a session
         ok = False
         try:
             for i, call in enumerate(calls):
