@@ -245,9 +245,9 @@ def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dic
 def cmd_train(args: argparse.Namespace) -> int:
     """`verst train`: validate, prepare the run directory, train, draw the curves."""
     cfg, env = load_config_and_env(args.config, args.overrides)
-    from verst.trainer.controller import run_training
-    from verst.trainer.metrics import RunLogger
-    from verst.trainer.run_dir import RunDir
+    from verst.trainer.run.controller import run_training
+    from verst.trainer.run.metrics import RunLogger
+    from verst.trainer.run.run_dir import RunDir
 
     fresh = not Path(cfg.run.output_dir).exists()
     run_dir = RunDir(Path(cfg.run.output_dir)).create()
@@ -301,7 +301,7 @@ def summary_dict(summary: Any) -> dict[str, Any]:
 
 
 def _eval_reward(metrics: dict[str, float]) -> float | None:
-    from verst.trainer.progress import EVAL_KEYS, _first
+    from verst.trainer.run.progress import EVAL_KEYS, _first
 
     return _first(metrics, EVAL_KEYS, None)
 
@@ -327,8 +327,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     """`verst sft`: supervised warm start."""
     from pydantic import ValidationError
 
-    from verst.trainer.config import parse_override, problems_from_validation_error
-    from verst.trainer.sft import SftConfig, load_sft_config, run_sft
+    from verst.trainer.config import parse_override
+    from verst.trainer.config_checks import problems_from_validation_error
+    from verst.trainer.train.sft import SftConfig, load_sft_config, run_sft
 
     overrides = {}
     for text in args.overrides:
@@ -354,7 +355,7 @@ def _fmt(metrics: dict[str, float]) -> str:
 def checkpoint_model_dir(path: str | Path) -> Path:
     """A model directory from a HF model folder, a run checkpoint (`step_N/model`), or a run
     directory (its newest checkpoint)."""
-    from verst.trainer.checkpoint import latest_checkpoint
+    from verst.trainer.run.checkpoint import latest_checkpoint
 
     path = Path(path).resolve()
     if (path / "config.json").exists():
@@ -391,7 +392,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             ]
         )
     from verst.trainer.config import resolved_model_path
-    from verst.trainer.rollout_side import RolloutSide
+    from verst.trainer.run.rollout_side import RolloutSide
 
     side = RolloutSide(cfg, model_path=resolved_model_path(cfg), env=env)
     try:
@@ -404,7 +405,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_serve(argv: Sequence[str]) -> int:
     """`verst serve`: delegate to the engine server's own argument parser."""
-    from verst.rollout.engines.server import main as serve_main
+    from verst.rollout.engines.serve.server import main as serve_main
 
     return int(serve_main(list(argv)) or 0)
 
@@ -456,14 +457,14 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`verst export`: the adapter (or, with --merge, a merged model) of a run's newest checkpoint."""
-    from verst.trainer.export import export_run
+    from verst.trainer.run.export import export_run
 
     print(export_run(args.run_dir, args.out, merge=args.merge))
     return 0
 
 
 def _sft_reference() -> str:
-    from verst.trainer.sft import SftConfig
+    from verst.trainer.train.sft import SftConfig
 
     return "\n".join(["SFT config fields:", *describe_model(SftConfig)])
 

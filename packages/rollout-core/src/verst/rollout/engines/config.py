@@ -97,7 +97,7 @@ class EmbeddedEngineConfig(EngineSection):
         )
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
-        from verst.rollout.engines.embedded import EmbeddedEngine
+        from verst.rollout.engines.embedded.engine import EmbeddedEngine
         from verst.rollout.engines.pool import EnginePool
 
         def make() -> EmbeddedEngine:
@@ -128,7 +128,7 @@ class HttpEngineConfig(EngineSection):
     )
 
     def _client(self, url: str, router: bool, share: int) -> InferenceEngine:
-        from verst.rollout.engines.sglang_client import SGLangClient
+        from verst.rollout.engines.sglang.client import SGLangClient
 
         return SGLangClient(
             url,
@@ -228,8 +228,8 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
         return self.model_copy(update={"extra_args": [*self.extra_args, *flags]})
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
-        from verst.rollout.engines.launcher import launch_sglang_servers
         from verst.rollout.engines.pool import EnginePool
+        from verst.rollout.engines.sglang.launcher import launch_sglang_servers
 
         assert self.model_path is not None
         launched = await asyncio.to_thread(

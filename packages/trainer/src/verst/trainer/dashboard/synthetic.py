@@ -14,7 +14,7 @@ from pathlib import Path
 
 from verst.rollout.lifecycle import JsonlSink, LifecycleEvent
 from verst.rollout.sample import Sample, Status
-from verst.trainer.recording import SAMPLES_FILE, STATUS_FILE, sample_record
+from verst.trainer.run.recording import SAMPLES_FILE, STATUS_FILE, sample_record
 
 _STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
 
