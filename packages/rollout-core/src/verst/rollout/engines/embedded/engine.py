@@ -1,8 +1,9 @@
 """The embedded engine: a Hugging Face causal LM served in-process, with continuous batching.
 
 Concurrent `generate` calls are queued; one dedicated worker thread owns the model and runs the
-decode loop (`_batch.DecodeBatch`, on transformers' `DynamicCache`), admitting queued requests
-between decode steps, so the event loop never blocks on a forward pass. Aborts, pauses and
+decode loop (`loop.DecodeLoopMixin` stepping a `batch.DecodeBatch` on transformers'
+`DynamicCache`), admitting queued requests between decode steps, so the event loop never blocks
+on a forward pass. Aborts, pauses and
 weight updates are applied between steps. Needs the `local` extra (torch, transformers).
 
     engine = EmbeddedEngine.from_pretrained("path/to/model", device="cpu")
