@@ -20,6 +20,7 @@ from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.algorithms.rollout_correction import TokenTis
 from verst.trainer.config_checks import (
     finite_problems,
     merge_problems,
@@ -215,18 +216,19 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _off_policy_correction_default(self) -> RunConfig:
-        """Fully-async rollout trains on samples from older weights: truncated importance sampling
-        (`algorithm.tis`) is on by default then. An explicit `algorithm.tis` (true or false) wins,
-        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off; so does
+        """Fully-async rollout trains on samples from older weights: token-level truncated
+        importance sampling (`algorithm.rollout_correction = "tis"`, earlier `algorithm.tis`) is on
+        by default then. An explicit `rollout_correction` (or `tis`, true or false) wins, and
+        `use_rollout_logprobs_as_old` (which makes every ratio 1) keeps it off; so does
         `max_weight_staleness = 0`, which is synchronous training (every sample on-policy)."""
         algo = self.algorithm
         if (
             self.rollout.fully_async
             and _staleness(self.rollout) > 0
-            and "tis" not in algo.model_fields_set
+            and "rollout_correction" not in algo.model_fields_set
             and not algo.use_rollout_logprobs_as_old
         ):
-            algo.tis = True
+            algo.rollout_correction = TokenTis.Config()
         return self
 
 
