@@ -200,7 +200,7 @@ def child_verst(a: argparse.Namespace) -> dict[str, Any]:
 
     if a.profile:
         import verst.trainer.train.logprobs as logprobs
-        from verst.rollout.engines.embedded.engine.batch import DecodeBatch
+        from verst.rollout.engines.embedded.batch import DecodeBatch
         from verst.trainer.train.logprobs import PolicyLogprobs
         from verst.trainer.train.side import TrainSide
 

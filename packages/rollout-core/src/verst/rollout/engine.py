@@ -1,6 +1,6 @@
 """The `InferenceEngine` protocol and the plain data it exchanges.
 
-Two implementations: the embedded engine (`verst.rollout.engines.embedded.engine.engine`, an in-process torch
+Two implementations: the embedded engine (`verst.rollout.engines.embedded.engine`, an in-process torch
 model) and the SGLang HTTP client (`verst.rollout.engines.sglang.client`), which talks to real
 SGLang servers or routers and to `verst serve`. Rollout strategies only see this protocol.
 
