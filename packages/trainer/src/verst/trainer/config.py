@@ -9,6 +9,7 @@ capabilities, algorithm combinations, FSDP placement) and raises every problem i
 
 from __future__ import annotations
 
+import copy
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -299,7 +300,12 @@ def read_run_config_data(path: str | Path | None, overrides: Sequence[str] = ())
             raise ConfigError([Problem(str(path), "config file not found", "check the path")]) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([Problem(str(path), f"not valid TOML: {exc}", "fix the TOML syntax")]) from None
-    return apply_overrides(data, overrides)
+    from verst.trainer.config_overrides import drop_switched_variant_keys
+
+    file_data = copy.deepcopy(data)
+    apply_overrides(data, overrides)
+    drop_switched_variant_keys(RunConfig, file_data, data, [parse_override(o)[0] for o in overrides])
+    return data
 
 
 def run_config_with_problems(data: Mapping[str, Any]) -> tuple[RunConfig, list[Problem]]:

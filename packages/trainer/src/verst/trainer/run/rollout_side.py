@@ -139,7 +139,7 @@ class RolloutSide:
         rc = config.rollout
         strategy_engine: InferenceEngine = self.engine
         if config.train.lora is not None:  # requests use the trained adapter unless a sample names one
-            from verst.rollout.engines.embedded.lora import DefaultAdapterEngine
+            from verst.rollout.engines.common.lora import DefaultAdapterEngine
 
             strategy_engine = DefaultAdapterEngine(self.engine, config.train.lora.adapter_name)  # type: ignore[assignment]
         limit = rc.max_context_len or model_context_length(model_path)

@@ -87,13 +87,6 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
     return Adapter(name, path, rank, weights)
 
 
-def jsonable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A PEFT config dict made JSON-safe (PEFT keeps `target_modules` as a set)."""
-    return json.loads(
-        json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o))
-    )
-
-
 def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors, adapter config) of a PEFT adapter directory."""
     path = Path(path)
@@ -321,31 +314,3 @@ class LoraEngineMixin:
             return self._weight_version  # type: ignore[attr-defined]
 
         return await asyncio.wrap_future(self._command(apply))  # type: ignore[attr-defined]
-
-
-class DefaultAdapterEngine:
-    """An engine view whose requests use `adapter` unless they name one (the trained policy's).
-
-    The rollout strategy gets this view when `[train.lora]` is on; weight sync keeps talking to
-    the engine itself. Everything but `generate`/`generate_batch` passes straight through.
-    """
-
-    def __init__(self, engine: Any, adapter: str) -> None:
-        self.engine = engine
-        self.adapter = adapter
-
-    def _route(self, request: Any) -> Any:
-        import dataclasses
-
-        return (
-            request if request.lora_path is not None else dataclasses.replace(request, lora_path=self.adapter)
-        )
-
-    async def generate(self, request: Any) -> Any:
-        return await self.engine.generate(self._route(request))
-
-    async def generate_batch(self, requests: list[Any]) -> list[Any]:
-        return await self.engine.generate_batch([self._route(r) for r in requests])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)

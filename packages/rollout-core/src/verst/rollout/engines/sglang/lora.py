@@ -23,8 +23,8 @@ from typing import Any
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.common.lora import jsonable_config
 from verst.rollout.engines.common.wire import model_info_version
-from verst.rollout.engines.embedded.lora import jsonable_config
 
 
 def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
