@@ -24,7 +24,7 @@ from verst.rollout.errors import ConfigError, MissingOptionalDependency
 
 def test_config_is_strict_and_documented():
     with pytest.raises(ValidationError):
-        EngineConfig(type="vllm")
+        EngineConfig(type="trtllm")
     with pytest.raises(ValidationError):
         EngineConfig(unknown_key=1)
     assert all(f.description for m in ENGINES.builtins.values() for f in m.model_fields.values())

@@ -112,6 +112,10 @@ class GenerateOutput:
     """Per output position, the log-probs of `token_ids_logprob`."""
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     """Per prompt position, the log-probs of `token_ids_logprob` (first is None)."""
+    output_token_versions: list[int] | None = None
+    """Per output token, the weight version that sampled it, when the engine reports it per token
+    (vLLM's `weight_versions` spans: a request paused across a refit changes version mid-way);
+    None = every token has `weight_version`."""
 
     @property
     def completion_tokens(self) -> int:

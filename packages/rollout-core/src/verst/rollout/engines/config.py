@@ -3,6 +3,8 @@
 type = "embedded"            the model in this process (CPU or GPU), extra `local`
 type = "sglang"              existing SGLang servers (`urls`) or a router (`router_url`)
 type = "sglang_launch"       start SGLang servers (and a router) for the run, extra `sglang`
+type = "vllm"                existing vLLM servers (`urls`; verst.rollout.engines.vllm)
+type = "vllm_launch"         start vLLM servers from their own interpreter (`engine.python`)
 type = "pkg.module:Engine"   your own engine: a class whose nested `Config` subclasses `EngineSection`
 
 Each config owns its fields and knows three things: `capabilities()` (what the engine can do —
@@ -32,7 +34,7 @@ class EngineSection(Section):
         "embedded",
         description=(
             "embedded (in-process HF model), sglang (existing servers), sglang_launch (start them), "
-            "or an import path 'pkg.module:Engine' (a class with a nested Config)."
+            "vllm (existing vLLM servers), vllm_launch (start them), or an import path 'pkg.module:Engine' (a class with a nested Config)."
         ),
     )
     model_path: str | None = path_field(
@@ -252,6 +254,8 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
         return EnginePool(engines, on_close=[launched.close])
 
 
+from verst.rollout.engines.vllm.config import VllmEngineConfig, VllmLaunchEngineConfig  # noqa: E402
+
 ENGINES: VariantTable[EngineSection] = VariantTable(
     "engine",
     EngineSection,
@@ -259,6 +263,8 @@ ENGINES: VariantTable[EngineSection] = VariantTable(
         "embedded": EmbeddedEngineConfig,
         "sglang": SGLangEngineConfig,
         "sglang_launch": SGLangLaunchEngineConfig,
+        "vllm": VllmEngineConfig,
+        "vllm_launch": VllmLaunchEngineConfig,
     },
     default="embedded",
 )

