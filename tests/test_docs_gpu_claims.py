@@ -12,7 +12,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def test_distributed_refit_is_documented_as_wired():
-    from verst.trainer.weight_sync_modes import WEIGHT_SYNCS
+    from verst.trainer.sync.modes import WEIGHT_SYNCS
 
     assert WEIGHT_SYNCS.config_class("distributed")  # the mode exists and is selectable
     training = (DOCS / "training.md").read_text()

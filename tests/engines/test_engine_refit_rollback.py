@@ -19,7 +19,7 @@ import pytest
 from test_engine_sglang_client import in_process_server, stand_in_router
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.sglang.client import SGLangClient
 
 
 class Loop:
@@ -91,8 +91,8 @@ def test_client_refit_rolls_back_the_workers_where_begin_succeeded(two_servers):
 def test_distributed_push_ends_the_sessions_it_opened_when_one_engine_refuses(two_servers):
     import torch
 
-    from verst.trainer.weight_sync_distributed import DistributedTransport
-    from verst.trainer.weight_sync_modes import DistributedSyncConfig
+    from verst.trainer.sync.distributed import DistributedTransport
+    from verst.trainer.sync.modes import DistributedSyncConfig
 
     loop, (a, b) = two_servers
 

@@ -33,7 +33,7 @@ def test_a_folder_without_config_json_is_refused(tmp_path, capsys):
 
 
 def test_a_good_model_path_passes_the_check(tmp_path, tiny_checkpoint):
-    from verst.trainer.sft import SftConfig, sft_problems
+    from verst.trainer.train.sft import SftConfig, sft_problems
 
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n')

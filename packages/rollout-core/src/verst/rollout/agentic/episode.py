@@ -44,15 +44,15 @@ from verst.rollout.agentic.trajectory import append_turn, mask_turns_before, seg
 from verst.rollout.engine import GenerateOutput, GenerateRequest
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.protocols import GenerateInput, GenerateState, RolloutContext
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import EPISODE_METADATA_KEYS, Sample, Status
 
 T = TypeVar("T")
 
 STATE_KEY = "agentic"
 """`sample.metadata` key of the loop's own per-episode state (episode id, open turn)."""
 
-METADATA_KEYS = ("segments", "termination", "turn_rewards", "env_metrics", "env_info", STATE_KEY)
-"""Per-episode metadata keys, removed when a sample is reset to its prompt."""
+METADATA_KEYS = EPISODE_METADATA_KEYS
+"""Per-episode metadata keys, removed when a sample is reset to its prompt (`STATE_KEY` among them)."""
 
 STATUS_BY_TERMINATION: dict[TerminationReason, Status] = {
     TerminationReason.STOP: Status.COMPLETED,
