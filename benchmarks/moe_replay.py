@@ -116,10 +116,10 @@ def run(steps: int, layers: int, threads: int, engine_dtype: str) -> dict[str, f
     from verst.rollout.engines.embedded import EmbeddedEngine
     from verst.rollout.toy_moe import make_tiny_moe_checkpoint
     from verst.trainer.algorithms import AlgorithmConfig
-    from verst.trainer.batch import build_train_batch
     from verst.trainer.config import TrainConfig
+    from verst.trainer.train.batch import build_train_batch
     from verst.trainer.train.moe import MoeSection
-    from verst.trainer.train_side import TrainSide
+    from verst.trainer.train.side import TrainSide
 
     global engine_loop
     torch.set_num_threads(threads)

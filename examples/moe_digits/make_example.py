@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     from verst.rollout.toy_moe import make_tiny_moe_checkpoint
-    from verst.trainer.sft import load_sft_config, run_sft
+    from verst.trainer.train.sft import load_sft_config, run_sft
 
     torch.set_num_threads(2)
     greedy_eval = _greedy_eval()

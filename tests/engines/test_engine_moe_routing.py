@@ -91,7 +91,7 @@ async def test_dense_model_returns_no_routing(tiny_checkpoint) -> None:
 async def test_serve_returns_routing_in_sglang_form_and_the_client_reads_it(moe_dir) -> None:
     from serve_testlib import serve
 
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.sglang.client import SGLangClient
 
     req = GenerateRequest(
         PROMPTS[3], SamplingParams(max_new_tokens=5, temperature=0.0), return_routed_experts=True
@@ -102,7 +102,7 @@ async def test_serve_returns_routing_in_sglang_form_and_the_client_reads_it(moe_
             out = await client.generate(req)
             import aiohttp
 
-            from verst.rollout.engines._wire import request_json
+            from verst.rollout.engines.common.wire import request_json
 
             async with aiohttp.ClientSession() as s, s.post(f"{url}/generate", json=request_json(req)) as r:
                 raw = await r.json()

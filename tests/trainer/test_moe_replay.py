@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from verst.rollout.moe import RoutedExperts, RouterHooks, find_routers, moe_spec
 from verst.rollout.toy_moe import MOE_FAMILIES, build_tiny_moe
-from verst.trainer.layout import LAYOUTS, SharedPromptLayout
+from verst.trainer.train.layout import LAYOUTS, SharedPromptLayout
 from verst.trainer.train.moe import RoutingTable, load_balancing_loss, routing_agreement
 
 

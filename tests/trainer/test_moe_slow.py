@@ -12,15 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.moe import RoutedExperts
 from verst.rollout.sample import Sample, Status
 from verst.rollout.toy_moe import make_tiny_moe_checkpoint
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
+from verst.trainer.train.batch import build_train_batch
 from verst.trainer.train.moe import MoeSection
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.side import TrainSide
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -138,9 +138,9 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
 def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:
     from train_testlib import install_reward_module, run_dict, write_prompts
 
-    from verst.trainer.checkpoint import latest_checkpoint
     from verst.trainer.config import run_config_from_dict
-    from verst.trainer.controller import run_training
+    from verst.trainer.run.checkpoint import latest_checkpoint
+    from verst.trainer.run.controller import run_training
 
     torch.set_num_threads(1)
     reward = install_reward_module(tmp_path, monkeypatch)

@@ -22,10 +22,10 @@ from verst.rollout.sample import Sample, Status
 from verst.rollout.toy import build_char_tokenizer
 from verst.rollout.toy_moe import build_tiny_moe
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig, run_config_from_dict, validate_run_config
+from verst.trainer.train.batch import build_train_batch
 from verst.trainer.train.moe import MoeSection
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.side import TrainSide
 
 
 def make_moe(path: Path) -> Path:

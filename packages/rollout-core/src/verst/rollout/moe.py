@@ -233,6 +233,20 @@ class RouterHooks:
         """Router logits `[N, experts]` of the last forward, per layer (with `keep_logits`)."""
         self._handles = [r.register_forward_hook(self._hook(layer)) for layer, r in routers]
 
+    @classmethod
+    def of(cls, model: Any, **kwargs: Any) -> RouterHooks | None:
+        """Hooks on `model`'s routers; None for a dense model."""
+        return cls(model, **kwargs) if moe_spec(model.config) and find_routers(model) else None
+
+    def take_rows(self) -> Any:
+        """The last forward's choices as compact CPU rows `[tokens, layers × k]` (int16), then
+        forget them (what an engine keeps per request)."""
+        import torch
+
+        chosen = self.chosen()  # [tokens, layers, k]
+        self.clear()
+        return chosen.reshape(chosen.shape[0], -1).to("cpu", torch.int16)
+
     def _hook(self, layer: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> Any:
             return self._on_router(layer, module, output)

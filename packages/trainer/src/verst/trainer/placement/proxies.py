@@ -29,7 +29,6 @@ from typing import Any
 from verst.rollout.engine import EngineCapabilities
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.lifecycle import LifecycleSink
-from verst.trainer.checkpoint import latest_checkpoint
 from verst.trainer.config import RunConfig
 from verst.trainer.placement.layout import PlacementPlan, plan_placement, resolve_device
 from verst.trainer.placement.ray_cluster import (
@@ -39,6 +38,7 @@ from verst.trainer.placement.ray_cluster import (
     require_ray,
     runtime_env,
 )
+from verst.trainer.run.checkpoint import latest_checkpoint
 
 PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for the cluster to grant the train placement group."""
@@ -144,7 +144,7 @@ class RayPlacement:
 
         `sink` receives the rollout manager's lifecycle events (drained after each call), so
         they land in the driver's run directory."""
-        ray = require_ray(local_cluster=not config.run.ray_address)
+        ray = require_ray(local_cluster=not config.run.ray_address, join=config.run.ray_address)
         rc = config.run.ray
         cpu_plan = plan_placement(rc, "cpu")  # CPU reservations do not depend on the device
         need = sum(b["CPU"] for b in cpu_plan.bundles) + (

@@ -84,7 +84,7 @@ class MoeRuntime:
     def end_old_pass(self) -> None:
         """After the old pass on every rank: each rank filled its own rows of the R2 table."""
         if self.old is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            from verst.trainer.fsdp import collective_device
+            from verst.trainer.train.fsdp import collective_device
 
             ids = self.old.ids.to(collective_device())
             torch.distributed.all_reduce(ids, op=torch.distributed.ReduceOp.MAX)  # -1 where unfilled
@@ -146,7 +146,7 @@ class MoeRuntime:
         agree = torch.tensor(self._agree, dtype=torch.float64)
         load = self._load.clone()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from verst.trainer.fsdp import collective_device
+            from verst.trainer.train.fsdp import collective_device
 
             both = torch.cat([agree, load.reshape(-1)]).to(collective_device())
             torch.distributed.all_reduce(both)
