@@ -182,10 +182,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny MoE")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--engine",
+        choices=("router_bf16", "bf16"),
+        default="router_bf16",
+        help="router_bf16: the engine's router weights in bf16, the rest fp32 (isolates routing); "
+        "bf16: the whole engine in bf16",
+    )
     args = parser.parse_args()
-    r = run(args.steps, args.layers, args.threads)
+    r = run(args.steps, args.layers, args.threads, args.engine)
     print(
-        f"{int(r['steps'])} GRPO steps in {r['seconds']:.0f}s (engine bf16, trainer fp32, tiny Qwen3-MoE 8x top-2)"
+        f"{int(r['steps'])} GRPO steps in {r['seconds']:.0f}s (engine {args.engine}, trainer fp32, tiny Qwen3-MoE)"
     )
     print(
         f"routing agreement engine vs trainer without replay: {r['agreement']:.4f} (with R3: {r['replay_agreement']:.4f})"

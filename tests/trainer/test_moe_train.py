@@ -161,7 +161,8 @@ def test_r3_and_r2_train_steps_report_routing_metrics(tied, rollout) -> None:
     batch = build_train_batch(rollout)
     r3 = _side(tied, routing_replay="rollout", aux_loss_coef=0.01).train_step(batch)
     assert r3["train/moe/routing_agreement"] < 1.0
-    assert r3["train/logprob_mismatch"] < 1e-4 < r3["train/moe/logprob_mismatch_no_replay"]
+    assert r3["train/logprob_mismatch"] < 1e-5  # mean over tokens, with R3
+    assert r3["train/moe/logprob_mismatch_no_replay"] > 10 * r3["train/logprob_mismatch"]
     assert r3["train/moe_aux_loss"] > 0 and all(math.isfinite(v) for v in r3.values())
     assert any(k.startswith("train/moe/expert_load_max_l") for k in r3)
     side = _side(tied, routing_replay="old_policy")
