@@ -85,7 +85,6 @@ def growing_cache(config: Any) -> Any:
     return cache
 
 
-@functools.cache
 def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
     """A `[batch, heads, cap, head_dim]` buffer holding `x` in its first columns."""
     buf = x.new_empty((*x.shape[:2], cap, x.shape[-1]))
@@ -113,6 +112,7 @@ def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
     return start
 
 
+@functools.cache
 def _growing_layer_class() -> type:
     """`DynamicLayer` that writes each step's keys/values into spare capacity.
 
