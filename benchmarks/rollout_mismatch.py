@@ -30,7 +30,7 @@ from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.config import EmbeddedEngineConfig
 from verst.trainer.algorithms import ROLLOUT_CORRECTION_CONFIGS
 from verst.trainer.algorithms.rollout_correction import correction_metrics
-from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
+from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reverse_digits"
 TYPES = ("tis", "seq_tis", "mis_token", "mis_seq", "icepop")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from verst.trainer.checkpoint import latest_checkpoint
 from verst.trainer.cli import main
+from verst.trainer.run.checkpoint import latest_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_digits"
 

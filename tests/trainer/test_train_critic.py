@@ -12,9 +12,9 @@ import torch
 
 from verst.rollout.sample import Sample, Status
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.side import TrainSide
 
 PPO = {"advantage": {"type": "gae", "gamma": 1.0, "lam": 0.95}, "critic": {"lr": 1e-2, "head_init_std": 0.02}}
 

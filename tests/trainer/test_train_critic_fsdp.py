@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.sample import Sample, Status
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.side import TrainSide
 
 STEPS = 2
 # eps=1: AdamW's step is ~linear in small gradients, so weights compare the gradients
@@ -73,7 +73,7 @@ def _run(side: TrainSide) -> list[dict[str, float]]:
 def _worker(rank: int, port: int, model: str, out: str) -> None:
     import torch.distributed as dist
 
-    from verst.trainer.fsdp import is_sharded
+    from verst.trainer.train.fsdp import is_sharded
 
     torch.set_num_threads(1)
     env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}

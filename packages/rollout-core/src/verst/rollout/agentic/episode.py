@@ -14,6 +14,8 @@ Abort: when the rollout aborts (`state.aborted`, or the engine returns `abort`),
 stops with termination `aborted` and status ABORTED. `on_abort = "resume"` keeps its turns and
 parks its live environment, so a resubmitted sample continues where it stopped (partial
 rollout / fully-async); `"restart"` closes the environment and resets the sample to its prompt.
+A parked environment lives in this process only: an episode resubmitted after a restart (or
+evicted from the park) starts over from its prompt, counted as the env metric `resumes_lost`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from verst.rollout.agentic.config import EnvConfig
 from verst.rollout.agentic.environment import (
+    EnvCallError,
     Environment,
     EnvironmentFactory,
     EnvSetup,
@@ -41,15 +44,15 @@ from verst.rollout.agentic.trajectory import append_turn, mask_turns_before, seg
 from verst.rollout.engine import GenerateOutput, GenerateRequest
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.protocols import GenerateInput, GenerateState, RolloutContext
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import EPISODE_METADATA_KEYS, Sample, Status
 
 T = TypeVar("T")
 
 STATE_KEY = "agentic"
 """`sample.metadata` key of the loop's own per-episode state (episode id, open turn)."""
 
-METADATA_KEYS = ("segments", "termination", "turn_rewards", "env_metrics", "env_info", STATE_KEY)
-"""Per-episode metadata keys, removed when a sample is reset to its prompt."""
+METADATA_KEYS = EPISODE_METADATA_KEYS
+"""Per-episode metadata keys, removed when a sample is reset to its prompt (`STATE_KEY` among them)."""
 
 STATUS_BY_TERMINATION: dict[TerminationReason, Status] = {
     TerminationReason.STOP: Status.COMPLETED,
@@ -144,6 +147,9 @@ class AgenticGenerate:
             sample.status = Status.ABORTED
             return sample
         env = self._parked.pop(meta["episode_id"], None) if meta else None
+        # an episode to resume whose environment is not parked here (the process restarted since,
+        # or it was evicted from the park) starts over, counted as `resumes_lost`
+        lost = env is None and meta is not None and sample.response_length > 0
         if env is None and (sample.response_length or meta):  # not resumable here: start over
             _reset_episode(sample)
         attempt = sample.metadata.get("attempt")
@@ -152,8 +158,10 @@ class AgenticGenerate:
         try:
             async with asyncio.timeout(self.config.episode_timeout_s):
                 if env is None:
-                    env = self.factory()
+                    env = self._new_env()
                     await self._start(state, sample, env, trace)
+                    if lost:
+                        sample.metadata["env_metrics"]["resumes_lost"] = 1.0
                 reason = await self._turns(inp, env, trace, emit)
         except TimeoutError:
             reason = TerminationReason.TIMEOUT
@@ -179,7 +187,7 @@ class AgenticGenerate:
     async def _start(
         self, state: GenerateState, sample: Sample, env: Environment, trace: EpisodeTrace
     ) -> None:
-        obs = as_observation(await self._env_call(env.reset(sample), trace))
+        obs = as_observation(await self._env_call(env.reset(sample), trace, "env.reset", env))
         if obs is None or obs.is_empty:
             if not sample.tokens:
                 from verst.rollout.generate import prompt_token_ids
@@ -262,8 +270,10 @@ class AgenticGenerate:
                 resumed = len(ids) != len(out.output_ids)  # the turn spans several requests
                 turn_text = state.tokenizer.decode(ids) if resumed and state.tokenizer is not None else text
                 model_turn = ModelTurn(turn, tuple(ids), turn_text, out.finish_reason)
-                result = await self._env_call(env.step(model_turn), trace)
-                detail["env_s"] = time.perf_counter() - gen_done
+                try:
+                    result = await self._env_call(env.step(model_turn), trace, "env.step", env)
+                finally:
+                    detail["env_s"] = time.perf_counter() - gen_done
                 reason = self._record(sample, result)
                 if reason is not None:
                     detail["status"] = reason.value
@@ -288,10 +298,13 @@ class AgenticGenerate:
                 detail.setdefault(
                     "status", "timeout" if isinstance(exc, TimeoutError | _StepTimeout) else "error"
                 )
-                detail["error"] = type(exc).__name__
+                detail["error"] = type(exc.cause if isinstance(exc, EnvCallError) else exc).__name__
                 raise
             finally:
                 detail["duration_s"] = time.perf_counter() - started
+                if "tokens" in detail:  # the model turn came back: every documented field is set
+                    detail.setdefault("env_s", 0.0)  # (0: the environment was not called)
+                    detail.setdefault("obs_tokens", 0)  # (0: no observation was appended)
                 emit(EventKind.TURN_END, detail)
 
     async def _generate(
@@ -314,12 +327,22 @@ class AgenticGenerate:
                 return GenerateOutput([], [], "abort", state.weight_version), queue_s
             return await state.engine.generate(request), queue_s
 
-    async def _env_call(self, call: Awaitable[T], trace: EpisodeTrace) -> T:
+    def _new_env(self) -> Environment:
+        try:
+            return self.factory()
+        except Exception as exc:
+            raise EnvCallError("env factory", f"rollout.env.type={self.config.type!r}", exc) from exc
+
+    async def _env_call(self, call: Awaitable[T], trace: EpisodeTrace, what: str, env: Environment) -> T:
+        """Await one environment call within `step_timeout_s`; what it raises is an `EnvCallError`
+        naming the call (`what`) and the environment class."""
         with episode_trace(trace):
             try:
                 return await asyncio.wait_for(call, self.config.step_timeout_s)
             except TimeoutError:
                 raise _StepTimeout() from None
+            except Exception as exc:
+                raise EnvCallError(what, type(env).__name__, exc) from exc
 
     def _record(self, sample: Sample, result: StepResult) -> TerminationReason | None:
         """Keep the step's reward, metrics and info; the termination reason if it ended."""

@@ -5,7 +5,7 @@ The critic is a separate model: a causal LM's decoder (the policy's checkpoint u
 response token ``t`` is read at the position that predicts ``t`` (the state before the token),
 like the policy's log-prob. It has its own AdamW, learning-rate schedule, gradient clipping and
 checkpoint folder, and is sharded like the policy under `train.fsdp`; micro-batching and
-compute dtype follow `[train]`. The model code lives with the trainer's (`CriticModel`); this
+compute dtype follow `[train]`. The model code is `verst.trainer.train.critic`; this
 module is only the config, so `AlgorithmConfig` stays free of model code.
 """
 
