@@ -106,10 +106,10 @@ def start_vllm(args, model: Path, logs: Path):
 async def main(args) -> None:
     from aiohttp import web
 
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.launcher import free_port
-    from verst.rollout.engines.server import build_app
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+    from verst.rollout.engines.serve.server import build_app
+    from verst.rollout.engines.sglang.client import SGLangClient
+    from verst.rollout.engines.sglang.launcher import free_port
     from verst.rollout.engines.vllm.client import VllmClient
 
     torch.set_num_threads(args.threads)

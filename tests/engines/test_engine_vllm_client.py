@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
+from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.config import parse_engine_config
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.engines.vllm.client import VllmClient
 from verst.rollout.engines.vllm.wire import (
     engine_request_id,

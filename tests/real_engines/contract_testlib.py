@@ -19,8 +19,8 @@ def load_policy(model_dir: str | Path):
 
 
 def trainer_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's per-token log-probs of `output` after `prompt` (`verst.trainer.logprobs`)."""
-    from verst.trainer.logprobs import PolicyLogprobs, pack_sequences
+    """The trainer's per-token log-probs of `output` after `prompt` (`verst.trainer.train.logprobs`)."""
+    from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences
 
     inputs = pack_sequences([prompt + output], [len(output)], layout="padded")
     with torch.no_grad():
@@ -88,7 +88,7 @@ async def engine_for(kind: str, model_dir: Path, vllm_url: str | None):
     on this loop, through the SGLang client) or vllm (the session's server, through VllmClient).
     vLLM is restored to `model_dir` afterwards (its server outlives the test)."""
     if kind == "embedded":
-        from verst.rollout.engines.embedded import EmbeddedEngine
+        from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
         engine = EmbeddedEngine.from_pretrained(model_dir, batch_wait_s=0.01)
         try:
@@ -98,7 +98,7 @@ async def engine_for(kind: str, model_dir: Path, vllm_url: str | None):
     elif kind == "serve":
         from serve_testlib import serve
 
-        from verst.rollout.engines.sglang_client import SGLangClient
+        from verst.rollout.engines.sglang.client import SGLangClient
 
         async with serve(model_dir, info={"enable_lora": True}) as url:
             client = SGLangClient(url, abort_resend_s=0.1)

@@ -131,7 +131,7 @@ async def test_the_openai_chat_path(client, vllm_url, model_dir):
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
 
-    from verst.rollout.engines.inprocess_openai import InProcessOpenAI
+    from verst.rollout.engines.serve.inprocess_openai import InProcessOpenAI
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": "4321="}]
@@ -166,7 +166,7 @@ async def test_checks_name_each_missing_flag_on_a_real_server(vllm_python, model
     import os
     import subprocess
 
-    from verst.rollout.engines.launcher import ServerProcess, free_port, wait_ready
+    from verst.rollout.engines.sglang.launcher import ServerProcess, free_port, wait_ready
     from verst.rollout.engines.vllm.launcher import VllmServerSpec, server_command, server_env
 
     spec = VllmServerSpec(python=str(vllm_python), model_path=str(model_dir), max_model_len=128)

@@ -1,7 +1,7 @@
 """The `InferenceEngine` protocol and the plain data it exchanges.
 
-Two implementations: the embedded engine (`verst.rollout.engines.embedded`, an in-process torch
-model) and the SGLang HTTP client (`verst.rollout.engines.sglang_client`), which talks to real
+Two implementations: the embedded engine (`verst.rollout.engines.embedded.engine`, an in-process torch
+model) and the SGLang HTTP client (`verst.rollout.engines.sglang.client`), which talks to real
 SGLang servers or routers and to `verst serve`. Rollout strategies only see this protocol.
 
 What an engine can do beyond it is asked, never guessed from its class or type name: optional

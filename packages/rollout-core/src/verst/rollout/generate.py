@@ -19,12 +19,11 @@ import contextlib
 from collections import OrderedDict
 from typing import Any
 
-from verst.rollout.agentic.episode import METADATA_KEYS as EPISODE_METADATA_KEYS
 from verst.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.logging_utils import sample_text_preview
 from verst.rollout.protocols import GenerateFn, GenerateInput, GenerateState
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import EPISODE_METADATA_KEYS, Sample, Status
 from verst.rollout.sampling import derive_sample_seed
 
 STATUS_BY_FINISH_REASON: dict[str, Status] = {

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from verst.rollout.engine import EngineCapabilities, InferenceEngine, WeightSyncMode
-from verst.rollout.engines.config import EngineSection
+from verst.rollout.engines.section import EngineSection
 from verst.rollout.errors import ConfigError, Problem
 
 

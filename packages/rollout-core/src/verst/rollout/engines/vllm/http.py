@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from verst.rollout.engine import EngineError
-from verst.rollout.engines._common import InvalidRequest
+from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.vllm.wire import error_message
 
 

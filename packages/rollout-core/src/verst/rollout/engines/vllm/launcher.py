@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verst.rollout.engine import EngineError
-from verst.rollout.engines.launcher import LaunchedServers, ServerProcess, free_port, wait_ready
+from verst.rollout.engines.sglang.launcher import LaunchedServers, ServerProcess, free_port, wait_ready
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """What `<python> -m` runs."""

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.engines.lora import jsonable_config
+from verst.rollout.engines.common.lora import jsonable_config
 
 
 class VllmLoraMixin:
