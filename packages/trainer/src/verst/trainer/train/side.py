@@ -25,6 +25,7 @@ from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch
+from verst.trainer.train.critic import Critic
 from verst.trainer.train.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
 from verst.trainer.train.layout import LayoutChooser, PackedInputs
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
@@ -144,6 +145,20 @@ class TrainSide(TrainStateMixin):
         layout = cfg.effective_layout
         self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
         """Packed rather than right-padded, for forwards that take no layout choice (distillation)."""
+        self.critic = (
+            Critic(
+                algorithm.critic,
+                cfg,
+                model_path,
+                total_steps=total_steps * cfg.num_updates_per_rollout,
+                dist=self.dist,
+                accelerator=self.bundle.accelerator,
+                packing=self.packing,
+            )
+            if algorithm.critic is not None
+            else None
+        )
+        """The value model of PPO with GAE (`[algorithm.critic]`), its optimizer and schedule."""
         self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
         """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
         self.ref_layout = (
@@ -304,7 +319,9 @@ class TrainSide(TrainStateMixin):
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
-        advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
+        keys = plan.keys  # the step's prompt groups (the critic splits by them too)
+        values = self.critic.values(batch, keys) if self.critic is not None else None  # [B, R]
+        advantages, returns = algo.compute_advantages_and_returns(batch.rewards, mask, kl=kl, values=values)
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
         step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
@@ -313,7 +330,9 @@ class TrainSide(TrainStateMixin):
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
         updates = plan.updates
-        for u, (rows, mbs) in enumerate(zip(updates, plan.update_micro_batches, strict=True)):
+        policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
+        planned = [] if policy_waits else list(zip(updates, plan.update_micro_batches, strict=True))
+        for u, (rows, mbs) in enumerate(planned):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in mbs:
                 self._micro_step(
@@ -325,8 +344,14 @@ class TrainSide(TrainStateMixin):
         for k in _SUMMED & metrics.keys():  # each update's loss, averaged over the updates
             metrics[k] /= n_updates
         out = {f"train/{k}": v for k, v in metrics.items()}
-        out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
-        out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if step_metrics:
+            out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
+            out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if self.critic is not None:
+            assert values is not None and returns is not None
+            critic_metrics = self.critic.update(batch, updates, values, returns, keys)
+            out.update({f"train/critic/{k}": v for k, v in critic_metrics.items()})
+            out["train/critic/policy_updated"] = 0.0 if policy_waits else 1.0
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
         for ext in self.extensions:
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
@@ -421,3 +446,4 @@ class TrainSide(TrainStateMixin):
         """Release the models (the process group is the launcher's to destroy)."""
         self.bundle = None  # type: ignore[assignment]
         self.ref = None
+        self.critic = None
