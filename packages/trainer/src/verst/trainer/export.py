@@ -117,7 +117,9 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, *, merge: boo
 
     def write(dest: Path) -> None:
         _write(kind, ckpt, base, dest)
-        (dest / MARKER).write_text(json.dumps({"run_dir": str(run_dir), "checkpoint": ckpt.name, "kind": kind}))
+        (dest / MARKER).write_text(
+            json.dumps({"run_dir": str(run_dir), "checkpoint": ckpt.name, "kind": kind})
+        )
 
     _replace(out, write)
     return out
