@@ -29,7 +29,7 @@ from verst.trainer.fsdp import DistInfo, clip_grad_norm, collective_device, redu
 from verst.trainer.layout import LayoutChooser, PackedInputs, prompt_keys
 from verst.trainer.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.lora import LoraState
-from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation
+from verst.trainer.model import build_policy, build_reference, resolve_attn_implementation, with_run_flags
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 
@@ -500,7 +500,7 @@ class TrainSide:
                 raise RuntimeError(
                     f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
                 )
-            self.bundle.raw_optimizer().load_state_dict(state["optimizer"])
+            self._load_optimizer(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -511,12 +511,17 @@ class TrainSide:
             opts = StateDictOptions(full_state_dict=True)
             set_model_state_dict(self.bundle.module, {f"policy.{k}": v for k, v in sd.items()}, options=opts)
             set_optimizer_state_dict(
-                self.bundle.module, self.bundle.raw_optimizer(), state["optimizer"], options=opts
+                self.bundle.module,
+                self.bundle.raw_optimizer(),
+                with_run_flags(state["optimizer"], self.bundle.raw_optimizer()),
+                options=opts,
             )
         self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """The saved optimizer state, keeping this run's `fused` / `foreach` flags."""
+        state = with_run_flags(state, self.bundle.raw_optimizer())
         if self.bundle.sharding == "none":
             self.bundle.raw_optimizer().load_state_dict(state)
             return
