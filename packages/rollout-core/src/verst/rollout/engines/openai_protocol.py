@@ -41,6 +41,10 @@ from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest, S
 TOOL_CALL_PARSERS = ("hermes", "qwen25")
 """Names accepted by `tool_call_parser` (both read `<tool_call>{"name", "arguments"}</tool_call>`)."""
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+"""The message roles of SGLang 0.5.23's chat-completions schema (case-insensitive, lowered as
+SGLang does); any other role is a 400."""
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -157,10 +161,25 @@ class ChatRequest(_Request):
     @field_validator("messages")
     @classmethod
     def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
         for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] has no 'role'")
-        return messages
+            if m["role"].lower() not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {list(CHAT_ROLES)}")
+            out.append({**m, "role": m["role"].lower()})
+        return out
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, t in enumerate(tools or []):
+            if t.get("type", "function") != "function":
+                raise ValueError(f"tools[{i}].type must be 'function', got {t.get('type')!r}")
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}] needs a 'function' object with a 'name' string")
+        return tools
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -399,6 +418,8 @@ class OpenAIFrontend:
             raise
         except Exception as exc:  # a template error is the request's fault (bad roles, ...)
             raise OpenAIError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+        if not ids:
+            raise OpenAIError("the chat template rendered no tokens for these messages", param="messages")
         return [int(i) for i in ids]
 
     async def _generate(
@@ -438,10 +459,10 @@ class OpenAIFrontend:
             )
         try:
             outs = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        except ValueError as exc:  # the engine refused the request (an `InvalidRequest`, which is
+            raise OpenAIError(str(exc)) from exc  # also an EngineError: e.g. an out-of-vocabulary id)
         except EngineError as exc:
             raise OpenAIError(str(exc), status=503, type="ServiceUnavailableError") from exc
-        except ValueError as exc:  # the engine refused the request (e.g. an out-of-vocabulary id)
-            raise OpenAIError(str(exc)) from exc
         for r, out in zip(requests, outs, strict=True):
             if self.on_call is not None:
                 self.on_call(

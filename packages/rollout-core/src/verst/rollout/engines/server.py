@@ -48,7 +48,7 @@ from aiohttp import web
 
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines._wire import WireItem, output_json, parse_generate
+from verst.rollout.engines._wire import SchemaError, WireItem, output_json, parse_generate
 from verst.rollout.engines.lora_http import add_lora_args, add_lora_routes
 from verst.rollout.engines.openai_api import register_openai_routes
 from verst.rollout.engines.weight_group import DistributedRefit
@@ -126,7 +126,10 @@ OPENAI_ARGS = ("model_name", "tool_call_parser")
 REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
 MAX_REQUEST_TOKENS = web.AppKey("verst_max_request_tokens", object)
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
-"""Default bound of one /generate call: prompts × n × max_new_tokens (`--max-request-tokens`)."""
+"""Default bound of one /generate call: Σ n × (prompt + max_new_tokens) (`--max-request-tokens`)."""
+MAX_REQUEST_SEQUENCES = web.AppKey("verst_max_request_sequences", object)
+DEFAULT_MAX_REQUEST_SEQUENCES = 4096
+"""Default bound of one /generate call's sequences, prompts × n (`--max-request-sequences`)."""
 SHUTDOWN_TIMEOUT_S = 3.0
 """Seconds SIGTERM/SIGINT wait for handlers after aborting every request, before exiting."""
 
@@ -138,9 +141,11 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def _generate_error(message: str, status: int = 400) -> web.Response:
-    """SGLang's /generate error body for a rejected request (`_create_error_response`)."""
-    return web.json_response({"error": {"message": message}}, status=status)
+def _generate_error(message: str, status: int = 400, *, schema: bool = False) -> web.Response:
+    """SGLang's /generate error bodies: a schema violation (wrong type, unknown key) is its
+    contract gate's `{"error": "<text>"}`; any other refusal `_create_error_response`'s
+    `{"error": {"message"}}`."""
+    return web.json_response({"error": message if schema else {"message": message}}, status=status)
 
 
 def _failure(message: str, status: int = 400) -> web.Response:
@@ -200,11 +205,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     try:
         items, batch, stream = parse_generate(
-            body, state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
+            body,
+            state.engine.tokenizer,
+            max_request_tokens=request.app[MAX_REQUEST_TOKENS],
+            max_request_sequences=request.app[MAX_REQUEST_SEQUENCES],
         )
         state.refuse_if_released("generate")
     except InvalidRequest as exc:
-        return _generate_error(str(exc), getattr(exc, "status", 400))
+        return _generate_error(str(exc), getattr(exc, "status", 400), schema=isinstance(exc, SchemaError))
     tok = state.engine.tokenizer
     start = time.perf_counter()
     if stream:
@@ -519,11 +527,13 @@ def build_app(
     latency: LatencyInjection | None = None,
     info: dict[str, Any] | None = None,
     max_request_tokens: int | None = DEFAULT_MAX_REQUEST_TOKENS,
+    max_request_sequences: int | None = DEFAULT_MAX_REQUEST_SEQUENCES,
 ) -> web.Application:
     """The aiohttp application serving `engine` (an `EmbeddedEngine`) over SGLang's native API.
 
-    A /generate call asking for more than `max_request_tokens` (prompts × n × max_new_tokens;
-    None = unbounded) is refused with HTTP 413. On shutdown every request is aborted first (so
+    A /generate call with more sequences than `max_request_sequences` (prompts × n) or more
+    tokens than `max_request_tokens` (Σ n × (prompt + max_new_tokens)) is refused with HTTP 413
+    (None = unbounded). On shutdown every request is aborted first (so
     SIGTERM on a busy server exits in seconds), then the engine is closed.
     """
     latency = latency or LatencyInjection()
@@ -532,6 +542,7 @@ def build_app(
     app[STATE] = _State(engine, dict(info or {}), latency)
     app[REFIT] = DistributedRefit()
     app[MAX_REQUEST_TOKENS] = max_request_tokens
+    app[MAX_REQUEST_SEQUENCES] = max_request_sequences
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
@@ -617,7 +628,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-request-tokens",
         type=int,
         default=DEFAULT_MAX_REQUEST_TOKENS,
-        help=f"bound of one /generate call: prompts x n x max_new_tokens; 0 = none (default {DEFAULT_MAX_REQUEST_TOKENS})",
+        help=(
+            "bound of one /generate call: sum of n x (prompt + max_new_tokens); 0 = none "
+            f"(default {DEFAULT_MAX_REQUEST_TOKENS})"
+        ),
+    )
+    p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_SEQUENCES,
+        help=f"bound of one /generate call: prompts x n; 0 = none (default {DEFAULT_MAX_REQUEST_SEQUENCES})",
     )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     add_lora_args(p)
@@ -653,7 +673,13 @@ def main(argv: list[str] | None = None) -> None:
     info = {k: v for k, v in vars(args).items() if k != "log_level"}
     info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model
     latency = LatencyInjection(args.inject_latency_ms, args.inject_latency_fraction, args.inject_latency_seed)
-    app = build_app(engine, latency=latency, info=info, max_request_tokens=args.max_request_tokens or None)
+    app = build_app(
+        engine,
+        latency=latency,
+        info=info,
+        max_request_tokens=args.max_request_tokens or None,
+        max_request_sequences=args.max_request_sequences or None,
+    )
     print(f"verst serve: {args.model} on http://{args.host}:{args.port}", flush=True)
     web.run_app(
         app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
