@@ -72,7 +72,7 @@ def test_new_empty_and_earlier_exports_are_written_and_replaced_whole(run_dir, t
 
 def test_a_failed_export_keeps_the_earlier_one(run_dir, tmp_path, monkeypatch):
     """A fault in the middle of writing (a simulated full disk) leaves the earlier export whole."""
-    from verst.trainer import export as export_module
+    from verst.trainer.run import export as export_module
 
     out = tmp_path / "export"
     export_module.export_run(run_dir, out)

@@ -11,7 +11,7 @@ import torch
 from verst.rollout.errors import ConfigError
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.side import TrainSide
 
 TARGETS = ["q_proj", "v_proj"]
 
