@@ -7,6 +7,10 @@
   the reward (a dict reward keeps at most `MAX_REWARD_KEYS` entries), status, lengths, weight
   versions. At most `MAX_SAMPLES_PER_STEP` samples per step and split are written, so a line is
   a few KiB at most and a step's lines are bounded whatever the response lengths.
+* `trajectories.jsonl` — the full trajectory (every token id and its text, loss mask, engine
+  and trainer log-probs, advantages, weight versions, segments, MoE routing) of the
+  `trajectories_per_step` lowest sample indices of each step and split and of every failed or
+  aborted sample (`verst.trainer.dashboard.trajectories` holds the format and the reader).
 * `status.json` — replaced atomically on every phase change: state (`running`, `finished`,
   `stopped_early`, `failed` with the error), the current phase and step, seconds per phase,
   the ETA, the pid and host (so a reader can tell a live run from one that died).
@@ -36,6 +40,14 @@ from verst.rollout.lifecycle import LifecycleEvent
 from verst.rollout.logging_utils import sample_text_preview
 from verst.rollout.protocols import RolloutResult
 from verst.rollout.sample import Sample
+from verst.trainer.dashboard.trajectories import (
+    TRAJECTORIES_FILE,
+    Decode,
+    StepDetail,
+    choose_trajectories,
+    trajectory_record,
+    write_lines,
+)
 
 SAMPLES_FILE = "samples.jsonl"
 """Per-sample previews and outcomes, in the run directory."""
@@ -86,8 +98,11 @@ def _scalar(value: Any) -> Any:
         return sample_text_preview(repr(value), 64)
 
 
-def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: str) -> dict[str, Any]:
-    """The bounded `samples.jsonl` line of one sample (`step` first, so readers can index cheaply)."""
+def sample_record(
+    sample: Sample, *, step: int, rollout_id: int | None, split: str, advantage: float | None = None
+) -> dict[str, Any]:
+    """The bounded `samples.jsonl` line of one sample (`step` first, so readers can index cheaply);
+    `advantage`: the mean advantage over its trained tokens (None: not trained on)."""
     error = sample.metadata.get("error")
     return {
         "step": step,
@@ -97,6 +112,7 @@ def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: s
         "sample_index": sample.sample_index,
         "status": sample.status.value,
         "reward": _reward(sample.reward),
+        "advantage": _scalar(advantage) if advantage is not None else None,
         "prompt": sample_text_preview(_prompt_text(sample.prompt), PROMPT_PREVIEW),
         "response": sample_text_preview(sample.response, RESPONSE_PREVIEW),
         "label": None if sample.label is None else sample_text_preview(str(sample.label), TEXT_PREVIEW),
@@ -109,12 +125,32 @@ def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: s
 
 
 class RunRecorder:
-    """Writes `samples.jsonl` and `status.json` for one run (create it on the main rank only)."""
+    """Writes `samples.jsonl`, `trajectories.jsonl` and `status.json` for one run (create it on the
+    main rank only).
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int = 0) -> None:
+    `trajectories_per_step`, `failed_trajectories`, `max_tokens`: which samples get their full
+    trajectory recorded (`run.record`); `decode`: token ids -> one string each (None: no text)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        trajectories_per_step: int = 8,
+        failed_trajectories: bool = True,
+        max_tokens: int = 16384,
+        decode: Decode | None = None,
+    ) -> None:
         self.root = Path(run_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self._samples = (self.root / SAMPLES_FILE).open("a", encoding="utf-8")
+        self._trajectories = (self.root / TRAJECTORIES_FILE).open("a", encoding="utf-8")
+        self.trajectories_per_step = trajectories_per_step
+        self.failed_trajectories = failed_trajectories
+        self.max_tokens = max_tokens
+        self.decode = decode
+        self.trajectories_written = 0
         self._lock = threading.Lock()
         self.total_steps = total_steps
         self.step = start_step
@@ -133,30 +169,63 @@ class RunRecorder:
 
     # ---- samples
 
-    def record_rollout(self, rollout_id: int, result: RolloutResult) -> None:
-        """The training samples of rollout `rollout_id` (step `rollout_id + 1`)."""
-        self._write_samples((s for g in result.groups for s in g), rollout_id + 1, rollout_id, "train")
+    def choose(self, samples: Iterable[Sample]) -> dict[tuple[Any, Any], str]:
+        """(group_index, sample_index) -> reason of the samples whose full trajectory is recorded."""
+        chosen = choose_trajectories(samples, self.trajectories_per_step)
+        if not self.failed_trajectories:
+            chosen = {k: r for k, r in chosen.items() if r == "sampled"}
+        return chosen
+
+    def record_rollout(
+        self, rollout_id: int, result: RolloutResult, detail: StepDetail | None = None
+    ) -> None:
+        """The training samples of rollout `rollout_id` (step `rollout_id + 1`), with what the
+        train step measured for them (`detail`; None when it did not run)."""
+        samples = [s for g in result.groups for s in g]
+        self._write_samples(samples, rollout_id + 1, rollout_id, "train", detail or StepDetail())
 
     def record_eval(self, step: int, result: RolloutResult) -> None:
         """The samples of an evaluation at `step`, split `eval/<dataset>`."""
         for name, groups in result.eval.items():
-            self._write_samples((s for g in groups for s in g), step, None, f"eval/{name}")
+            samples = [s for g in groups for s in g]
+            self._write_samples(samples, step, None, f"eval/{name}", StepDetail())
 
     def _write_samples(
-        self, samples: Iterable[Sample], step: int, rollout_id: int | None, split: str
+        self, samples: list[Sample], step: int, rollout_id: int | None, split: str, detail: StepDetail
     ) -> None:
         lines, dropped = [], 0
         for sample in samples:
             if len(lines) >= MAX_SAMPLES_PER_STEP:
                 dropped += 1
                 continue
-            record = sample_record(sample, step=step, rollout_id=rollout_id, split=split)
+            key = (sample.group_index, sample.sample_index)
+            record = sample_record(
+                sample, step=step, rollout_id=rollout_id, split=split, advantage=detail.advantages.get(key)
+            )
             lines.append(json.dumps(record, default=str, ensure_ascii=False) + "\n")
+        chosen = self.choose(samples)
+        full = []
+        for s in samples:
+            key = (s.group_index, s.sample_index)
+            if key in chosen:
+                full.append(
+                    trajectory_record(
+                        s,
+                        step=step,
+                        rollout_id=rollout_id,
+                        split=split,
+                        reason=chosen[key],
+                        decode=self.decode,
+                        detail=detail.tokens.get(key),
+                        max_tokens=self.max_tokens,
+                    )
+                )
         with self._lock:
             if self._samples.closed:
                 return
             self._samples.write("".join(lines))
             self._samples.flush()
+            self.trajectories_written += write_lines(self._trajectories, full)
         self.samples_written += len(lines)
         self.samples_dropped += dropped
 
@@ -220,6 +289,7 @@ class RunRecorder:
             "error": self.error,
             "samples_written": self.samples_written,
             "samples_dropped": self.samples_dropped,
+            "trajectories_written": self.trajectories_written,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started_at": self.started_at,
@@ -238,6 +308,7 @@ class RunRecorder:
     def close(self) -> None:
         with self._lock:
             self._samples.close()
+            self._trajectories.close()
 
 
 class BufferedSink:

@@ -30,7 +30,7 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,15 @@ class TokenDetail:
     """The trainer's log-probs at the step's old weights (None where this rank did not score it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepDetail:
+    """What one train step measured, by (group_index, sample_index): every trained sample's mean
+    advantage over its trained tokens, and the per-token values of the samples recorded in full."""
+
+    advantages: dict[tuple[Any, Any], float] = field(default_factory=dict)
+    tokens: dict[tuple[Any, Any], TokenDetail] = field(default_factory=dict)
+
+
 def choose_trajectories(samples: Iterable[Sample], per_step: int) -> dict[tuple[Any, Any], str]:
     """(group_index, sample_index) -> reason, for the samples of one step to record in full:
     the `per_step` lowest sample indices ("sampled") and every failed or aborted one."""
@@ -68,6 +77,17 @@ def choose_trajectories(samples: Iterable[Sample], per_step: int) -> dict[tuple[
     for _, key in sorted(rest, key=lambda t: t[0])[: max(0, per_step)]:
         chosen[key] = "sampled"
     return chosen
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN / infinite floats (not JSON) replaced by None, through dicts and lists."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _floats(values: Any, n: int) -> list[float] | None:
@@ -106,8 +126,8 @@ def trajectory_record(
         "attempt": sample.metadata.get("attempt"),
         "reason": reason,
         "status": sample.status.value,
-        "reward": sample.reward,
-        "label": sample.label,
+        "reward": _finite(sample.reward),
+        "label": _finite(sample.label),
         "error": None if error is None else str(error),
         "prompt": sample.prompt,
         "response": sample.response,
@@ -123,7 +143,7 @@ def trajectory_record(
         "weight_versions": list(sample.weight_versions),
         "segments": sample.metadata.get("segments") or _single_segment(sample),
         "routed_experts": _routing(routed, plen, r_keep) if routed is not None else None,
-        "env": env or None,
+        "env": _finite(env) or None,
         "truncated_tokens": len(tokens) - keep,
     }
 
