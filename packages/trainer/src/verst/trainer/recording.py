@@ -27,14 +27,15 @@ logs it under); samples carry both.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verst.rollout.lifecycle import LifecycleEvent
 from verst.rollout.logging_utils import sample_text_preview
@@ -44,10 +45,17 @@ from verst.trainer.dashboard.trajectories import (
     TRAJECTORIES_FILE,
     Decode,
     StepDetail,
+    TokenDetail,
     choose_trajectories,
     trajectory_record,
     write_lines,
 )
+
+if TYPE_CHECKING:  # torch-free at run time: `verst dashboard` imports this module
+    from verst.trainer.batch import TrainBatch
+    from verst.trainer.step_detail import StepRowDetail
+
+logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
 """Per-sample previews and outcomes, in the run directory."""
@@ -122,6 +130,40 @@ def sample_record(
         "attempt": sample.metadata.get("attempt"),
         "error": None if error is None else sample_text_preview(str(error), TEXT_PREVIEW),
     }
+
+
+def lazy_decoder(load_tokenizer: Callable[[], Any]) -> Decode:
+    """Token ids -> the text of each id alone, with the tokenizer `load_tokenizer` gives on first
+    use (a tokenizer that cannot be loaded leaves `token_text` null, with one warning)."""
+    held: list[Any] = []
+
+    def decode(ids: Sequence[int]) -> list[str] | None:
+        if not held:
+            try:
+                held.append(load_tokenizer())
+            except Exception as exc:  # the recording must never stop the run
+                logger.warning("trajectories are recorded without token text: no tokenizer (%s)", exc)
+                held.append(None)
+        if held[0] is None:
+            return None
+        return held[0].batch_decode([[int(i)] for i in ids], clean_up_tokenization_spaces=False)
+
+    return decode
+
+
+def keyed_detail(rows: StepRowDetail | None, batch: TrainBatch) -> StepDetail:
+    """A train step's per-row values keyed by (group_index, sample_index) instead of batch row."""
+    if rows is None:
+        return StepDetail()
+    keys = batch.sample_keys
+    return StepDetail(
+        advantages={keys[r]: v for r, v in enumerate(rows.sample_advantages) if r < len(keys)},
+        tokens={
+            keys[r]: TokenDetail(rows.advantages.get(r), rows.trainer_logprobs.get(r))
+            for r in set(rows.advantages) | set(rows.trainer_logprobs)
+            if r < len(keys)
+        },
+    )
 
 
 class RunRecorder:

@@ -41,8 +41,8 @@ TRAJECTORIES_FILE = "trajectories.jsonl"
 """Full trajectories, in the run directory."""
 _ENV_KEYS = ("termination", "turn_rewards", "env_info", "env_metrics")
 
-Decode = Callable[[Sequence[int]], list[str]]
-"""Token ids -> one display string per id."""
+Decode = Callable[[Sequence[int]], "list[str] | None"]
+"""Token ids -> one display string per id (None: no text to show)."""
 
 
 @dataclass(frozen=True, slots=True)
