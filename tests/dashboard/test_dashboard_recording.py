@@ -8,8 +8,8 @@ import json
 from verst.rollout.lifecycle import EventKind, LifecycleEvent
 from verst.rollout.protocols import RolloutResult
 from verst.rollout.sample import Sample, Status
-from verst.trainer import recording
-from verst.trainer.recording import BufferedSink, RunRecorder
+from verst.trainer.run import recording
+from verst.trainer.run.recording import BufferedSink, RunRecorder
 
 
 def _sample(i: int, **kw) -> Sample:
@@ -124,7 +124,8 @@ def _episode(i: int, status: Status = Status.COMPLETED, **kw) -> Sample:
 
 
 def test_full_trajectories_for_a_bounded_choice_and_every_failure(tmp_path):
-    from verst.trainer.dashboard.trajectories import StepDetail, TokenDetail, read_trajectories, turns
+    from verst.trainer.dashboard.trajectories import read_trajectories, turns
+    from verst.trainer.run.trajectories import StepDetail, TokenDetail
 
     statuses = {1: Status.FAILED, 6: Status.ABORTED, 8: Status.FAILED}
     samples = [_episode(i, statuses.get(i, Status.COMPLETED), reward=float(i)) for i in range(10)]
