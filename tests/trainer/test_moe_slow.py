@@ -135,6 +135,12 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
         assert ref_metrics[0]["train/moe/replay_agreement"] == 1.0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: train/state.py compares a checkpoint's keys with the model's state_dict, but "
+    "transformers 5 saves fused MoE experts as per-expert weights (experts.<i>.gate_proj...), so "
+    "resuming an MoE run fails (docs/moe.md, Known gaps)",
+)
 def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:
     from train_testlib import install_reward_module, run_dict, write_prompts
 

@@ -147,11 +147,12 @@ class RoutingTable:
         tokens: Sequence[Sequence[int]],
         response_lengths: Sequence[int],
         rows: Sequence[int],
+        groups: Any = None,
     ) -> torch.Tensor:
         """The table row of every flattened position of `layout.build(rows' sequences)`
         (`[rows * width]`, -1 = padding)."""
         enc = self.encoded(tokens, response_lengths, rows)
-        built = layout.build(enc, [response_lengths[i] for i in rows], pad_id=-1)
+        built = layout.build(enc, [response_lengths[i] for i in rows], pad_id=-1, groups=groups)
         return built.input_ids.reshape(-1)
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
@@ -300,6 +301,13 @@ def moe_problems(cfg: Any, model_path: str | None, config_dir: Any = None) -> li
     return out
 
 
+def outside_clip(log_ratio: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
+    """1 where the trainer/engine ratio `exp(log_ratio)` leaves `[1 - eps, 1 + eps]` (the tokens a
+    PPO clip of 0.2 would clip at the first update), else 0."""
+    ratio = log_ratio.exp()
+    return ((ratio < 1 - eps) | (ratio > 1 + eps)).to(log_ratio.dtype)
+
+
 __all__ = [
     "REPLAY_MODES",
     "MoeAuxTerm",
@@ -310,5 +318,6 @@ __all__ = [
     "expert_counts",
     "load_balancing_loss",
     "moe_problems",
+    "outside_clip",
     "routing_agreement",
 ]

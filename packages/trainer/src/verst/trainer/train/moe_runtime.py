@@ -100,7 +100,7 @@ class MoeRuntime:
     # ---------------------------------------------------------------- per forward
     @contextmanager
     def around(
-        self, layout: Any, rows: Sequence[int], phase: Phase, *, reference: bool = False
+        self, layout: Any, rows: Sequence[int], phase: Phase, *, reference: bool = False, groups: Any = None
     ) -> Iterator[None]:
         """Replay (or not) for one forward of `rows` laid out by `layout`; records after it."""
         hooks = self.ref_hooks if reference else self.hooks
@@ -110,7 +110,7 @@ class MoeRuntime:
                     h.replay = None
             yield
             return
-        index = self.rollout.index_for(layout, self._tokens, self._lens, rows)  # [N]
+        index = self.rollout.index_for(layout, self._tokens, self._lens, rows, groups)  # [N]
         table = self._replay_table(phase)
         hooks.replay = None if table is None else table.gather(index)  # each router moves its layer
         hooks.clear()

@@ -25,15 +25,18 @@ from verst.trainer.algorithms.terms import LossTerm, compose, to_floats
 from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
-from verst.trainer.train.batch import TrainBatch, micro_batches, split_even
+from verst.trainer.train.batch import TrainBatch
+from verst.trainer.train.critic import Critic
 from verst.trainer.train.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
-from verst.trainer.train.layout import LayoutChooser, PackedInputs, prompt_keys
+from verst.trainer.train.layout import LayoutChooser, PackedInputs
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.train.lora import LoraState
 from verst.trainer.train.model import build_policy, build_reference, resolve_attn_implementation
-from verst.trainer.train.moe import MoeAuxTerm
+from verst.trainer.train.moe import MoeAuxTerm, outside_clip
 from verst.trainer.train.moe_runtime import MoeRuntime, Phase
+from verst.trainer.train.plan import MicroBatch, StepPlan
 from verst.trainer.train.state import TrainStateMixin
+from verst.trainer.train.step_detail import StepDetailCollector, StepRowDetail
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
 """Algorithm metrics already normalised by the mini-batch's LossNorm: summed over its micro-batches
@@ -142,10 +145,26 @@ class TrainSide(TrainStateMixin):
         self.lora = LoraState(self.bundle, cfg.lora) if cfg.lora is not None else None
         """Adapter-only sync, checkpoints and the adapter-disabled reference (`[train.lora]`)."""
         self.optimizer_steps = 0
+        self._detail: StepDetailCollector | None = None
+        """The last step's per-sample values, for the run's trajectory recording."""
         attn = resolve_attn_implementation(cfg.attn_implementation, cuda=torch.cuda.is_available())
         layout = cfg.effective_layout
         self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
         """Packed rather than right-padded, for forwards that take no layout choice (distillation)."""
+        self.critic = (
+            Critic(
+                algorithm.critic,
+                cfg,
+                model_path,
+                total_steps=total_steps * cfg.num_updates_per_rollout,
+                dist=self.dist,
+                accelerator=self.bundle.accelerator,
+                packing=self.packing,
+            )
+            if algorithm.critic is not None
+            else None
+        )
+        """The value model of PPO with GAE (`[algorithm.critic]`), its optimizer and schedule."""
         self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
         """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
         self.ref_layout = (
@@ -220,59 +239,74 @@ class TrainSide(TrainStateMixin):
 
     # ------------------------------------------------------------ log-probs
 
+    def _plan(self, batch: TrainBatch) -> StepPlan:
+        """The step's split of `batch` (prompt groups, mini-batches, micro-batches), made once."""
+        return StepPlan.build(
+            batch,
+            micro_batch_size=self.cfg.micro_batch_size,
+            num_updates=self.cfg.num_updates_per_rollout,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+
     def _forward(
         self,
         module: torch.nn.Module,
         batch: TrainBatch,
-        rows: list[int],
+        rows: Sequence[int] | MicroBatch,
         *,
         entropy: bool,
+        plan: StepPlan | None = None,
         phase: Phase = "current",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) `[len(rows), R]` of `rows`; a 1-token dummy for empty rows.
 
-        An empty micro-batch still runs a forward (FSDP collectives must line up across ranks);
-        the caller multiplies its loss by 0.
+        `rows` is a planned `MicroBatch` (its layout comes from `plan`, picked once per step) or
+        plain sample indices (laid out here). An empty micro-batch still runs a forward (FSDP
+        collectives must line up across ranks); the caller multiplies its loss by 0.
         """
         width = batch.max_response_len
-        if not rows:
+        if not (rows.rows if isinstance(rows, MicroBatch) else rows):
             seq = batch.tokens[0][:2]
             inputs = pack_sequences([seq], [1], packing=True)
-            with self._moe(None, rows, phase, module):
+            with self._moe(None, [], phase, module):
                 lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
-        toks, lens = [batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows]
-        layout = chooser.pick(toks, lens)
-        inputs = layout.build(toks, lens)
+        idx = list(rows.rows) if isinstance(rows, MicroBatch) else list(rows)
+        toks, lens = [batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx]
+        groups = rows.groups if isinstance(rows, MicroBatch) else None
+        if isinstance(rows, MicroBatch) and plan is not None:
+            layout = plan.layout(chooser, batch, rows)
+        else:
+            layout = chooser.pick(toks, lens, groups=groups)
+        inputs = layout.build(toks, lens, groups=groups)
         self.layout_counts[inputs.layout] += 1
-        with self._moe(layout, rows, phase, module):
+        with self._moe(layout, idx, phase, module, groups):
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
 
-    def _moe(self, layout: Any, rows: list[int], phase: Phase, module: torch.nn.Module) -> Any:
+    def _moe(
+        self, layout: Any, rows: list[int], phase: Phase, module: torch.nn.Module, groups: Any = None
+    ) -> Any:
         """The MoE runtime around one forward (a no-op context for a dense model)."""
         if self.moe is None:
             return contextlib.nullcontext()
-        return self.moe.around(
-            layout, rows if layout is not None else [], phase, reference=module is self.ref
-        )
+        rows = rows if layout is not None else []
+        return self.moe.around(layout, rows, phase, reference=module is self.ref, groups=groups)
 
     @torch.no_grad()
-    def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch, phase: Phase = "old") -> torch.Tensor:
+    def _all_logprobs(
+        self, module: torch.nn.Module, batch: TrainBatch, plan: StepPlan | None = None, phase: Phase = "old"
+    ) -> torch.Tensor:
         """Log-probs `[B, R]` of every sample (no grad), gathered from all ranks."""
+        plan = plan or self._plan(batch)
         out = torch.zeros(batch.loss_mask.shape)
-        for mb in micro_batches(
-            range(batch.num_samples),
-            self.cfg.micro_batch_size,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            keys=prompt_keys(batch.tokens, batch.response_lengths),
-        ):
-            lp, _ = self._forward(module, batch, mb, entropy=False, phase=phase)
-            if mb:
-                out[mb] = lp.float().cpu()
+        for mb in plan.all_micro_batches:
+            lp, _ = self._forward(module, batch, mb, entropy=False, plan=plan, phase=phase)
+            if mb.rows:
+                out[list(mb.rows)] = lp.float().cpu()
         if self.dist.distributed:
             import torch.distributed as dist
 
@@ -281,19 +315,19 @@ class TrainSide(TrainStateMixin):
             out = reduced.cpu()
         return out
 
-    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_old_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor:
         """The current policy's log-probs `[B, R]` of the batch (before any update)."""
         was_training = self.bundle.module.training
         self.bundle.module.eval()
         try:
-            old = self._all_logprobs(self.bundle.module, batch, "old")
+            old = self._all_logprobs(self.bundle.module, batch, plan, "old")
             if self.moe is not None:
                 self.moe.end_old_pass()
             return old
         finally:
             self.bundle.module.train(was_training)
 
-    def _moe_mismatch_without_replay(self, batch: TrainBatch) -> dict[str, float]:
+    def _moe_mismatch_without_replay(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
         """With replay on: |log-prob − engine log-prob| of the trainer's own routing (a no-grad
         pass at the step's starting weights; `train.moe.compare_without_replay`)."""
         if self.moe is None or self.moe.mode == "off" or not self.cfg.moe.compare_without_replay:
@@ -304,7 +338,7 @@ class TrainSide(TrainStateMixin):
         was_training = module.training
         module.eval()
         try:
-            free = self._all_logprobs(module, batch, "free")
+            free = self._all_logprobs(module, batch, plan, "free")
         finally:
             module.train(was_training)
         mask = batch.loss_mask
@@ -312,11 +346,11 @@ class TrainSide(TrainStateMixin):
         return {
             "moe/logprob_mismatch_no_replay": float(diff.sum() / mask.sum().clamp(min=1)),
             "moe/logprob_ratio_clip_frac_no_replay": float(
-                (_outside_clip(free - batch.rollout_logprobs) * mask).sum() / mask.sum().clamp(min=1)
+                (outside_clip(free - batch.rollout_logprobs) * mask).sum() / mask.sum().clamp(min=1)
             ),
         }
 
-    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+    def compute_ref_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor | None:
         """The frozen reference's log-probs `[B, R]`, or None when no reference is needed.
 
         With LoRA the reference is the policy with its adapter disabled (the frozen base)."""
@@ -326,10 +360,10 @@ class TrainSide(TrainStateMixin):
             module.eval()
             try:
                 with self.lora.adapter_disabled():
-                    return self._all_logprobs(module, batch, "ref")
+                    return self._all_logprobs(module, batch, plan, "ref")
             finally:
                 module.train(was_training)
-        return None if self.ref is None else self._all_logprobs(self.ref, batch, "ref")
+        return None if self.ref is None else self._all_logprobs(self.ref, batch, plan, "ref")
 
     # ------------------------------------------------------------ the step
 
@@ -343,47 +377,58 @@ class TrainSide(TrainStateMixin):
                 "the algorithm needs rollout log-probs (tis / use_rollout_logprobs_as_old) but the "
                 "engine returned none; request log-probs from the engine"
             )
+        plan = self._plan(batch)  # prompt groups, mini- and micro-batches: once per step
         moe_metrics: dict[str, float] = {}
         if self.moe is not None:
             self.moe.begin_step(
                 batch.tokens, batch.response_lengths, batch.routed_experts or [None] * batch.num_samples
             )
-            moe_metrics = self._moe_mismatch_without_replay(batch)
+            moe_metrics = self._moe_mismatch_without_replay(batch, plan)
         r2 = self.moe is not None and self.moe.mode == "old_policy"
         if r2:  # the old pass records the old policy's experts before anything replays them
-            old_r2 = self.compute_old_logprobs(batch)
-        ref_lp = self.compute_ref_logprobs(batch)
+            old_r2 = self.compute_old_logprobs(batch, plan)
+        ref_lp = self.compute_ref_logprobs(batch, plan)
         precompute_old = algo.needs_old_logprobs and (
             cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
         )
-        old_all = (old_r2 if r2 else self.compute_old_logprobs(batch)) if precompute_old else None
+        old_all = (old_r2 if r2 else self.compute_old_logprobs(batch, plan)) if precompute_old else None
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
-        advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
+        keys = plan.keys  # the step's prompt groups (the critic splits by them too)
+        values = self.critic.values(batch, keys) if self.critic is not None else None  # [B, R]
+        advantages, returns = algo.compute_advantages_and_returns(batch.rewards, mask, kl=kl, values=values)
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
         step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
+        self._detail = StepDetailCollector(advantages, mask, batch.response_lengths, batch.record_rows)
 
         self.bundle.module.train()
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
-        updates = split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout)
-        keys = prompt_keys(batch.tokens, batch.response_lengths)  # samples of a group: same micro-batch
-        for u, rows in enumerate(updates):
+        updates = plan.updates
+        policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
+        planned = [] if policy_waits else list(zip(updates, plan.update_micro_batches, strict=True))
+        for u, (rows, mbs) in enumerate(planned):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
-            for mb in micro_batches(
-                rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size, keys=keys
-            ):
-                self._micro_step(batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0)
+            for mb in mbs:
+                self._micro_step(
+                    batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0, plan=plan
+                )
             step_metrics.append(self._optimizer_step())
         metrics = reduce_metrics(sums.sums, sums.weights, _SUMMED, self.dist)
         n_updates = max(1, sum(1 for rows in updates if rows))
         for k in _SUMMED & metrics.keys():  # each update's loss, averaged over the updates
             metrics[k] /= n_updates
         out = {f"train/{k}": v for k, v in metrics.items()}
-        out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
-        out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if step_metrics:
+            out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
+            out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if self.critic is not None:
+            assert values is not None and returns is not None
+            critic_metrics = self.critic.update(batch, updates, values, returns, keys)
+            out.update({f"train/critic/{k}": v for k, v in critic_metrics.items()})
+            out["train/critic/policy_updated"] = 0.0 if policy_waits else 1.0
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
         for ext in self.extensions:
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
@@ -392,30 +437,35 @@ class TrainSide(TrainStateMixin):
         out.update(batch.metrics)
         return out
 
+    def step_detail(self) -> StepRowDetail | None:
+        """Per-sample values of the last train step (`verst.trainer.train.step_detail`); None before one."""
+        return None if self._detail is None else self._detail.detail
+
     def _forward_for_loss(
-        self, batch: TrainBatch, rows: list[int]
+        self, batch: TrainBatch, mb: MicroBatch, plan: StepPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """The micro-step forward: an extension's own (e.g. top-k OPD), else the default."""
         module = self.bundle.module
-        for ext in self.extensions if rows else ():
+        for ext in self.extensions if mb.rows else ():
             if self.moe is not None:
                 self.moe.hooks.replay = None  # an extension's own forward routes freely
-            own = ext.forward(module, batch, rows)
+            own = ext.forward(module, batch, list(mb.rows))
             if own is not None:
                 return own
-        lp, ent = self._forward(module, batch, rows, entropy=True)
-        aux = self.moe.aux_loss if self.moe is not None and rows else None
+        lp, ent = self._forward(module, batch, mb, entropy=True, plan=plan)
+        aux = self.moe.aux_loss if self.moe is not None and mb.rows else None
         return lp, ent, ({"moe_aux_loss": aux} if aux is not None else {})
 
     def _micro_step(
         self,
         batch: TrainBatch,
-        rows: list[int],
+        mb: MicroBatch,
         norm: LossNorm,
         step: _StepTensors,
         sums: _MetricSums,
         *,
         at_old_weights: bool = True,
+        plan: StepPlan | None = None,
     ) -> None:
         """One micro-batch's forward, loss and backward; metrics accumulate into `sums`.
 
@@ -423,7 +473,8 @@ class TrainSide(TrainStateMixin):
         step's first update, before any optimizer step) — only then is `logprob_mismatch`
         (|old − rollout|) measured.
         """
-        lp, ent, extras = self._forward_for_loss(batch, rows)
+        rows = list(mb.rows)
+        lp, ent, extras = self._forward_for_loss(batch, mb, plan)
         if not rows:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
             self._backward(loss)
@@ -436,7 +487,7 @@ class TrainSide(TrainStateMixin):
         m = batch.loss_mask[rows].to(device)
         rl = rows_of(step.rollout)
         old = rows_of(step.old) if step.old is not None else lp.detach()
-        mb, pre = self.algo.micro_batch(
+        terms, pre = self.algo.micro_batch(
             lp,
             old if self.algo.needs_old_logprobs else None,
             rows_of(step.advantages),  # type: ignore[arg-type]
@@ -447,18 +498,20 @@ class TrainSide(TrainStateMixin):
             norm=norm,
             extras=extras,
         )
-        out = self.algo.loss_of(mb, pre)
-        extra_loss, extra_metrics = compose(self.extra_terms, mb)
+        out = self.algo.loss_of(terms, pre)
+        extra_loss, extra_metrics = compose(self.extra_terms, terms)
         loss = out.loss if extra_loss is None else out.loss + extra_loss
         metrics = {**out.metrics, **to_floats(extra_metrics)}
         self._backward(loss * self.dist.world_size)
         ntok = float(m.sum())
+        if at_old_weights and self._detail is not None:
+            self._detail.add_logprobs(rows, old)
         metrics.pop("logprob_mismatch", None)  # measured here, against the step's old weights
         if rl is not None and at_old_weights:  # the trainer's log-probs before this step's updates
             diff = (old.detach() - rl).abs() * m
             metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
             metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
-            metrics["logprob_ratio_clip_frac"] = float((_outside_clip(old.detach() - rl) * m).sum()) / max(
+            metrics["logprob_ratio_clip_frac"] = float((outside_clip(old.detach() - rl) * m).sum()) / max(
                 ntok, 1.0
             )
         sums.add(metrics, ntok)
@@ -484,10 +537,4 @@ class TrainSide(TrainStateMixin):
         """Release the models (the process group is the launcher's to destroy)."""
         self.bundle = None  # type: ignore[assignment]
         self.ref = None
-
-
-def _outside_clip(log_ratio: torch.Tensor, eps: float = 0.2) -> torch.Tensor:
-    """1 where the trainer/engine ratio `exp(log_ratio)` leaves `[1 - eps, 1 + eps]` (the tokens a
-    PPO clip of 0.2 would clip at the first update), else 0."""
-    ratio = log_ratio.exp()
-    return ((ratio < 1 - eps) | (ratio > 1 + eps)).to(log_ratio.dtype)
+        self.critic = None
