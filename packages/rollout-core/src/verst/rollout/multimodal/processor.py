@@ -15,6 +15,7 @@ image count), which is the double-expansion bug other frameworks hit.
 
 from __future__ import annotations
 
+import io
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from verst.rollout.multimodal.families import (
     image_processor,
     is_vision_config,
 )
-from verst.rollout.multimodal.images import ImageError, ImageRef, load_ref
+from verst.rollout.multimodal.images import ImageError, ImageRef, ImageStore, load_ref, resolve_image
 
 
 class TextOnlyModelError(ValueError):
@@ -97,14 +98,19 @@ class MultimodalProcessor:
     PIXEL_CACHE = 512
     """Rebuilt pixels kept per process (by image hash): a GRPO group's samples share one image."""
 
-    def __init__(self, family: VisionFamily, placeholder_id: int) -> None:
+    def __init__(self, family: VisionFamily, placeholder_id: int, store: ImageStore | None = None) -> None:
         self.family = family
         self.placeholder_id = placeholder_id
         """The id of `<image>` in the tokenizer: one per image before expansion."""
+        self.store = store
+        """Where images that arrive without a file (base64, an environment's rendered image) are
+        written, so the trainer can re-read them (None: such images are refused)."""
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, tokenizer: Any, config: Any = None) -> MultimodalProcessor:
+    def from_pretrained(
+        cls, model_dir: str | Path, tokenizer: Any, config: Any = None, *, store: ImageStore | None = None
+    ) -> MultimodalProcessor:
         """The processor of a VLM checkpoint directory; `TextOnlyModelError` for a text-only one."""
         if config is None:
             from transformers import AutoConfig
@@ -120,11 +126,24 @@ class MultimodalProcessor:
         placeholder = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
         if placeholder is None or placeholder == getattr(tokenizer, "unk_token_id", None):
             raise ValueError(f"the tokenizer of {model_dir} has no {IMAGE_PLACEHOLDER!r} token")
-        return cls(family, int(placeholder))
+        return cls(family, int(placeholder), store)
 
     @property
     def image_token_id(self) -> int:
         return self.family.image_token_id
+
+    def resolve(self, value: Any, *, what: str) -> tuple[ImageRef, Any]:
+        """A path, base64 text, data URL or `PIL.Image` → (reference, RGB image)."""
+        if isinstance(value, str):
+            return resolve_image(value, what=what, store=self.store)
+        if not hasattr(value, "save"):
+            raise ImageError(f"{what}: an image must be a PIL image, a path or base64; got {type(value).__name__}")
+        if self.store is None:
+            raise ImageError(f"{what}: an in-memory image needs an image store (rollout.image_dir)")
+        buf = io.BytesIO()
+        value.convert("RGB").save(buf, format="PNG")
+        ref = self.store.put(buf.getvalue())
+        return ref, value.convert("RGB")
 
     # ---- the expansion ------------------------------------------------------------------
     def pixels(self, image: Any, ref: ImageRef) -> dict[str, torch.Tensor]:
