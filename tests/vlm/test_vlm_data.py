@@ -59,18 +59,32 @@ def test_rows_with_paths_base64_and_chat_parts(tmp_path, llava, image_files):
     assert samples[2].prompt[0]["content"] == "a <image> b"
     assert samples[3].images is None and samples[3].tokens == []
     # the group clones keep the recipe; the data source serves them
-    groups = PromptDataSource(DataConfig(path=str(data), shuffle=False), 2, tokenizer=tok, vision=vision).get_samples(1)
+    groups = PromptDataSource(
+        DataConfig(path=str(data), shuffle=False), 2, tokenizer=tok, vision=vision
+    ).get_samples(1)
     assert groups[0][0].images == groups[0][1].images == first.images
 
 
 @pytest.mark.parametrize(
     ("row", "match"),
     [
-        ({"prompt": "<image>", "images": ["missing.png"]}, r"d\.jsonl:2: images\[0\]: image file .*missing\.png.* does not exist"),
+        (
+            {"prompt": "<image>", "images": ["missing.png"]},
+            r"d\.jsonl:2: images\[0\]: image file .*missing\.png.* does not exist",
+        ),
         ({"prompt": "<image>", "images": ["corrupt.png"]}, r"d\.jsonl:2: images\[0\].*not a readable image"),
-        ({"prompt": "<image>", "images": ["data:image/png;base64,@@@"]}, r"d\.jsonl:2: images\[0\]: not valid base64"),
-        ({"prompt": "<image><image>", "images": ["ok.png"]}, r"d\.jsonl:2: .*2 <image> placeholder\(s\) but 1 image"),
-        ({"prompt": "<image>" * 5, "images": ["ok.png"] * 5}, r"d\.jsonl:2: with its 5 image\(s\) expanded the prompt has 80 tokens and the context holds 64"),
+        (
+            {"prompt": "<image>", "images": ["data:image/png;base64,@@@"]},
+            r"d\.jsonl:2: images\[0\]: not valid base64",
+        ),
+        (
+            {"prompt": "<image><image>", "images": ["ok.png"]},
+            r"d\.jsonl:2: .*2 <image> placeholder\(s\) but 1 image",
+        ),
+        (
+            {"prompt": "<image>" * 5, "images": ["ok.png"] * 5},
+            r"d\.jsonl:2: with its 5 image\(s\) expanded the prompt has 80 tokens and the context holds 64",
+        ),
         ({"prompt": [{"role": "user", "content": [{"type": "video"}]}]}, r"d\.jsonl:2: message 0 part 0"),
     ],
 )

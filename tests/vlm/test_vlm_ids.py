@@ -50,7 +50,9 @@ images_st = st.lists(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(family=st.sampled_from(FAMILIES), images=images_st, text=st.text("abc xyz?", max_size=12), data=st.data())
+@given(
+    family=st.sampled_from(FAMILIES), images=images_st, text=st.text("abc xyz?", max_size=12), data=st.data()
+)
 def test_image_ids_and_pixels_are_identical_on_both_sides(sides, family, images, text, data):
     from PIL import Image
 

@@ -76,7 +76,9 @@ async def test_image_to_text_only_model_is_refused(family, vlm_checkpoints, tiny
         # ids whose image span does not hold image tokens: a clear error, not a wrong forward
         with pytest.raises(InvalidRequest, match="no image tokens"):
             await vlm.generate(GenerateRequest([5] * len(p.input_ids), images=tuple(p.images)))
-        out = await vlm.generate(GenerateRequest(p.input_ids, SamplingParams(max_new_tokens=2), images=tuple(p.images)))
+        out = await vlm.generate(
+            GenerateRequest(p.input_ids, SamplingParams(max_new_tokens=2), images=tuple(p.images))
+        )
         assert len(out.output_ids) == 2  # the engine still serves after refusing
     finally:
         await vlm.close()

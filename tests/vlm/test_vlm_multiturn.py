@@ -37,7 +37,9 @@ class RenderEnv:
         if self.turns >= 3:
             return StepResult(done=True, reward=1.0)
         colour = (255, 0, 0) if self.turns == 1 else (0, 0, 255)
-        return StepResult(observation=Observation(text=" see <image>:", images=(Image.new("RGB", (12, 9), colour),)))
+        return StepResult(
+            observation=Observation(text=" see <image>:", images=(Image.new("RGB", (12, 9), colour),))
+        )
 
     async def close(self):
         pass
@@ -49,11 +51,19 @@ async def test_image_observation_through_engine_and_trainer(family, vlm_checkpoi
     store = ImageStore(tmp_path / "rendered")
     engine = EmbeddedEngine.from_pretrained(path)
     vision = MultimodalProcessor.from_pretrained(path, engine.tokenizer, store=store)
-    config = RolloutConfig(batch_size=1, n_samples_per_prompt=1, max_response_len=60, env={"type": "tools", "max_turns": 3})
-    ctx = RolloutContext(config=config, data_source=None, engine=engine, tokenizer=engine.tokenizer, vision=vision)
+    config = RolloutConfig(
+        batch_size=1, n_samples_per_prompt=1, max_response_len=60, env={"type": "tools", "max_turns": 3}
+    )
+    ctx = RolloutContext(
+        config=config, data_source=None, engine=engine, tokenizer=engine.tokenizer, vision=vision
+    )
     state = GenerateState(context=ctx, rollout_id=0, weight_version=0, semaphore=asyncio.Semaphore(4))
-    prompt = vision.expand(engine.tokenizer("what is <image>?")["input_ids"], [vision.resolve(str(image_files[0]), what="t")])
-    sample = Sample(prompt="", tokens=prompt.input_ids, images=[im.to_dict() for im in prompt.images], sample_index=0)
+    prompt = vision.expand(
+        engine.tokenizer("what is <image>?")["input_ids"], [vision.resolve(str(image_files[0]), what="t")]
+    )
+    sample = Sample(
+        prompt="", tokens=prompt.input_ids, images=[im.to_dict() for im in prompt.images], sample_index=0
+    )
     gen = AgenticGenerate(config.env, RenderEnv)
     params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, sampling_seed=3)
     try:

@@ -48,7 +48,9 @@ def _row_images(prompt: Any, row: dict[str, Any], config: DataConfig, where: str
     store = image_store_for(path, config.image_dir) if path is not None else None
     base = path.parent if path is not None else None
     images = []
-    if isinstance(prompt, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt):
+    if isinstance(prompt, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt
+    ):
         prompt, images = message_images(prompt, where=where, store=store, base_dir=base)
     prompt, more = row_images(
         prompt, row.get(config.image_key), where=where, key=config.image_key, store=store, base_dir=base
@@ -115,7 +117,12 @@ def _row_to_sample(
             max_prompt_tokens=max_prompt_tokens,
         )
         return Sample(
-            prompt=prompt, label=label, tokens=ids, images=recipes, metadata=dict(metadata), status=Status.PENDING
+            prompt=prompt,
+            label=label,
+            tokens=ids,
+            images=recipes,
+            metadata=dict(metadata),
+            status=Status.PENDING,
         )
     if config.apply_chat_template and tokenizer is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -212,7 +219,11 @@ def load_prompt_samples(
 
 
 def build_eval_datasets(
-    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None, vision: Any = None
+    eval_config: EvalConfig,
+    *,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    vision: Any = None,
 ) -> dict[str, list[Sample]]:
     """Named eval sets (one PENDING sample per prompt; the strategy makes the groups).
 

@@ -134,7 +134,11 @@ def build_data_source(
 
 
 def build_eval_sets(
-    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None, vision: Any = None
+    eval_config: EvalConfig,
+    *,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    vision: Any = None,
 ) -> dict[str, list[Sample]]:
     """Named eval sets (one PENDING sample per prompt), from files or finite generated sources."""
     out: dict[str, list[Sample]] = {}
@@ -142,7 +146,9 @@ def build_eval_sets(
         if ds.source == FILE:
             one = EvalConfig(datasets={name: ds})
             out.update(
-                build_eval_datasets(one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision)
+                build_eval_datasets(
+                    one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
+                )
             )
             continue
         cls, options = _build(ds, f"rollout.eval.datasets.{name}")

@@ -52,6 +52,8 @@ class TrainBatch:
     """Batch statistics (dropped groups, lengths, rewards)."""
     opd: OpdBatch | None = None
     """Teacher data for on-policy distillation (None when no sample was distilled)."""
+    images: list[list[dict]] | None = None
+    """Per sample its `Sample.images` recipes (vision-language models; None when no sample has one)."""
 
     @property
     def num_samples(self) -> int:
@@ -152,6 +154,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         prompts=[str(g[0].prompt) for g in kept],
         metrics=metrics,
         opd=collate_opd(samples, width),
+        images=[list(s.images or []) for s in samples] if any(s.images for s in samples) else None,
     )
 
 

@@ -153,7 +153,11 @@ class PolicyLogprobs(nn.Module):
             mask = additive_mask(mask, param.dtype if param.dtype.is_floating_point else torch.float32)
         decoder = self.policy.get_decoder()
         ids = inputs.input_ids.to(device)
-        tokens = {"input_ids": ids} if inputs.vision is None else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
+        tokens = (
+            {"input_ids": ids}
+            if inputs.vision is None
+            else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
+        )
         out = decoder(
             **tokens,
             position_ids=inputs.position_ids.to(device),

@@ -213,11 +213,30 @@ class TrainSide:
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
-        inputs = chooser.lay_out([batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows])
+        tokens, resp = [batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows]
+        if batch.images is not None:  # vision-language: the same layouts, through the bank (docs/vlm.md)
+            from verst.rollout.multimodal.processor import PromptImage
+            from verst.trainer.vision import lay_out_with_images
+
+            images = [[PromptImage.from_dict(d) for d in batch.images[i]] for i in rows]
+            inputs = lay_out_with_images(chooser.pick(tokens, resp), self._vision(), tokens, resp, images)
+        else:
+            inputs = chooser.lay_out(tokens, resp)
         self.layout_counts[inputs.layout] += 1
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
+
+    def _vision(self) -> Any:
+        """The model's `MultimodalProcessor` (built on first use: text runs never need it)."""
+        if getattr(self, "_vision_processor", None) is None:
+            from transformers import AutoTokenizer
+
+            from verst.rollout.multimodal.processor import MultimodalProcessor
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._vision_processor = MultimodalProcessor.from_pretrained(self.model_path, tokenizer)
+        return self._vision_processor
 
     @torch.no_grad()
     def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:

@@ -66,9 +66,7 @@ def _bank_sequences(
         p = len(seq) - r
         key = (tuple(seq[:p]), image_key(_prompt_images(images[i], p)))
         owner = first.setdefault(key, i)
-        out.append(
-            [offsets[owner] + j for j in range(p)] + [offsets[i] + j for j in range(p, len(seq))]
-        )
+        out.append([offsets[owner] + j for j in range(p)] + [offsets[i] + j for j in range(p, len(seq))])
     return out, offsets
 
 

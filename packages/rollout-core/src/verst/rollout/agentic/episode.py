@@ -193,7 +193,9 @@ class AgenticGenerate:
             if sample.images:  # the prompt's own images stay; earlier observations' go
                 sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
         else:
-            ids, images = expand_observation(state.context.vision, obs, prompt_ids(state.tokenizer, obs), offset=0)
+            ids, images = expand_observation(
+                state.context.vision, obs, prompt_ids(state.tokenizer, obs), offset=0
+            )
             sample.tokens, sample.images = ids, images or None
         sample.response_length = 0
         sample.response = ""

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
-from verst.rollout.engines._vision import prefill_kwargs
 from verst.rollout.engines._sampling import (
     BatchSampling,
     PromptScores,
@@ -29,6 +28,7 @@ from verst.rollout.engines._sampling import (
     sample,
     top_logprobs,
 )
+from verst.rollout.engines._vision import prefill_kwargs
 from verst.rollout.multimodal.processor import image_key
 
 

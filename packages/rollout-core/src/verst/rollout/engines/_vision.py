@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 
-def prefill_kwargs(vision: Any, model: Any, ids: torch.Tensor, rows: Sequence[Any]) -> dict[str, torch.Tensor]:
+def prefill_kwargs(
+    vision: Any, model: Any, ids: torch.Tensor, rows: Sequence[Any]
+) -> dict[str, torch.Tensor]:
     """`input_ids=ids`, or `inputs_embeds` with the images of `rows` (left-padded in `ids`)."""
     if vision is None or not any(r.request.images for r in rows):
         return {"input_ids": ids}

@@ -98,7 +98,7 @@ class RequestTooLarge(InvalidRequest):
 
 
 def parse_generate(
-    body: Any, tokenizer: Any, *, max_request_tokens: int | None = None
+    body: Any, tokenizer: Any, *, max_request_tokens: int | None = None, vision: Any = None
 ) -> tuple[list[WireItem], bool, bool]:
     """A /generate body → (items, is_batch, stream).
 
@@ -120,6 +120,7 @@ def parse_generate(
         _check(tokenizer is not None, "this server has no tokenizer; send input_ids")
         prompts = [tokenizer.encode(t) for t in texts]
     _check(bool(prompts), "empty batch")
+    prompts, images = _expand_images(body, prompts, batch, vision)
     raw_sp = body.get("sampling_params") or {}
     sps = raw_sp if isinstance(raw_sp, list) else [raw_sp] * len(prompts)
     _check(len(sps) == len(prompts), "sampling_params list must match the batch size")
@@ -158,9 +159,12 @@ def parse_generate(
         "lora_path must be an adapter name (or a list of names / nulls matching the batch)",
     )
     items: list[WireItem] = []
-    for prompt, (params, n, skip, no_trim), rid, lora in zip(prompts, parsed, rids, loras, strict=True):
+    for prompt, (params, n, skip, no_trim), rid, lora, imgs in zip(
+        prompts, parsed, rids, loras, images, strict=True
+    ):
         for j in range(n):
             req = GenerateRequest(
+                images=imgs,
                 input_ids=list(prompt),
                 sampling=params,
                 rid=rid if n == 1 else f"{rid}-{j}",
@@ -172,6 +176,33 @@ def parse_generate(
             )
             items.append(WireItem(req, skip, no_trim))
     return items, batch or len(items) > 1, flags["stream"]
+
+
+def _expand_images(
+    body: dict[str, Any], prompts: list[list[int]], batch: bool, vision: Any
+) -> tuple[list[list[int]], list[tuple[Any, ...]]]:
+    """sglang's `image_data` beside placeholder ids → expanded ids and recipes per prompt."""
+    if body.get("image_data") in (None, []):
+        return prompts, [() for _ in prompts]
+    from verst.rollout.multimodal.images import ImageError
+    from verst.rollout.multimodal.wire import images_of
+
+    try:
+        per_prompt = images_of(body, len(prompts), batch=batch)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if vision is None:
+        raise InvalidRequest("image_data was given to a text-only model; serve a vision-language checkpoint")
+    ids_out, images_out = [], []
+    for k, (prompt, raw) in enumerate(zip(prompts, per_prompt, strict=True)):
+        try:
+            resolved = [vision.resolve(x, what=f"image_data[{k}][{j}]") for j, x in enumerate(raw)]
+            expanded = vision.expand(prompt, resolved)
+        except ImageError as exc:
+            raise InvalidRequest(str(exc)) from None
+        ids_out.append(expanded.input_ids)
+        images_out.append(tuple(expanded.images))
+    return ids_out, images_out
 
 
 def _pairs(rows: list[list[tuple[float, int]] | None] | None) -> list[Any] | None:
@@ -241,6 +272,11 @@ def request_json(req: GenerateRequest) -> dict[str, Any]:
         body["token_ids_logprob"] = list(req.token_ids_logprob)
     if req.lora_path is not None:
         body["lora_path"] = req.lora_path
+    if req.images:  # sglang's form: placeholders in the ids, the images beside them
+        from verst.rollout.multimodal.wire import collapse_ids, image_data
+
+        body["input_ids"] = collapse_ids(req.input_ids, req.images)
+        body["image_data"] = image_data(req.images)
     return body
 
 

@@ -186,9 +186,11 @@ class EmbeddedEngine(LoraEngineMixin):
             torch.set_num_threads(num_threads)
         from verst.rollout.multimodal.families import auto_model_class, is_vision_config
 
-        model = auto_model_class(str(path)).from_pretrained(
-            str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype)
-        ).to(_resolve_device(device))
+        model = (
+            auto_model_class(str(path))
+            .from_pretrained(str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+            .to(_resolve_device(device))
+        )
         from verst.rollout.engines._attention import use_grouped_sdpa
 
         if tokenizer is None or isinstance(tokenizer, str | Path):
@@ -455,7 +457,7 @@ class EmbeddedEngine(LoraEngineMixin):
         return fut
 
     def _read_checkpoint(self, path: str) -> dict[str, Any]:
-        transformers = require("transformers", extra="local", feature=LOCAL_FEATURE)
+        require("transformers", extra="local", feature=LOCAL_FEATURE)
         dtype = next(self.model.parameters()).dtype
         try:
             from verst.rollout.multimodal.families import auto_model_class

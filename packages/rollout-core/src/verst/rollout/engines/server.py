@@ -200,7 +200,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     try:
         items, batch, stream = parse_generate(
-            body, state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
+            body,
+            state.engine.tokenizer,
+            max_request_tokens=request.app[MAX_REQUEST_TOKENS],
+            vision=getattr(state.engine, "vision", None),
         )
         state.refuse_if_released("generate")
     except InvalidRequest as exc:

@@ -69,7 +69,9 @@ def base64_bytes(text: str, *, what: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise ImageError(f"{what}: not valid base64 ({exc}); fix: encode the image bytes with base64") from None
+        raise ImageError(
+            f"{what}: not valid base64 ({exc}); fix: encode the image bytes with base64"
+        ) from None
 
 
 class ImageStore:
@@ -107,8 +109,8 @@ def resolve_image(
     if value.startswith(_DATA_URL) or (not is_file and _looks_base64(value)):
         data = base64_bytes(value, what=what)
         image = decode_image(data, what=what)
-        if store is None:
-            raise ImageError(f"{what}: a base64 image needs an image store (set rollout.image_dir)")
+        if store is None:  # kept in memory only (a server's request): no file to re-read later
+            return ImageRef("", hashlib.sha256(data).hexdigest()), image
         return store.put(data), image
     if path is None or not is_file:
         raise ImageError(f"{what}: image file {str(path)!r} does not exist; fix: check the path")
@@ -118,9 +120,15 @@ def resolve_image(
 
 def load_ref(ref: ImageRef) -> Any:
     """Read an `ImageRef` back, checking its hash (the file must not have changed since)."""
+    if not ref.path:
+        raise ImageError(
+            f"image sha256 {ref.sha256[:12]} was given in memory only and has no file to re-read"
+        )
     path = Path(ref.path)
     if not path.is_file():
-        raise ImageError(f"image {ref.path!r} (sha256 {ref.sha256[:12]}) is gone; keep image files for the run")
+        raise ImageError(
+            f"image {ref.path!r} (sha256 {ref.sha256[:12]}) is gone; keep image files for the run"
+        )
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != ref.sha256:

@@ -49,6 +49,8 @@ class PromptImage:
     """Number of tokens of the expansion (the image-feature positions are the image-token ids in it)."""
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     """The processor's output tensors' names and shapes (checked when pixels are rebuilt)."""
+    placeholder: int = -1
+    """The placeholder id the span replaced (`<image>`): what SGLang's wire form holds instead."""
     pixels: dict[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
     """The pixels, when at hand in this process (never serialized; rebuilt from `ref` otherwise)."""
 
@@ -59,16 +61,20 @@ class PromptImage:
             "offset": self.offset,
             "length": self.length,
             "shapes": {k: list(v) for k, v in self.shapes},
+            "placeholder": self.placeholder,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PromptImage:
         shapes = tuple((k, tuple(int(x) for x in v)) for k, v in data["shapes"].items())
-        return cls(ImageRef(data["path"], data["sha256"]), int(data["offset"]), int(data["length"]), shapes)
+        ref = ImageRef(data["path"], data["sha256"])
+        return cls(ref, int(data["offset"]), int(data["length"]), shapes, int(data.get("placeholder", -1)))
 
     def shifted(self, by: int) -> PromptImage:
         """The same image `by` positions later (a prompt's images inside a longer sequence)."""
-        return PromptImage(self.ref, self.offset + by, self.length, self.shapes, self.pixels)
+        return PromptImage(
+            self.ref, self.offset + by, self.length, self.shapes, self.placeholder, self.pixels
+        )
 
 
 def image_key(images: Sequence[PromptImage | dict[str, Any]] | None) -> tuple[tuple[str, int], ...]:
@@ -137,7 +143,9 @@ class MultimodalProcessor:
         if isinstance(value, str):
             return resolve_image(value, what=what, store=self.store)
         if not hasattr(value, "save"):
-            raise ImageError(f"{what}: an image must be a PIL image, a path or base64; got {type(value).__name__}")
+            raise ImageError(
+                f"{what}: an image must be a PIL image, a path or base64; got {type(value).__name__}"
+            )
         if self.store is None:
             raise ImageError(f"{what}: an in-memory image needs an image store (rollout.image_dir)")
         buf = io.BytesIO()
@@ -181,7 +189,7 @@ class MultimodalProcessor:
             px = self.pixels(image, ref)
             span = self.family.expansion(px)
             shapes = tuple((k, tuple(v.shape)) for k, v in px.items())
-            recipes.append(PromptImage(ref, offset + len(out), len(span), shapes, px))
+            recipes.append(PromptImage(ref, offset + len(out), len(span), shapes, self.placeholder_id, px))
             out.extend(span)
             start = slot + 1
         out.extend(ids[start:])

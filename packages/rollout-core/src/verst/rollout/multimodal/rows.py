@@ -72,7 +72,8 @@ def row_images(
     if not isinstance(values, list):
         raise ImageError(f"{where}: {key!r} must be a list of image paths or base64 strings")
     images = [
-        resolve_image(v, what=f"{where}: {key}[{k}]", store=store, base_dir=base_dir) for k, v in enumerate(values)
+        resolve_image(v, what=f"{where}: {key}[{k}]", store=store, base_dir=base_dir)
+        for k, v in enumerate(values)
     ]
     if images and isinstance(prompt, str) and IMAGE_PLACEHOLDER not in prompt:
         prompt = IMAGE_PLACEHOLDER * len(images) + prompt

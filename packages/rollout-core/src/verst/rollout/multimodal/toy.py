@@ -101,6 +101,7 @@ def build_tiny_vlm(
         image_token_id=image_id,
         scale_factor=2,
         tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
     )
     processor = Idefics3ImageProcessorPil(
         do_image_splitting=False,
@@ -110,7 +111,9 @@ def build_tiny_vlm(
     return Idefics3ForConditionalGeneration(config), processor
 
 
-def make_tiny_vlm_checkpoint(path: str | Path, *, family: str = "llava", seed: int = 0, **kwargs: Any) -> Path:
+def make_tiny_vlm_checkpoint(
+    path: str | Path, *, family: str = "llava", seed: int = 0, **kwargs: Any
+) -> Path:
     """Build and save a tiny VLM, its tokenizer and its image processor config to `path`."""
     path = Path(path)
     tokenizer = build_vlm_tokenizer()
