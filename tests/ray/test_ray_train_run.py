@@ -3,7 +3,8 @@
 1. rank 1 is `ray.kill`ed as step 2 enters its train phase — rank 0 is then blocked in a
    collective waiting for it, so the call must fail on rank 1's death (not hang): the error names
    the actor and quotes its last log lines, and nothing of the run is left on the cluster;
-2. running again resumes from the step-1 checkpoint and finishes;
+2. running again resumes from the step-1 checkpoint and finishes, and shuts down cleanly: no
+   actor logs an ERROR, the rollout manager closes its side, every attempt's events are written;
 3. the result is what the same run gives in one process: the same prompts, metrics, rewards,
    checkpoints and trained weights (the Ray run and the resume are both checked against it).
 
@@ -20,9 +21,11 @@ import torch
 from ray_testlib import (
     KillDuringStep,
     install_reward_module,
+    log_sizes,
     ray_run,
     run_actors_left,
     run_dict,
+    shutdown_problems,
     write_prompts,
 )
 from safetensors.torch import load_file
@@ -79,9 +82,12 @@ def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, t
     assert run_actors_left(ray_cluster) == []  # every actor of the run was ended
     assert [s for s, m in killer.records if "train/loss" in m] == [1]
 
-    # 2. running again resumes from step 1
+    # 2. running again resumes from step 1, and ends cleanly (no ERROR lines, the rollout side
+    # closed, every attempt's events written)
     resumed_log = InMemoryLogger()
+    before = log_sizes(run_dir)
     resumed = run_training(ray_cfg, run_dir, env={}, logger=resumed_log)
+    assert shutdown_problems(run_dir, since=before) == []
     assert resumed.start_step == 1 and resumed.steps_done == 2 and resumed.weight_version == 2
     assert "resumed_from" in (run_dir / "resume.log").read_text()
     assert read_meta(resumed.checkpoint)["step"] == 2 and read_meta(resumed.checkpoint)["weight_version"] == 2

@@ -238,3 +238,16 @@ def test_prompt_longer_than_the_context_is_found_at_read_naming_file_and_line(tm
     assert (
         len(PromptDataSource(DataConfig(path=path), 2, tokenizer=_CharTokenizer(), max_prompt_tokens=41)) == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "prompt"), [("jsonl", ""), ("jsonl", "   "), ("jsonl", []), ("parquet", ""), ("parquet", " ")]
+)
+def test_empty_prompt_is_a_data_error_at_read_naming_file_and_line(tmp_path, fmt, prompt):
+    """#25 item 6: an empty prompt used to reach the engine ("input_ids is empty", group FAILED)."""
+    rows = [{"prompt": "ok"}, {"prompt": prompt}]
+    write = _write_jsonl if fmt == "jsonl" else _write_parquet
+    path = write(tmp_path / f"d.{fmt}", rows)
+    where = "d.jsonl:2" if fmt == "jsonl" else "d.parquet:row 2"
+    with pytest.raises(DataError, match=rf"{where}: 'prompt' is empty.*fix"):
+        PromptDataSource(DataConfig(path=path), 2)

@@ -96,7 +96,7 @@ def test_all_problems_reported_in_one_error():
         "algorithm.kl_coef",
         "algorithm.dual_clip_c",
         "algorithm.dual_clip_c",
-        "algorithm.tis",
+        "algorithm.rollout_correction",
         "algorithm.gamma",
     ]
     text = str(err.value)
@@ -116,7 +116,7 @@ def test_field_ranges_and_unknown_keys_rejected_by_pydantic():
     with pytest.raises(pydantic.ValidationError):
         AlgorithmConfig(kl_coeff=0.1)  # typo: extra="forbid"
     with pytest.raises(pydantic.ValidationError):
-        AlgorithmConfig(tis_cap=0)
+        AlgorithmConfig(tis=True, tis_cap=0)
 
 
 def test_from_toml():

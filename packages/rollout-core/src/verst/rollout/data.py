@@ -95,6 +95,11 @@ def _row_to_sample(
             f"{where}: {config.input_key!r} is a {type(prompt).__name__}; "
             f"fix: make the prompt a string or a list of chat messages"
         )
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise DataError(
+            f"{where}: {config.input_key!r} is empty (the engine would get no input ids); "
+            f"fix: write a prompt, or remove the row"
+        )
     metadata: dict[str, Any] = {}
     if config.metadata_key is not None and row.get(config.metadata_key) is not None:
         metadata = row[config.metadata_key]
@@ -131,6 +136,11 @@ def _row_to_sample(
         from verst.rollout.generate import prompt_token_ids
 
         n = len(prompt_token_ids(tokenizer, prompt, False))
+        if n == 0:
+            raise DataError(
+                f"{where}: the prompt tokenizes to no tokens (the engine would get no input ids); "
+                f"fix: write a prompt the tokenizer encodes, or remove the row"
+            )
         if n >= max_prompt_tokens:
             raise DataError(
                 f"{where}: the prompt has {n} tokens and the context holds {max_prompt_tokens} "

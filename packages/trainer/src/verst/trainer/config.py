@@ -9,6 +9,7 @@ capabilities, algorithm combinations, FSDP placement) and raises every problem i
 
 from __future__ import annotations
 
+import copy
 import difflib
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +22,7 @@ from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.algorithms.rollout_correction import TokenTis
 from verst.trainer.lora import LoraSection
 from verst.trainer.opd.config import OpdConfig, opd_problems
 from verst.trainer.placement.layout import RaySection, placement_problems
@@ -201,18 +203,19 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _off_policy_correction_default(self) -> RunConfig:
-        """Fully-async rollout trains on samples from older weights: truncated importance sampling
-        (`algorithm.tis`) is on by default then. An explicit `algorithm.tis` (true or false) wins,
-        and `use_rollout_logprobs_as_old` (which makes every TIS weight 1) keeps it off; so does
+        """Fully-async rollout trains on samples from older weights: token-level truncated
+        importance sampling (`algorithm.rollout_correction = "tis"`, earlier `algorithm.tis`) is on
+        by default then. An explicit `rollout_correction` (or `tis`, true or false) wins, and
+        `use_rollout_logprobs_as_old` (which makes every ratio 1) keeps it off; so does
         `max_weight_staleness = 0`, which is synchronous training (every sample on-policy)."""
         algo = self.algorithm
         if (
             self.rollout.fully_async
             and _staleness(self.rollout) > 0
-            and "tis" not in algo.model_fields_set
+            and "rollout_correction" not in algo.model_fields_set
             and not algo.use_rollout_logprobs_as_old
         ):
-            algo.tis = True
+            algo.rollout_correction = TokenTis.Config()
         return self
 
 
@@ -363,7 +366,12 @@ def read_run_config_data(path: str | Path | None, overrides: Sequence[str] = ())
             raise ConfigError([Problem(str(path), "config file not found", "check the path")]) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([Problem(str(path), f"not valid TOML: {exc}", "fix the TOML syntax")]) from None
-    return apply_overrides(data, overrides)
+    from verst.trainer.config_overrides import drop_switched_variant_keys
+
+    file_data = copy.deepcopy(data)
+    apply_overrides(data, overrides)
+    drop_switched_variant_keys(RunConfig, file_data, data, [parse_override(o)[0] for o in overrides])
+    return data
 
 
 def run_config_with_problems(data: Mapping[str, Any]) -> tuple[RunConfig, list[Problem]]:

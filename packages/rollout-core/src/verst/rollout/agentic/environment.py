@@ -49,6 +49,18 @@ class TerminationReason(enum.StrEnum):
     """The rollout aborted the episode (target reached, weight update); see `on_abort`."""
 
 
+class EnvCallError(RuntimeError):
+    """An environment call (`env.reset`, `env.step`, or building the environment) raised: the
+    message names the call and the environment class, then the original error (`__cause__`)."""
+
+    def __init__(self, call: str, env: str, cause: BaseException) -> None:
+        super().__init__(f"{call} of environment {env} raised {type(cause).__name__}: {cause}")
+        self.call = call
+        """`env.reset`, `env.step` or `env factory`."""
+        self.cause = cause
+        """What the environment raised."""
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What an environment feeds to the model. Exactly one of the three forms is used:

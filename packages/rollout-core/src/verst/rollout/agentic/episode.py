@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from verst.rollout.agentic.config import EnvConfig
 from verst.rollout.agentic.environment import (
+    EnvCallError,
     Environment,
     EnvironmentFactory,
     EnvSetup,
@@ -153,7 +154,7 @@ class AgenticGenerate:
         try:
             async with asyncio.timeout(self.config.episode_timeout_s):
                 if env is None:
-                    env = self.factory()
+                    env = self._new_env()
                     await self._start(state, sample, env, trace)
                 reason = await self._turns(inp, env, trace, emit)
         except TimeoutError:
@@ -180,7 +181,7 @@ class AgenticGenerate:
     async def _start(
         self, state: GenerateState, sample: Sample, env: Environment, trace: EpisodeTrace
     ) -> None:
-        obs = as_observation(await self._env_call(env.reset(sample), trace))
+        obs = as_observation(await self._env_call(env.reset(sample), trace, "env.reset", env))
         if obs is None or obs.is_empty:
             if not sample.tokens:
                 from verst.rollout.generate import prompt_token_ids
@@ -268,8 +269,10 @@ class AgenticGenerate:
                 resumed = len(ids) != len(out.output_ids)  # the turn spans several requests
                 turn_text = state.tokenizer.decode(ids) if resumed and state.tokenizer is not None else text
                 model_turn = ModelTurn(turn, tuple(ids), turn_text, out.finish_reason)
-                result = await self._env_call(env.step(model_turn), trace)
-                detail["env_s"] = time.perf_counter() - gen_done
+                try:
+                    result = await self._env_call(env.step(model_turn), trace, "env.step", env)
+                finally:
+                    detail["env_s"] = time.perf_counter() - gen_done
                 reason = self._record(sample, result)
                 if reason is not None:
                     detail["status"] = reason.value
@@ -299,10 +302,13 @@ class AgenticGenerate:
                 detail.setdefault(
                     "status", "timeout" if isinstance(exc, TimeoutError | _StepTimeout) else "error"
                 )
-                detail["error"] = type(exc).__name__
+                detail["error"] = type(exc.cause if isinstance(exc, EnvCallError) else exc).__name__
                 raise
             finally:
                 detail["duration_s"] = time.perf_counter() - started
+                if "tokens" in detail:  # the model turn came back: every documented field is set
+                    detail.setdefault("env_s", 0.0)  # (0: the environment was not called)
+                    detail.setdefault("obs_tokens", 0)  # (0: no observation was appended)
                 emit(EventKind.TURN_END, detail)
 
     async def _generate(
@@ -328,12 +334,22 @@ class AgenticGenerate:
                 return GenerateOutput([], [], "abort", state.weight_version), queue_s
             return await state.engine.generate(request), queue_s
 
-    async def _env_call(self, call: Awaitable[T], trace: EpisodeTrace) -> T:
+    def _new_env(self) -> Environment:
+        try:
+            return self.factory()
+        except Exception as exc:
+            raise EnvCallError("env factory", f"rollout.env.type={self.config.type!r}", exc) from exc
+
+    async def _env_call(self, call: Awaitable[T], trace: EpisodeTrace, what: str, env: Environment) -> T:
+        """Await one environment call within `step_timeout_s`; what it raises is an `EnvCallError`
+        naming the call (`what`) and the environment class."""
         with episode_trace(trace):
             try:
                 return await asyncio.wait_for(call, self.config.step_timeout_s)
             except TimeoutError:
                 raise _StepTimeout() from None
+            except Exception as exc:
+                raise EnvCallError(what, type(env).__name__, exc) from exc
 
     def _record(self, sample: Sample, result: StepResult) -> TerminationReason | None:
         """Keep the step's reward, metrics and info; the termination reason if it ended."""

@@ -2,7 +2,8 @@
 
 `type` is a built-in name (`BUILTIN_ENVS`, one table entry per environment) or an import path
 `pkg.module:Class`. The class's nested `Config` (a pydantic model) validates `options`; a class
-without one takes no options. Problems are reported as `Problem`s with their config keys, so
+without one takes no options. A static `problems(options, key) -> list[Problem]` on the class runs
+deeper checks at validation (the verifiers adapter loads its environment and checks its rubric). Problems are reported as `Problem`s with their config keys, so
 validation lists them with every other problem before anything loads.
 """
 
@@ -75,7 +76,10 @@ def env_config_problems(config: EnvConfig) -> list[Problem]:
         return [
             Problem(f"{KEY}.type", str(exc), "check the spelling, or install the package that provides it")
         ]
-    _, problems = _options(cls, config.options)
+    options, problems = _options(cls, config.options)
+    check = getattr(cls, "problems", None)  # deeper checks than the schema (e.g. verifiers' rubric)
+    if not problems and callable(check):
+        problems = list(check(options, f"{KEY}.options"))
     return problems
 
 
@@ -92,5 +96,7 @@ def build_env_factory(config: EnvConfig, setup: EnvSetup) -> EnvironmentFactory:
     if factory is not None:
         return factory(options, setup)
     if getattr(cls, "Config", None) is None:
-        return cls
+        # a fresh `cls()` per episode; not `cls` itself, whose unbound `close` the rollout
+        # would call as the factory's own `close` at the end of the run
+        return lambda: cls()
     return lambda: cls(options)

@@ -33,34 +33,49 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
 from verst.rollout.engines._common import require
+from verst.rollout.errors import ConfigError, MissingOptionalDependency, Problem
 from verst.rollout.integrations._common import EnvFailure, ListSource, assistant_message
 from verst.rollout.sample import Sample, Status
 
 EXTRA = "verifiers"
 
 
-def load_vf_env(env_id: str, env_args: dict[str, Any]) -> Any:
-    """`vf.load_environment(env_id, **env_args)` (imports verifiers, or names the install command)."""
+def load_vf_env(env_id: str, env_args: dict[str, Any], key: str = "rollout.env.options") -> Any:
+    """`vf.load_environment(env_id, **env_args)` (imports verifiers, or names the install command);
+    an environment verst cannot run (not a `vf.MultiTurnEnv`, group-level reward functions) is a
+    `ConfigError` naming `key`."""
     vf = require("verifiers", extra=EXTRA, feature="the verifiers environment adapter")
     env = vf.load_environment(env_id, **env_args)
-    if not isinstance(env, vf.MultiTurnEnv):
-        raise TypeError(
-            f"verifiers environment {env_id!r} is a {type(env).__name__}; verst runs vf.MultiTurnEnv "
-            "subclasses (SingleTurnEnv, MultiTurnEnv, ToolEnv, StatefulToolEnv), whose turns it can generate"
-        )
-    _check_rubric(env, env_id)
+    problems = vf_env_problems(vf, env, env_id, key)
+    if problems:
+        raise ConfigError(problems)
     return env
 
 
-def _check_rubric(env: Any, env_id: str) -> None:
+def vf_env_problems(vf: Any, env: Any, env_id: str, key: str) -> list[Problem]:
+    """What keeps verst from running the loaded verifiers environment `env`."""
+    if not isinstance(env, vf.MultiTurnEnv):
+        return [
+            Problem(
+                f"{key}.env_id",
+                f"verifiers environment {env_id!r} is a {type(env).__name__}; verst runs vf.MultiTurnEnv "
+                "subclasses (SingleTurnEnv, MultiTurnEnv, ToolEnv, StatefulToolEnv), whose turns it can generate",
+                "use a multi-turn verifiers environment",
+            )
+        ]
     rubrics = list(getattr(env.rubric, "rubrics", [env.rubric]))
     group = [f.__name__ for r in rubrics for f in r.funcs if r._is_group_func(f)]
     if group:
-        raise TypeError(
-            f"verifiers environment {env_id!r} has group-level reward functions {group}; verst scores "
-            "each episode with rubric.score_rollout, so use per-rollout reward functions (or a verst group "
-            "reward: rollout.env.reward = 'reward_fn' with rollout.reward.group = true)"
-        )
+        return [
+            Problem(
+                f"{key}.env_id",
+                f"verifiers environment {env_id!r} has group-level reward functions {group}; verst scores "
+                "each episode with rubric.score_rollout",
+                "use per-rollout reward functions (or a verst group reward: rollout.env.reward = "
+                "'reward_fn' with rollout.reward.group = true)",
+            )
+        ]
+    return []
 
 
 class VerifiersOptions(BaseModel):
@@ -87,6 +102,26 @@ class VerifiersEnvironment:
         self.options = options
         self.state: Any = None
         self._prompt: Any = None
+
+    @staticmethod
+    def problems(options: VerifiersOptions, key: str) -> list[Problem]:
+        """Checks at validation, before any model loads: the environment loads, and verst can run
+        it (a group-level rubric is refused here, not after the model has loaded)."""
+        try:
+            load_vf_env(options.env_id, options.env_args, key)
+        except ConfigError as exc:
+            return list(exc.problems)
+        except MissingOptionalDependency as exc:
+            return [Problem("rollout.env.type", str(exc), "install the extra it names")]
+        except Exception as exc:
+            return [
+                Problem(
+                    f"{key}.env_id",
+                    f"vf.load_environment({options.env_id!r}) raised {type(exc).__name__}: {exc}",
+                    "check env_id (a module with load_environment) and env_args",
+                )
+            ]
+        return []
 
     @classmethod
     def factory(cls, options: VerifiersOptions, setup: EnvSetup) -> EnvironmentFactory:
@@ -159,6 +194,10 @@ class VerifiersEnvironment:
                 if reply is None or not isinstance(reply, (list, str)):
                     raise EnvFailure(
                         "verifiers", "malformed", f"env_response returned {type(reply).__name__}"
+                    )
+                if not reply:  # nothing to feed back: the model would generate after its own EOS
+                    raise EnvFailure(
+                        "verifiers", "malformed", f"env_response returned no messages ({reply!r})"
                     )
                 self._prompt = concat_messages([messages, reply])
                 if isinstance(reply, str):

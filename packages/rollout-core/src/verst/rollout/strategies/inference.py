@@ -194,7 +194,11 @@ class InferenceRollout:
         if " object at 0x" in engine:  # no useful repr: the class is what the user configured
             engine = type(self.context.engine).__name__
         parts = [f"engine: {engine}"]
-        parts.append(f"generate function: {config.generate_function_path or 'SingleTurnGenerate (default)'}")
+        if config.env is not None:
+            parts.append(f"environment: rollout.env.type={config.env.type!r} (episode loop AgenticGenerate)")
+        else:
+            default = "SingleTurnGenerate (default)"
+            parts.append(f"generate function: {config.generate_function_path or default}")
         parts.append(f"reward: {config.reward.type}")
         return "; ".join(parts)
 

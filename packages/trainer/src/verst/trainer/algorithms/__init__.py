@@ -2,7 +2,8 @@
 
 Pure torch, no model code. `AlgorithmConfig` is the ``[algorithm]`` config section;
 `build_algorithm` builds the estimator and the policy loss from their own configs
-(`[algorithm.advantage]`, `[algorithm.policy_loss]`: tables `ADVANTAGES`, `POLICY_LOSS_CONFIGS`),
+(`[algorithm.advantage]`, `[algorithm.policy_loss]`, `[algorithm.rollout_correction]`: tables
+`ADVANTAGES`, `POLICY_LOSS_CONFIGS`, `ROLLOUT_CORRECTION_CONFIGS`),
 picks aggregation and KL estimator by name (`AGGREGATIONS`, `KL_ESTIMATORS`) and returns an `Algorithm` with `compute_advantages` and `loss`.
 See docs/algorithms.md for the formulas.
 """
@@ -25,11 +26,18 @@ from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
 from verst.trainer.algorithms.policy_losses import (
     POLICY_LOSS_CONFIGS,
     POLICY_LOSSES,
+    Cispo,
     Gspo,
     PolicyLoss,
     PolicyLossConfig,
     PolicyLossTerms,
     PpoClip,
+)
+from verst.trainer.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTION_CONFIGS,
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrection,
+    RolloutCorrectionConfig,
 )
 
 __all__ = [
@@ -39,11 +47,14 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "POLICY_LOSS_CONFIGS",
+    "ROLLOUT_CORRECTIONS",
+    "ROLLOUT_CORRECTION_CONFIGS",
     "AdvantageConfig",
     "AdvantageEstimator",
     "Aggregation",
     "Algorithm",
     "AlgorithmConfig",
+    "Cispo",
     "DrGrpo",
     "Grpo",
     "Gspo",
@@ -57,5 +68,7 @@ __all__ = [
     "ReinforcePP",
     "ReinforcePPBaseline",
     "Rloo",
+    "RolloutCorrection",
+    "RolloutCorrectionConfig",
     "build_algorithm",
 ]

@@ -6,8 +6,8 @@ micro-batch losses equals the full-batch loss):
     L = agg(w_t · l_t)  +  kl_coef · agg(KL_est(logp − logp_ref))  [use_kl_loss]
                         −  entropy_coef · agg(H_t)                  [entropy_coef ≠ 0]
 
-with ``l_t`` the policy loss per token (`policy_losses`) and ``w_t`` the truncated-IS weight
-``min(exp(logp_old − logp_rollout), tis_cap)`` (detached; 1 when ``tis`` is off).
+with ``l_t`` the policy loss per token (`policy_losses`) and ``w_t`` the rollout correction's
+detached weight of ``logp_old − logp_rollout`` (`rollout_correction`; 1 with ``none``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, Loss
 from verst.trainer.algorithms.config import AlgorithmConfig
 from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
 from verst.trainer.algorithms.policy_losses import PolicyLoss
+from verst.trainer.algorithms.rollout_correction import RolloutCorrection
 from verst.trainer.algorithms.terms import (
     EntropyTerm,
     KlTerm,
@@ -68,6 +69,8 @@ class Algorithm:
     """The KL estimator (for the KL loss, the KL reward and the `kl` metric)."""
     loss_agg: str
     """Name of the resolved aggregation."""
+    correction: RolloutCorrection | None = None
+    """The rollout correction (None = ``none``: weight 1, metrics only)."""
 
     @property
     def needs_reference(self) -> bool:
@@ -82,8 +85,8 @@ class Algorithm:
 
     @property
     def needs_rollout_logprobs(self) -> bool:
-        """`loss` needs ``rollout_logprobs`` (TIS or rollout log-probs as old)."""
-        return self.config.tis or self.config.use_rollout_logprobs_as_old
+        """`loss` needs ``rollout_logprobs`` (a rollout correction, or rollout log-probs as old)."""
+        return self.config.rollout_correction.active or self.config.use_rollout_logprobs_as_old
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -119,10 +122,10 @@ class Algorithm:
 
     @property
     def terms(self) -> tuple[LossTerm, ...]:
-        """The loss terms, summed in this order: policy loss (TIS-weighted), KL, entropy bonus."""
+        """The loss terms, summed in this order: policy loss (rollout-corrected), KL, entropy bonus."""
         c = self.config
         return (
-            PolicyTerm(self.policy_loss, self.aggregate, tis=c.tis, tis_cap=c.tis_cap),
+            PolicyTerm(self.policy_loss, self.aggregate, correction=self.correction),
             KlTerm(self.kl_estimator, self.aggregate, coef=c.kl_coef, as_loss=c.use_kl_loss),
             EntropyTerm(self.aggregate, coef=c.entropy_coef),
         )
@@ -154,7 +157,8 @@ class Algorithm:
             _same_shape(name, t, shape)
         if self.needs_rollout_logprobs and rollout_logprobs is None:
             raise ValueError(
-                "tis / use_rollout_logprobs_as_old is on: pass rollout_logprobs (the engine's log-probs)"
+                "a rollout correction / use_rollout_logprobs_as_old is on: pass rollout_logprobs "
+                "(the engine's log-probs)"
             )
         # low-precision inputs (bf16 log-probs) are computed in float32: exp(ratio) needs the bits
         dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -231,4 +235,5 @@ def build_algorithm(config: AlgorithmConfig) -> Algorithm:
         aggregate=AGGREGATIONS[loss_agg],
         kl_estimator=KL_ESTIMATORS[config.kl_estimator],
         loss_agg=loss_agg,
+        correction=config.rollout_correction.build() if config.rollout_correction.active else None,
     )

@@ -1,7 +1,9 @@
-"""The ``[algorithm]`` section: advantage estimator, policy loss, aggregation, KL, entropy, TIS.
+"""The ``[algorithm]`` section: advantage estimator, policy loss, aggregation, KL, entropy,
+rollout correction.
 
-The estimator and the policy loss own their options: `[algorithm.advantage]` and
-`[algorithm.policy_loss]` are each variant's config, chosen by `type` (a plain name works too;
+The estimator, the policy loss and the rollout correction own their options:
+`[algorithm.advantage]`, `[algorithm.policy_loss]` and `[algorithm.rollout_correction]` are each
+variant's config, chosen by `type` (a plain name works too;
 flat keys of earlier configs are migrated, see `migration`). Aggregation and the KL estimator are
 chosen by name from their tables. `AlgorithmConfig.problems` reports every
 cross-field problem at once; `AlgorithmConfig.check` raises them as one `ConfigError`.
@@ -21,6 +23,7 @@ from verst.trainer.algorithms.aggregation import AGGREGATIONS
 from verst.trainer.algorithms.kl import KL_ESTIMATORS
 from verst.trainer.algorithms.migration import migrate_flat_keys
 from verst.trainer.algorithms.policy_losses import POLICY_LOSS_CONFIGS
+from verst.trainer.algorithms.rollout_correction import ROLLOUT_CORRECTION_CONFIGS
 
 
 class AlgorithmConfig(Section):
@@ -57,12 +60,14 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(
         0.0, description="Entropy bonus: the loss gets -entropy_coef * aggregated entropy."
     )
-    tis: bool = Field(
-        False,
-        description="Truncated importance sampling: weight each token's policy loss by "
-        "min(exp(old - rollout log-prob), tis_cap), correcting trainer/engine mismatch.",
+    rollout_correction: ROLLOUT_CORRECTION_CONFIGS.field = Field(  # type: ignore[valid-type]
+        default_factory=ROLLOUT_CORRECTION_CONFIGS.build_default,
+        description=(
+            "Engine/trainer mismatch correction of the policy loss: a name (none, tis, seq_tis, "
+            "mis_token, mis_seq, icepop) or a table with `type` and its options. The flat "
+            "`tis = true` / `tis_cap` of earlier configs mean {type = 'tis', cap = tis_cap}."
+        ),
     )
-    tis_cap: float = Field(2.0, gt=0, description="Truncation cap of the TIS weight.")
     use_rollout_logprobs_as_old: bool = Field(
         False, description="Use the engine's rollout log-probs as the old policy (skips recomputing them)."
     )
@@ -80,6 +85,11 @@ class AlgorithmConfig(Section):
         config = handler(data)
         config._deferred = deferred
         return config
+
+    @property
+    def tis(self) -> bool:
+        """Token-level TIS is the rollout correction (the flag of earlier configs, read-only)."""
+        return self.rollout_correction.type == "tis"
 
     def resolved_loss_agg(self) -> str:
         """`loss_agg`, or the default of the selected policy loss / estimator when it is None."""
@@ -133,12 +143,16 @@ class AlgorithmConfig(Section):
                 )
             )
         out += self.policy_loss.problems(key("policy_loss")) + deferred("policy_loss")
-        if self.tis and self.use_rollout_logprobs_as_old:
+        rc = self.rollout_correction
+        out += rc.problems(key("rollout_correction")) + deferred("rollout_correction")
+        if rc.active and self.use_rollout_logprobs_as_old:
             out.append(
                 Problem(
-                    key("tis"),
-                    "tis with use_rollout_logprobs_as_old: old == rollout log-probs, so every TIS weight is 1",
-                    "turn one off (tis corrects trainer/engine mismatch when old log-probs are recomputed)",
+                    key("rollout_correction"),
+                    f"rollout_correction {rc.type!r} with use_rollout_logprobs_as_old: old == rollout "
+                    "log-probs, so every ratio is 1 and the correction does nothing",
+                    "set rollout_correction = 'none', or use_rollout_logprobs_as_old = false (the "
+                    "correction needs recomputed old log-probs)",
                 )
             )
         out += self.advantage.problems(key("advantage")) + deferred("advantage")

@@ -3,7 +3,8 @@
 Estimator and loss options live in `[algorithm.advantage]` / `[algorithm.policy_loss]` now (each
 variant's own config). Configs written before keep loading: `normalize_std` (grpo) and `gamma`
 (reinforce_pp) move into the advantage table, `eps_clip_low` / `eps_clip_high` / `dual_clip_c`
-(ppo) and `gspo_eps_clip_low` / `gspo_eps_clip_high` (gspo) into the policy-loss table. A flat key
+(ppo) and `gspo_eps_clip_low` / `gspo_eps_clip_high` (gspo) into the policy-loss table, and
+`tis` / `tis_cap` become `rollout_correction = {type = "tis", cap = tis_cap}`. A flat key
 the selected variant does not read is dropped, as it was ignored before — except where that was
 reported (a `gamma` other than 1 without reinforce_pp, a `dual_clip_c` without ppo or not above 1),
 which stays a problem under the flat key. Unknown variant names are problems too (with the
@@ -20,6 +21,7 @@ from verst.rollout.importing import ImportPathError
 from verst.rollout.variants import VariantTable
 from verst.trainer.algorithms.advantages import ADVANTAGES
 from verst.trainer.algorithms.policy_losses import POLICY_LOSS_CONFIGS, dual_clip_c_problem
+from verst.trainer.algorithms.rollout_correction import ROLLOUT_CORRECTION_CONFIGS
 
 ADVANTAGE_KEYS = {"normalize_std": ("grpo", "normalize_std"), "gamma": ("reinforce_pp", "gamma")}
 """Flat key → (the estimator that reads it, its key in that estimator's table)."""
@@ -37,7 +39,15 @@ def migrate_flat_keys(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, l
     """`data` (an `[algorithm]` table) with flat keys moved into the variant tables, and the
     problems found on the way (keys relative to the section), by where they are reported:
     'names' (unknown variants), 'policy_loss', 'advantage'."""
-    found: dict[str, list[Problem]] = {"names": [], "policy_loss": [], "advantage": []}
+    found: dict[str, list[Problem]] = {
+        "names": [],
+        "policy_loss": [],
+        "advantage": [],
+        "rollout_correction": [],
+    }
+    _migrate_tis(data, found["rollout_correction"])
+    if "rollout_correction" in data:  # absent stays absent: fully-async's TIS default reads that
+        _variant(data, "rollout_correction", ROLLOUT_CORRECTION_CONFIGS, found["names"])
     adv_name, adv = _variant(data, "advantage", ADVANTAGES, found["names"])
     loss_name, loss = _variant(data, "policy_loss", POLICY_LOSS_CONFIGS, found["names"])
     for key, (owner, field) in ADVANTAGE_KEYS.items():
@@ -75,6 +85,33 @@ def migrate_flat_keys(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, l
         if ok and loss is not None and loss["type"] == owner:
             loss.setdefault(field, value)
     return data, found
+
+
+def _migrate_tis(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``tis = true`` (and ``tis_cap``) → ``rollout_correction = {type = "tis", cap = tis_cap}``;
+    ``tis = false`` → ``"none"``; a ``tis_cap`` without ``tis`` is dropped (it was ignored). Both
+    spellings at once is a problem (which one wins would be a guess)."""
+    if "tis" not in data:
+        data.pop("tis_cap", None)
+        return
+    tis = data.pop("tis")
+    cap = data.pop("tis_cap", None)
+    if "rollout_correction" in data:
+        problems.append(
+            Problem(
+                "tis",
+                "tis is the earlier spelling of rollout_correction, and both are set",
+                "remove tis / tis_cap and keep rollout_correction (tis = true is "
+                "rollout_correction = { type = 'tis', cap = ... })",
+            )
+        )
+        return
+    if tis is True:
+        data["rollout_correction"] = {"type": "tis", **({} if cap is None else {"cap": cap})}
+    elif tis is False:
+        data["rollout_correction"] = {"type": "none"}
+    else:
+        problems.append(Problem("tis", f"tis must be true or false, got {tis!r}", "set tis = true or false"))
 
 
 def _variant(

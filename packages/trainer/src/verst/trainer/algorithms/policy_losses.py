@@ -11,6 +11,12 @@
   defaults ``ε_low = 3e-4``, ``ε_high = 4e-4`` (Zheng et al., 2025). Implemented as GSPO-token:
   per token ``log s_it = logp_it − sg(logp_it) + sg(log s_i)`` (log clamped at 10), so the value is
   ``s_i`` and, under ``seq_mean_token_mean`` (its default aggregation), the gradient is GSPO's.
+- ``cispo`` (`Cispo`): clip the importance weight, not the update (MiniMax-M1, 2025):
+  ``l_t = −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) · A_t · log π_θ(y_t)``, so every token keeps a
+  gradient ``−clip(ρ_t) A_t ∇log π_θ`` (PPO zeroes the clipped ones). Written as
+  ``−sg(clip(ρ_t)) · A_t · exp(logp_t − sg(logp_t))``: the same gradient, and the value
+  ``−clip(ρ_t) A_t`` reads like PPO's. Defaults ``ε_low = 1`` (no lower clip, as the paper),
+  ``ε_high = 0.28``.
 
 Each loss owns its config: a nested ``Config`` (a `PolicyLossConfig`, the
 ``[algorithm.policy_loss]`` table chosen by ``type``) whose ``build()`` makes it. A new loss is a
@@ -69,7 +75,8 @@ class PolicyLossConfig(Section):
     """Base of every policy loss's config: the ``[algorithm.policy_loss]`` table (or its name)."""
 
     type: str = Field(
-        "ppo", description="ppo, gspo, or an import path 'pkg.module:Loss' (a class with a nested Config)."
+        "ppo",
+        description="ppo, gspo, cispo, or an import path 'pkg.module:Loss' (a class with a nested Config).",
     )
 
     def build(self) -> PolicyLoss:
@@ -177,7 +184,42 @@ class Gspo:
         return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=clipped)
 
 
-POLICY_LOSSES: dict[str, type[PolicyLoss]] = {"ppo": PpoClip, "gspo": Gspo}
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Cispo:
+    """CISPO: the clipped importance weight (stop-gradient) times the log-prob gradient."""
+
+    eps_clip_low: float = 1.0
+    """The weight is clipped below at 1 − eps_clip_low (1 = no lower clip)."""
+    eps_clip_high: float = 0.28
+    """The weight is clipped above at 1 + eps_clip_high."""
+    default_loss_agg: ClassVar[str | None] = None
+
+    class Config(PolicyLossConfig):
+        """CISPO (MiniMax-M1): clipped IS weight, stop-gradient, times log-prob times advantage."""
+
+        type: Literal["cispo"] = Field("cispo", description="CISPO.")
+        eps_clip_low: float = Field(
+            1.0, ge=0, le=1, description="The IS weight is clipped below at 1 - eps_clip_low (1 = no floor)."
+        )
+        eps_clip_high: float = Field(
+            0.28, ge=0, description="The IS weight is clipped above at 1 + eps_clip_high."
+        )
+
+        def build(self) -> Cispo:
+            return Cispo(eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high)
+
+    def __call__(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+    ) -> PolicyLossTerms:
+        log_ratio = (logprobs.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+        ratio = torch.exp(log_ratio)
+        weight = ratio.clamp(1.0 - self.eps_clip_low, 1.0 + self.eps_clip_high)  # detached
+        unit = torch.exp(logprobs - logprobs.detach())  # value 1, gradient ∇logp
+        loss = -advantages * weight * unit
+        return PolicyLossTerms(loss=loss, ratio=ratio, clipped=weight != ratio)
+
+
+POLICY_LOSSES: dict[str, type[PolicyLoss]] = {"ppo": PpoClip, "gspo": Gspo, "cispo": Cispo}
 """Policy losses by config name (`[algorithm.policy_loss] type`)."""
 
 POLICY_LOSS_CONFIGS: VariantTable[PolicyLossConfig] = VariantTable(

@@ -2,7 +2,7 @@
 
 A term takes one `MicroBatch` (every tensor a term may read, `[b, T]`, plus the step-global
 `LossNorm`) and returns its part of the loss (None = it adds nothing) and its metrics. The
-algorithm's terms are the policy loss (with truncated importance sampling), the KL to the
+algorithm's terms are the policy loss (with the rollout correction), the KL to the
 reference and the entropy bonus (`Algorithm.terms`); a step extension such as on-policy
 distillation adds its own (`OpdTopKTerm`), fed by the same micro-batch (its `extras`). `compose`
 sums them in order.
@@ -20,6 +20,7 @@ from torch import Tensor
 from verst.trainer.algorithms.aggregation import Aggregation, LossNorm
 from verst.trainer.algorithms.kl import KlEstimator
 from verst.trainer.algorithms.policy_losses import PolicyLoss
+from verst.trainer.algorithms.rollout_correction import NoCorrection, RolloutCorrection, correction_metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,27 +88,29 @@ def compose(terms: Sequence[LossTerm], mb: MicroBatch) -> tuple[Tensor | None, d
 
 @dataclass(frozen=True, slots=True)
 class PolicyTerm:
-    """``agg(w_t · l_t)``: the per-token policy loss, TIS-weighted, aggregated."""
+    """``agg(w_t · l_t)``: the per-token policy loss, weighted by the rollout correction, aggregated."""
 
     policy_loss: PolicyLoss
     aggregate: Aggregation
-    tis: bool = False
-    """Weight by ``min(exp(logp_old − logp_rollout), tis_cap)`` (detached)."""
-    tis_cap: float = 2.0
+    correction: RolloutCorrection | None = None
+    """Turns ``logp_old − logp_rollout`` into the detached weight ``w_t`` (None = weight 1). Its
+    metrics (`correction_metrics`) are reported whenever rollout log-probs are given."""
 
     def __call__(self, mb: MicroBatch) -> TermOutput:
         mask = mb.mask
         terms = self.policy_loss(mb.logprobs, mb.old_logprobs, mb.advantages, mask)
         per_token = terms.loss  # [b, T]
         metrics: dict[str, Tensor] = {}
-        if self.tis:
-            assert mb.rollout_logprobs is not None
-            weight = (
-                torch.exp(mb.old_logprobs - mb.rollout_logprobs.detach()).clamp(max=self.tis_cap).detach()
-            )
-            per_token = per_token * weight
-            metrics["tis_weight_mean"] = masked_mean(weight, mask)
-            metrics["tis_clip_frac"] = masked_mean((weight >= self.tis_cap).to(mask.dtype), mask)
+        if mb.rollout_logprobs is not None:
+            log_ratio = (mb.old_logprobs - mb.rollout_logprobs).detach()  # [b, T] trainer − engine
+            correction = self.correction or NoCorrection()
+            weight = correction(log_ratio, mask).detach()  # [b, T]
+            if self.correction is not None:
+                per_token = per_token * weight
+            metrics.update(correction_metrics(log_ratio, mask, weight))
+            metrics.update(correction.own_metrics(weight, mask))
+        elif self.correction is not None:
+            raise ValueError("a rollout correction is on: pass rollout_logprobs (the engine's log-probs)")
         pg_loss = self.aggregate(per_token, mask, mb.norm)
         metrics["pg_loss"] = pg_loss
         metrics["clip_frac"] = masked_mean(terms.clipped.to(mask.dtype), mask)

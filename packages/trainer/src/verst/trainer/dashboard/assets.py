@@ -14,9 +14,11 @@ from pathlib import Path
 
 from verst.rollout.errors import MissingOptionalDependency
 
-PAGE_ASSETS = ("app.js", "style.css")
+PAGE_ASSETS = ("curves.js", "trajectory.js", "compare.js", "app.js", "style.css")
 """Files of `static/` the page loads besides plotly.min.js."""
 PLOTLY_JS = "plotly.min.js"
+_SCRIPTS = ("curves.js", "trajectory.js", "compare.js", "app.js")
+"""The page's scripts in load order (app.js starts the page; the others define its views)."""
 
 
 def asset_names() -> tuple[str, ...]:
@@ -63,11 +65,11 @@ def page_html(*, inline: bool = False, data_json: str | None = None, title: str 
         head = "<style>" + asset_bytes("style.css").decode("utf-8") + "</style>\n" + script(PLOTLY_JS)
         body = (
             f'<script id="verst-data" type="application/json">{_safe(data_json or "{}")}</script>\n'
-            + script("app.js")
+            + "\n".join(script(name) for name in _SCRIPTS)
         )
     else:
         head = '<link rel="stylesheet" href="static/style.css">\n<script src="static/plotly.min.js"></script>'
-        body = '<script src="static/app.js"></script>'
+        body = "\n".join(f'<script src="static/{name}"></script>' for name in _SCRIPTS)
     return template.replace("{{TITLE}}", title).replace("{{HEAD}}", head).replace("{{BODY}}", body)
 
 

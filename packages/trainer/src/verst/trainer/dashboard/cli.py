@@ -19,7 +19,13 @@ def add_subcommands(sub: Any) -> None:
     dash.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
-    dash.add_argument("--port", type=int, default=8265, help="port (default 8265; 0 picks a free one)")
+    dash.add_argument("--port", type=int, default=8391, help="port (default 8391; 0 picks a free one)")
+    dash.add_argument(
+        "--token",
+        default=None,
+        help="access token every request must carry (default: none on loopback; a random one, "
+        "printed with the URL, for any other --host)",
+    )
     dash.set_defaults(func=cmd_dashboard)
     rep = sub.add_parser(
         "report",
@@ -52,9 +58,27 @@ def _check_dirs(paths: list[str]) -> None:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """`verst dashboard RUN_DIR...`: serve until Ctrl-C."""
     _check_dirs(args.run_dirs)
+    import sys
+
+    from verst.trainer.dashboard.auth import is_loopback, new_token
     from verst.trainer.dashboard.server import serve
 
-    serve(args.run_dirs, host=args.host, port=args.port, on_ready=lambda line: print(line, flush=True))
+    token = args.token
+    if not is_loopback(args.host):
+        token = token or new_token()
+        print(
+            f"verst dashboard: --host {args.host} is reachable from other machines and the dashboard "
+            "has no login; every request needs the access token in the URL below (or --token)",
+            file=sys.stderr,
+            flush=True,
+        )
+    serve(
+        args.run_dirs,
+        host=args.host,
+        port=args.port,
+        token=token,
+        on_ready=lambda line: print(line, flush=True),
+    )
     return 0
 
 

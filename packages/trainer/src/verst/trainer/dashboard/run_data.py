@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import socket
 import threading
@@ -25,8 +24,19 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from verst.trainer.dashboard.compare import flatten
+from verst.trainer.dashboard.samples_view import SampleQuery, query_samples, scalar_reward
+from verst.trainer.dashboard.status_view import last_rewards, metric_phases, pid_alive, wall_seconds
 from verst.trainer.dashboard.tail import JsonlTail
-from verst.trainer.dashboard.timeline import Attempt, Event, build_attempts, step_rows, summarize
+from verst.trainer.dashboard.timeline import (
+    Attempt,
+    Event,
+    build_attempts,
+    event_from_record,
+    step_rows,
+    summarize,
+)
+from verst.trainer.dashboard.trajectories import TrajectoryIndex
 
 REFRESH_MIN_INTERVAL_S = 0.5
 """Polls closer together than this reuse the last read."""
@@ -63,43 +73,29 @@ _CONFIG_KEYS = (
 """Config fields shown first in the overview (those present; the whole config is there too)."""
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, name))
-        else:
-            out[name] = value
-    return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class RunData:
     """Everything the dashboard shows about one run directory."""
 
     def __init__(self, root: Path, *, run_id: int) -> None:
         self.root = root
         self.run_id = run_id
-        self.name = root.name
         self._lock = threading.Lock()
         self._last_refresh = 0.0
         self._live = False
         self._reset()
+        self._read_config()
+
+    @property
+    def name(self) -> str:
+        """`run.name` from the run's config, else the folder's name."""
+        name = self.config.get("run", {}).get("name") if isinstance(self.config.get("run"), dict) else None
+        return str(name) if name else self.root.name
 
     def _reset(self) -> None:
         self.metrics_tail = JsonlTail(self.root / "metrics.jsonl")
         self.events_tail = JsonlTail(self.root / "lifecycle.jsonl")
         self.samples_tail = JsonlTail(self.root / "samples.jsonl")
+        self.trajectories = TrajectoryIndex(self.root)
         self.metrics: list[dict[str, Any]] = []
         self.metric_names: set[str] = set()
         self.event_lines: dict[int, list[tuple[int, int]]] = {}
@@ -125,7 +121,8 @@ class RunData:
             if not force and now - self._last_refresh < REFRESH_MIN_INTERVAL_S:
                 return
             self._last_refresh = now
-            if any(t.reset_needed() for t in (self.metrics_tail, self.events_tail, self.samples_tail)):
+            tails = (self.metrics_tail, self.events_tail, self.samples_tail, self.trajectories.tail)
+            if any(t.reset_needed() for t in tails):
                 self._reset()
             self._read_config()
             for record in self.metrics_tail.records():
@@ -202,7 +199,7 @@ class RunData:
                 record = json.loads(line)
             except ValueError:
                 record = None
-            event = _event(record) if isinstance(record, dict) else None
+            event = event_from_record(record) if isinstance(record, dict) else None
             if event is None:
                 self._bad_event_lines.add(offset)
                 continue
@@ -256,7 +253,7 @@ class RunData:
         note = None
         if state == "running":
             pid, host = status.get("pid"), status.get("host")
-            if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
                 state, note = "failed", f"the training process (pid {pid}) is gone without finishing"
             elif host != socket.gethostname() and time.time() - self._newest_mtime() > STALE_AFTER_S:
                 note = f"no file has changed for {STALE_AFTER_S / 60:.0f} min (run on {host})"
@@ -267,9 +264,11 @@ class RunData:
                 state = "running"
             else:
                 state = "unknown"
-        total = status.get("total_steps") or _flatten(self.config).get("run.num_steps")
+        total = status.get("total_steps") or flatten(self.config).get("run.num_steps")
         step = max([int(status.get("step") or 0)] + [m["step"] for m in self.metrics if "time/step_s" in m])
-        phases = status.get("phase_seconds") or (summary or {}).get("phase_seconds") or self._metric_phases()
+        phases = (
+            status.get("phase_seconds") or (summary or {}).get("phase_seconds") or metric_phases(self.metrics)
+        )
         eta = status.get("eta_s")
         if state == "running" and isinstance(eta, int | float):
             eta = max(0.0, eta - (time.time() - float(status.get("updated_at") or time.time())))
@@ -277,6 +276,7 @@ class RunData:
             eta = None
         return {
             "state": state,
+            "wall_s": wall_seconds(status, state, self.metrics),
             "note": note,
             "phase": status.get("phase") if state == "running" else None,
             "step": step,
@@ -300,20 +300,11 @@ class RunData:
                 times.append((self.root / name).stat().st_mtime)
         return max(times, default=0.0)
 
-    def _metric_phases(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for m in self.metrics:
-            for phase in ("rollout", "train", "sync"):
-                value = m.get(f"time/{phase}_s")
-                if isinstance(value, int | float):
-                    out[phase] = out.get(phase, 0.0) + value
-        return {k: round(v, 3) for k, v in out.items()}
-
     # ------------------------------------------------------------ views
 
     def overview(self) -> dict[str, Any]:
         """Status, config summary, eval rewards, file health, counts."""
-        flat = _flatten(self.config)
+        flat = flatten(self.config)
         evals = [
             {"step": m["step"], **{k: v for k, v in m.items() if k.startswith("eval/") and "reward" in k}}
             for m in self.metrics
@@ -328,6 +319,8 @@ class RunData:
             "config": flat,
             "config_error": self.config_error,
             "eval": evals,
+            "last_rewards": last_rewards(self.metrics),
+            "n_trajectories": self.trajectories.read(),
             "steps_with_events": len(self.event_lines),
             "n_events": self.n_events,
             "n_samples": self.n_samples,
@@ -335,6 +328,7 @@ class RunData:
                 self.metrics_tail.health(),
                 self.events_tail.health(extra_malformed=len(self._bad_event_lines)),
                 self.samples_tail.health(),
+                self.trajectories.tail.health(),
             ],
         }
 
@@ -343,16 +337,26 @@ class RunData:
         wanted = sorted(self.metric_names) if names is None else [n for n in names if n in self.metric_names]
         series: dict[str, dict[str, list[Any]]] = {}
         for name in wanted:
-            xs, ys = [], []
+            xs, ys, ts = [], [], []
             for m in self.metrics:
                 if name in m:
                     xs.append(m["step"])
                     ys.append(m[name])
+                    ts.append(m.get("time"))
             if len(xs) > MAX_CURVE_POINTS:
                 stride = -(-len(xs) // MAX_CURVE_POINTS)
-                xs, ys = xs[::stride] + xs[-1:], ys[::stride] + ys[-1:]
-            series[name] = {"x": xs, "y": ys}
-        return {"id": self.run_id, "name": self.name, "metrics": sorted(self.metric_names), "series": series}
+                xs, ys, ts = xs[::stride] + xs[-1:], ys[::stride] + ys[-1:], ts[::stride] + ts[-1:]
+            series[name] = {"x": xs, "y": ys, "t": ts}
+        start = next((m["time"] for m in self.metrics if isinstance(m.get("time"), int | float)), None)
+        status = self._json_file("status.json") or {}
+        start = status.get("started_at", start)
+        return {
+            "id": self.run_id,
+            "name": self.name,
+            "metrics": sorted(self.metric_names),
+            "series": series,
+            "t0": start,
+        }
 
     def steps(self, *, budget_s: float | None = SUMMARY_BUDGET_S) -> dict[str, Any]:
         """Every step with events or samples, and the per-step timeline summary.
@@ -431,45 +435,55 @@ class RunData:
         return records
 
     def samples(
-        self, step: int, *, split: str = "train", query: str = "", offset: int = 0, limit: int = 50
+        self,
+        step: int,
+        *,
+        split: str = "train",
+        query: SampleQuery | str = "",
+        offset: int = 0,
+        limit: int = 50,
     ) -> dict[str, Any]:
-        """A page of `step`'s samples whose text contains `query` (case-insensitive)."""
-        records = self.sample_records(step, split)
-        if query:
-            q = query.lower()
-            records = [r for r in records if q in _search_text(r)]
+        """A page of `step`'s samples that `query` keeps, in its order (a plain string: text search)."""
+        query = query if isinstance(query, SampleQuery) else SampleQuery(text=query)
+        all_records = self.sample_records(step, split)
+        records = query_samples(all_records, query, reward_key=self.reward_key)
         offset, limit = max(0, offset), max(1, min(limit, 500))
+        self.trajectories.read()
+        recorded = self.trajectories.keys_of(step, split)
+        items = [
+            {**r, "has_trajectory": r.get("sample_index") in recorded}
+            for r in records[offset : offset + limit]
+        ]
+        rewards = [v for r in all_records if (v := scalar_reward(r, self.reward_key)) is not None]
         return {
             "id": self.run_id,
             "step": step,
             "split": split,
-            "query": query,
+            "query": query.text,
             "total": len(records),
             "offset": offset,
             "limit": limit,
-            "items": records[offset : offset + limit],
+            "items": items,
+            "statuses": sorted({str(r.get("status")) for r in all_records}),
+            "reward_range": [min(rewards), max(rewards)] if rewards else None,
+            "reward_key": self.reward_key,
         }
 
+    @property
+    def reward_key(self) -> str | None:
+        """`rollout.reward.key` of the run's config (which entry of a dict reward is the reward)."""
+        key = flatten(self.config).get("rollout.reward.key")
+        return key if isinstance(key, str) else None
 
-def _event(record: dict[str, Any]) -> Event | None:
-    kind, ts = record.get("kind"), record.get("timestamp")
-    if not (isinstance(kind, str) and isinstance(ts, int | float)):
-        return None
-    detail = record.get("detail")
-    detail = detail if isinstance(detail, dict) else {}
-    attempt = detail.get("attempt")
-    group, sample = record.get("group_index"), record.get("sample_index")
-    return Event(
-        float(ts),
-        kind,
-        group if isinstance(group, int) else None,
-        sample if isinstance(sample, int) else None,
-        attempt if isinstance(attempt, int) else None,
-        detail,
-    )
-
-
-def _search_text(record: dict[str, Any]) -> str:
-    parts = [record.get(k) for k in ("prompt", "response", "label", "error", "status")]
-    parts.append(json.dumps(record.get("reward")))
-    return " ".join(str(p) for p in parts if p is not None).lower()
+    def trajectory(self, step: int, split: str, sample_index: int) -> dict[str, Any]:
+        """The recorded full trajectory of one sample (`found: false` when none was recorded)."""
+        self.trajectories.read()
+        record = self.trajectories.get(step, split, sample_index)
+        return {
+            "id": self.run_id,
+            "step": step,
+            "split": split,
+            "sample_index": sample_index,
+            "found": record is not None,
+            "trajectory": record,
+        }

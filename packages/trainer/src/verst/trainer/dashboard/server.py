@@ -15,13 +15,18 @@ Routes::
     GET /api/runs/<id>/curves?names=a,b     metric names and the chosen series (all when absent)
     GET /api/runs/<id>/steps                per-step timeline summary, steps with samples
     GET /api/runs/<id>/timeline?step=N&offset=&limit=
-    GET /api/runs/<id>/samples?step=N&split=train&q=&offset=&limit=
+    GET /api/runs/<id>/samples?step=N&split=train&q=&offset=&limit=&sort=&desc=&status=&reward_min=&reward_max=
+    GET /api/runs/<id>/trajectory?step=N&split=train&sample=I   one recorded full trajectory
+    GET /api/compare                        every run's config (differences marked), final / best metrics
     GET /runs/<id>/files/<path>             a file of the run directory (e.g. curves.png)
+
+Bound to a non-loopback `--host`, every request needs the access token (`auth`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -30,11 +35,16 @@ from typing import Any
 
 from aiohttp import web
 
+from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.dashboard.assets import asset_bytes, asset_names, page_html
+from verst.trainer.dashboard.auth import token_middleware
+from verst.trainer.dashboard.compare import compare_runs
 from verst.trainer.dashboard.run_data import RunData
+from verst.trainer.dashboard.samples_view import SampleQuery
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8265
+DEFAULT_PORT = 8391
+"""Not Ray's dashboard port (8265), TensorBoard's (6006) or Jupyter's (8888)."""
 _TYPES = {".js": "application/javascript", ".css": "text/css", ".html": "text/html"}
 
 
@@ -47,6 +57,11 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunData]:
             raise FileNotFoundError(f"run directory {p} does not exist (pass the run.output_dir of a run)")
         runs.append(RunData(root, run_id=i))
     return runs
+
+
+def run_entry(run: RunData) -> dict[str, Any]:
+    """The `/api/runs` entry of a run: id, name (`run.name`), folder, path."""
+    return {"id": run.run_id, "name": run.name, "folder": run.root.name, "path": str(run.root)}
 
 
 def _json(data: Any) -> web.Response:
@@ -69,9 +84,34 @@ def _int(request: web.Request, name: str, default: int | None = None) -> int:
         raise web.HTTPBadRequest(text=f"query parameter {name!r} must be an integer, got {raw!r}") from None
 
 
-def build_app(runs: Sequence[RunData]) -> web.Application:
-    """The aiohttp application serving `runs`."""
-    app = web.Application()
+def _float(request: web.Request, name: str) -> float | None:
+    raw = request.query.get(name, "")
+    if raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"query parameter {name!r} must be a number, got {raw!r}") from None
+
+
+def _sample_query(request: web.Request) -> SampleQuery:
+    statuses = [s for s in request.query.get("status", "").split(",") if s]
+    try:
+        return SampleQuery(
+            text=request.query.get("q", ""),
+            sort=request.query.get("sort", ""),
+            desc=request.query.get("desc", "0") in ("1", "true"),
+            statuses=tuple(statuses),
+            reward_min=_float(request, "reward_min"),
+            reward_max=_float(request, "reward_max"),
+        )
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from None
+
+
+def build_app(runs: Sequence[RunData], *, token: str | None = None) -> web.Application:
+    """The aiohttp application serving `runs` (every request needs `token` when one is given)."""
+    app = web.Application(middlewares=[token_middleware(token)] if token else [])
 
     def run_of(request: web.Request) -> RunData:
         try:
@@ -103,7 +143,7 @@ def build_app(runs: Sequence[RunData]) -> web.Application:
         )
 
     async def list_runs(request: web.Request) -> web.Response:
-        return _json([{"id": r.run_id, "name": r.name, "path": str(r.root)} for r in runs])
+        return _json([run_entry(r) for r in runs])
 
     async def overview(request: web.Request) -> web.Response:
         return await view(request, lambda r: r.overview())
@@ -124,14 +164,30 @@ def build_app(runs: Sequence[RunData]) -> web.Application:
     async def samples(request: web.Request) -> web.Response:
         step = _int(request, "step")
         offset, limit = _int(request, "offset", 0), _int(request, "limit", 50)
-        split, query = request.query.get("split", "train"), request.query.get("q", "")
+        split, query = request.query.get("split", "train"), _sample_query(request)
         return await view(
             request, lambda r: r.samples(step, split=split, query=query, offset=offset, limit=limit)
         )
 
+    async def trajectory(request: web.Request) -> web.Response:
+        step, sample = _int(request, "step"), _int(request, "sample")
+        split = request.query.get("split", "train")
+        found = await view(request, lambda r: r.trajectory(step, split, sample))
+        return found
+
+    async def compare(request: web.Request) -> web.Response:
+        def work() -> Any:
+            for run in runs:
+                run.refresh()
+            return compare_runs(runs)
+
+        return _json(await asyncio.to_thread(work))
+
     async def run_file(request: web.Request) -> web.StreamResponse:
         run = run_of(request)
         rel = request.match_info["path"]
+        if "\x00" in rel:
+            raise web.HTTPBadRequest(text="a file path cannot hold a NUL byte")
         target = (run.root / rel).resolve()
         if not target.is_relative_to(run.root) or Path(rel).is_absolute():
             raise web.HTTPForbidden(text="outside the run directory")
@@ -151,24 +207,44 @@ def build_app(runs: Sequence[RunData]) -> web.Application:
     app.router.add_get("/api/runs/{id}/steps", steps)
     app.router.add_get("/api/runs/{id}/timeline", timeline)
     app.router.add_get("/api/runs/{id}/samples", samples)
+    app.router.add_get("/api/runs/{id}/trajectory", trajectory)
+    app.router.add_get("/api/compare", compare)
     app.router.add_get("/runs/{id}/files/{path:.+}", run_file)
     return app
 
 
 async def start_server(
-    runs: Sequence[RunData], *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
+    runs: Sequence[RunData], *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None
 ) -> tuple[web.AppRunner, int]:
-    """Start serving (port 0 picks a free one); returns the runner (`await runner.cleanup()`) and port."""
-    runner = web.AppRunner(build_app(runs), access_log=None)
+    """Start serving (port 0 picks a free one); returns the runner (`await runner.cleanup()`) and port.
+
+    A port that is taken (or not ours to bind) is a `ConfigError` naming `--port`."""
+    runner = web.AppRunner(build_app(runs, token=token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise _bind_error(exc, host, port) from None
     loop = asyncio.get_running_loop()
     for run in runs:  # index the files now, while the browser is still loading the page
-        loop.run_in_executor(None, lambda r=run: r.refresh(force=True))
+        loop.run_in_executor(None, lambda r=run: (r.refresh(force=True), r.trajectories.read()))
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, bound
+
+
+def _bind_error(exc: OSError, host: str, port: int) -> ConfigError:
+    if exc.errno == errno.EADDRINUSE:
+        why = f"port {port} on {host} is already in use (another program, or another verst dashboard, listens there)"
+    elif exc.errno == errno.EACCES:
+        why = f"not allowed to bind port {port} on {host} (ports below 1024 need privileges)"
+    else:
+        why = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return ConfigError(
+        [Problem("--port", why, "pass another port, e.g. --port 8392, or --port 0 to pick a free one")]
+    )
 
 
 def serve(
@@ -176,14 +252,16 @@ def serve(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
+    token: str | None = None,
     on_ready: Callable[[str], None] = print,
 ) -> None:
-    """Serve the dashboard of `paths` until interrupted."""
+    """Serve the dashboard of `paths` until interrupted (every request needs `token` if given)."""
     runs = load_runs(paths)
 
     async def main() -> None:
-        runner, bound = await start_server(runs, host=host, port=port)
-        on_ready(f"verst dashboard: http://{host}:{bound}/  ({len(runs)} run(s); Ctrl-C stops)")
+        runner, bound = await start_server(runs, host=host, port=port, token=token)
+        query = f"?token={token}" if token else ""
+        on_ready(f"verst dashboard: http://{host}:{bound}/{query}  ({len(runs)} run(s); Ctrl-C stops)")
         try:
             await asyncio.Event().wait()
         finally:
@@ -197,16 +275,29 @@ class BackgroundServer:
 
     `with BackgroundServer([run_dir]) as srv: srv.url` — stopped on exit."""
 
-    def __init__(self, paths: Sequence[str | Path], *, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        token: str | None = None,
+    ) -> None:
         self.runs = load_runs(paths)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verst-dashboard", daemon=True)
         self._thread.start()
-        self.runner, self.port = asyncio.run_coroutine_threadsafe(
-            start_server(self.runs, host=host, port=port), self._loop
-        ).result(timeout=30)
+        try:
+            self.runner, self.port = asyncio.run_coroutine_threadsafe(
+                start_server(self.runs, host=host, port=port, token=token), self._loop
+            ).result(timeout=30)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
         self.url = f"http://{host}:{self.port}/"
-        """The page's address."""
+        """The page's address (without the token)."""
 
     def close(self) -> None:
         """Stop serving and end the thread."""

@@ -12,8 +12,15 @@ import json
 import random
 from pathlib import Path
 
+from verst.rollout.agentic.trajectory import append_turn
 from verst.rollout.lifecycle import JsonlSink, LifecycleEvent
 from verst.rollout.sample import Sample, Status
+from verst.trainer.dashboard.trajectories import (
+    TRAJECTORIES_FILE,
+    TokenDetail,
+    trajectory_record,
+    write_lines,
+)
 from verst.trainer.recording import SAMPLES_FILE, STATUS_FILE, sample_record
 
 _STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
@@ -25,6 +32,67 @@ class _Kind(str):
     @property
     def value(self) -> str:
         return str(self)
+
+
+_VOCAB = "abcdefghijklmnopqrstuvwxyz0123456789 +=.?:\n<>/_"
+"""The synthetic runs' tokens: id k is the character _VOCAB[k] (plus a few multi-character ids)."""
+_SPECIAL = {
+    100: "<tool_call>",
+    101: "</tool_call>",
+    102: "<tool_response>",
+    103: "</tool_response>",
+    104: "<eos>",
+}
+
+
+def decode(ids: list[int]) -> list[str]:
+    """One display string per synthetic token id."""
+    return [_SPECIAL.get(i) or (_VOCAB[i] if 0 <= i < len(_VOCAB) else f"<{i}>") for i in ids]
+
+
+_ID_OF = {c: k for k, c in enumerate(_VOCAB)}
+_LOGPROBS = [round(-random.Random(7).random() * 2, 4) for _ in range(4099)]
+"""A fixed log-prob pattern (per-token random draws made the big benchmark run slow to write)."""
+
+
+def _ids(text: str) -> list[int]:
+    return [_ID_OF[c] for c in text if c in _ID_OF]
+
+
+def _sample(
+    rng: random.Random,
+    rid: int,
+    i: int,
+    group: int,
+    status: Status,
+    reward,
+    attempt: int,
+    *,
+    agentic: bool,
+    pad: int = 0,
+) -> Sample:
+    """One sample with real token ids, loss mask, log-probs and segments (built with `append_turn`)."""
+    prompt = f"what is {i} + {rid}? answer:"
+    sample = Sample(
+        prompt=prompt, label=str(i + rid), tokens=_ids(prompt), reward=reward, status=status,
+        metadata={"attempt": attempt}, group_index=group, sample_index=i,
+    )  # fmt: skip
+    filler = " let me check that again." * (pad // 25 + 1) if pad else ""
+    answer = [*_ids(f"{filler[:pad]} the answer is {i + rid}."), 104]
+
+    def lps(n: int) -> list[float]:
+        k = rng.randrange(len(_LOGPROBS))
+        return [_LOGPROBS[(k + j) % len(_LOGPROBS)] for j in range(n)]
+
+    if agentic:
+        call = [100, *_ids(f"{i}+{rid}"), 101]
+        append_turn(sample, call, lps(len(call)), True, rid, text=f"<tool_call>{i}+{rid}</tool_call>")
+        obs = [102, *_ids(str(i + rid)), 103]
+        append_turn(sample, obs, None, False, text=f"<tool_response>{i + rid}</tool_response>")
+    append_turn(sample, answer, lps(len(answer)), True, rid, text=f"{filler[:pad]} the answer is {i + rid}.")
+    if status is Status.FAILED:
+        sample.metadata["error"] = "reward: ValueError: could not parse the answer"
+    return sample
 
 
 def _event(kind: str, rid: int, group: int, index: int, ts: float, detail: dict) -> LifecycleEvent:
@@ -44,13 +112,21 @@ def write_synthetic_run(
     total_steps: int | None = None,
     seed: int = 0,
     t_start: float = 1_800_000_000.0,
+    trajectories_per_step: int = 4,
+    trajectory_tokens: int = 0,
+    tool_turns: bool | None = None,
 ) -> Path:
     """Write `steps` steps of `samples_per_step` samples (4 events each, more when `agentic`).
 
     `retry_every=k`: every k-th sample fails its first attempt and succeeds on a retry;
-    `unfinished_every=k`: every k-th sample's attempt has no `attempt_end`.
+    `unfinished_every=k`: every k-th sample's attempt has no `attempt_end`;
+    `trajectories_per_step`: full trajectories (`trajectories.jsonl`) of the first samples of each
+    step, plus every failed or aborted one (multi-turn with a tool observation when `agentic`);
+    `trajectory_tokens`: those recorded samples' last turn is padded to about this many tokens;
+    `tool_turns`: samples hold a tool call and its observation (default: `agentic`).
     """
     rng = random.Random(seed)
+    multi = agentic if tool_turns is None else tool_turns
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     total = total_steps if total_steps is not None else steps
@@ -63,6 +139,7 @@ def write_synthetic_run(
     with (
         (root / "metrics.jsonl").open("w", encoding="utf-8") as metrics,
         (root / SAMPLES_FILE).open("w", encoding="utf-8") as samples,
+        (root / TRAJECTORIES_FILE).open("w", encoding="utf-8") as trajectories,
     ):
         for rid in range(steps):
             step_t0 = t
@@ -137,24 +214,29 @@ def write_synthetic_run(
                     {"score": round(rng.random(), 3), "format": 1.0} if i % 7 == 0 else round(rng.random(), 3)
                 )
                 rewards.append(reward["score"] if isinstance(reward, dict) else reward)
-                sample = Sample(
-                    prompt=f"What is {i} + {rid}? Think step by step.\nAnswer:",
-                    label=str(i + rid),
-                    tokens=list(range(40)),
-                    response_length=24,
-                    response=f"Let me add {i} and {rid}. " * 3 + f"The answer is {i + rid}.",
-                    reward=reward,
-                    status=status,
-                    weight_versions=[rid],
-                    metadata={"attempt": attempts - 1},
-                    group_index=group,
-                    sample_index=i,
-                )
-                if status is Status.FAILED:
-                    sample.metadata["error"] = "reward: ValueError: could not parse the answer"
-                samples.write(
-                    json.dumps(sample_record(sample, step=rid + 1, rollout_id=rid, split="train")) + "\n"
-                )
+                full = i < trajectories_per_step or status in (Status.FAILED, Status.ABORTED)
+                pad = trajectory_tokens if full else 0
+                sample = _sample(rng, rid, i, group, status, reward, attempts - 1, agentic=multi, pad=pad)
+                advantage = round(rewards[-1] - 0.5, 4)
+                record = sample_record(sample, step=rid + 1, rollout_id=rid, split="train")
+                record["advantage"] = advantage if status not in (Status.FAILED, Status.ABORTED) else None
+                samples.write(json.dumps(record) + "\n")
+                if full:
+                    reason = status.value if status in (Status.FAILED, Status.ABORTED) else "sampled"
+                    n = sample.response_length
+                    detail = TokenDetail(
+                        [advantage] * n if record["advantage"] is not None else None,
+                        [
+                            round(lp + 0.01 * _LOGPROBS[j % 97], 4)
+                            for j, lp in enumerate(sample.rollout_logprobs or [])
+                        ]
+                        or None,
+                    )
+                    line = trajectory_record(
+                        sample, step=rid + 1, rollout_id=rid, split="train", reason=reason,
+                        decode=decode, detail=detail,
+                    )  # fmt: skip
+                    write_lines(trajectories, [line])
             t = step_t0 + 1.0
             row = {
                 "step": rid + 1,

@@ -232,3 +232,22 @@ def summarize(attempts: list[Attempt], *, live: bool) -> dict[str, Any]:
         "score_s_mean": round(score / n, 5),
         "wall_s": round(wall, 4),
     }
+
+
+def event_from_record(record: dict[str, Any]) -> Event | None:
+    """A lifecycle line's object as an `Event` (None when it lacks a kind or a timestamp)."""
+    kind, ts = record.get("kind"), record.get("timestamp")
+    if not (isinstance(kind, str) and isinstance(ts, int | float)):
+        return None
+    detail = record.get("detail")
+    detail = detail if isinstance(detail, dict) else {}
+    attempt = detail.get("attempt")
+    group, sample = record.get("group_index"), record.get("sample_index")
+    return Event(
+        float(ts),
+        kind,
+        group if isinstance(group, int) else None,
+        sample if isinstance(sample, int) else None,
+        attempt if isinstance(attempt, int) else None,
+        detail,
+    )

@@ -300,23 +300,26 @@ class RolloutManagerActor(ActorBase):
         sink = getattr(self, "sink", None)
         return sink.drain() if sink is not None else []
 
+    def _close_side(self, close_engine: bool) -> None:
+        """Close the strategy (unfinished samples go back to the data source) and the engine,
+        with the engine's memory taken back first (a closing strategy may still abort requests)."""
+        side = getattr(self, "side", None)
+        if side is None:
+            return
+        memory = getattr(self, "memory", None)
+        if memory is not None and not memory.weights_pending:
+            memory.before_generate()
+        side.close(close_engine=close_engine)
+
     def close_side(self, close_engine: bool) -> list:
         """Close the rollout side (strategy, engine) and return its last lifecycle events."""
-        side = getattr(self, "side", None)
-        if side is not None:
-            self._resume()
-            side.close(close_engine=close_engine)
+        self._close_side(close_engine)
         return self.drain_events()
 
     def close(self, close_engine: bool) -> None:
         """Close the strategy (unfinished samples go back to the data source), the engine, the sink."""
-        side = getattr(self, "side", None)
         try:
-            if side is not None:
-                memory = getattr(self, "memory", None)
-                if memory is not None and not memory.weights_pending:
-                    memory.before_generate()  # hand the memory back before the strategy closes
-                side.close(close_engine=close_engine)
+            self._close_side(close_engine)
         finally:
             sink = getattr(self, "sink", None)
             if sink is not None:

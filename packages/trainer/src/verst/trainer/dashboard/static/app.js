@@ -1,4 +1,5 @@
-// verst dashboard: overview, curves, rollout timeline and samples of one or more runs.
+// verst dashboard: overview, curves (curves.js), rollout timeline, samples and their full
+// trajectories (trajectory.js), and the runs' comparison (compare.js) of one or more runs.
 // Served by `verst dashboard` (polls the JSON views every POLL_MS) or inlined by `verst report`
 // (the views are embedded in #verst-data; no network at all). Charts: plotly.js.
 "use strict";
@@ -20,9 +21,18 @@ const EMBED = (() => {
 
 const state = {
   runs: [], run: 0, tab: "overview", steps: null, step: null, followLatest: true,
-  split: "train", q: "", offset: 0, metrics: new Set(), overlay: new Set(), smoothing: 0,
-  curveCache: {}, metricNames: [],
+  split: "train", q: "", offset: 0, overlay: new Set(), smoothing: 0, curveX: "step", curveLog: false,
+  openGroups: new Set(), openGroupsSet: false, curveData: [], sort: "", desc: false, statuses: new Set(),
+  rewardMin: "", rewardMax: "", tokenColor: "none", compareAll: false,
 };
+
+function runLabel(id) {
+  // run.name; the folder too when two runs share a name
+  const r = state.runs.find((x) => x.id === id);
+  if (!r) return String(id);
+  const twins = state.runs.filter((x) => x.name === r.name).length > 1;
+  return twins ? `${r.name} (${r.folder})` : r.name;
+}
 
 const $ = (sel) => document.querySelector(sel);
 const $$ = (sel) => Array.from(document.querySelectorAll(sel));
@@ -54,12 +64,14 @@ function embedded(path, params) {
     return v || { rows: [], total: 0, offset: 0, limit: 0, step: params.step, summary: { attempts: 0, status_counts: {} } };
   }
   if (path.endsWith("/samples")) {
-    const all = (views[`${path}?step=${params.step}&split=${params.split}`] || { items: [] }).items;
-    const q = (params.q || "").toLowerCase();
-    const hit = (r) => [r.prompt, r.response, r.label, r.error, r.status, JSON.stringify(r.reward)].join(" ").toLowerCase().includes(q);
-    const items = q ? all.filter(hit) : all;
+    const v = views[`${path}?step=${params.step}&split=${params.split}`] || { items: [], statuses: [], reward_range: null };
+    const items = querySamples(v.items, params, v.reward_key);
     const offset = Number(params.offset || 0), limit = Number(params.limit || PAGE);
-    return { step: params.step, split: params.split, total: items.length, offset, limit, items: items.slice(offset, offset + limit) };
+    return { ...v, step: params.step, split: params.split, total: items.length, offset, limit, items: items.slice(offset, offset + limit) };
+  }
+  if (path.endsWith("/trajectory")) {
+    const v = views[`${path}?step=${params.step}&split=${params.split}&sample=${params.sample}`];
+    return v || { found: false };
   }
   if (path.endsWith("/curves")) {
     const v = views[path];
@@ -71,6 +83,41 @@ function embedded(path, params) {
 }
 
 const runPath = (id, view) => `/api/runs/${id}/${view}`;
+
+// The samples query of samples_view.py (the report's page applies it to its embedded rows).
+function scalarReward(r, key) {
+  let v = r.reward;
+  if (v && typeof v === "object") v = key != null && typeof v[key] === "number" ? v[key] : Object.values(v).find((x) => typeof x === "number");
+  return typeof v === "number" ? v : null;
+}
+
+function sampleKey(r, col, key) {
+  if (col === "group") return r.group_index ?? null;
+  if (col === "status") return r.status ?? null;
+  if (col === "reward") return scalarReward(r, key);
+  if (col === "advantage") return r.advantage ?? null;
+  if (col === "tokens") return (r.prompt_tokens || 0) + (r.response_tokens || 0);
+  if (col === "response_tokens") return r.response_tokens ?? null;
+  if (col === "weight_version") return (r.weight_versions || []).length ? Math.max(...r.weight_versions) : null;
+  if (col === "label") return r.label ?? null;
+  return r.sample_index ?? null;
+}
+
+function querySamples(rows, params, key) {
+  const q = (params.q || "").toLowerCase();
+  if (q) rows = rows.filter((r) => [r.prompt, r.response, r.label, r.error, r.status].filter((x) => x != null).concat([JSON.stringify(r.reward ?? null)]).join(" ").toLowerCase().includes(q));
+  const statuses = (params.status || "").split(",").filter(Boolean);
+  if (statuses.length) rows = rows.filter((r) => statuses.includes(r.status));
+  const lo = params.reward_min === "" || params.reward_min == null ? -Infinity : Number(params.reward_min);
+  const hi = params.reward_max === "" || params.reward_max == null ? Infinity : Number(params.reward_max);
+  if (lo !== -Infinity || hi !== Infinity) rows = rows.filter((r) => { const v = scalarReward(r, key); return v != null && v >= lo && v <= hi; });
+  const col = params.sort || "sample";
+  const cmp = (a, b) => (a < b ? -1 : a > b ? 1 : 0);
+  const present = rows.filter((r) => sampleKey(r, col, key) != null), missing = rows.filter((r) => sampleKey(r, col, key) == null);
+  present.sort((a, b) => cmp(sampleKey(a, col, key), sampleKey(b, col, key)) || cmp(a.sample_index || 0, b.sample_index || 0));
+  if (params.desc === "1") present.reverse();
+  return present.concat(missing);
+}
 
 // ------------------------------------------------------------------ tabs and run selection
 
@@ -86,9 +133,16 @@ async function renderTab() {
   if (state.tab === "curves") return renderCurves();
   if (state.tab === "timeline") return renderTimeline();
   if (state.tab === "samples") return renderSamples();
+  if (state.tab === "compare") return renderCompare();
 }
 
 // ------------------------------------------------------------------ overview
+
+function lastRewardCards(last) {
+  // the last logged reward of the rollouts and of each eval set
+  const keys = Object.keys(last || {}).filter((k) => /reward_mean$|^eval\/.*reward/.test(k)).slice(0, 3);
+  return keys.map((k) => `<div class="card"><div class="k">last ${esc(k)}</div><div class="v" data-reward-key="${esc(k)}">${fmt(last[k].value)}</div><div class="k">at step ${last[k].step}</div></div>`).join("");
+}
 
 async function renderOverview() {
   const o = await api(runPath(state.run, "overview"));
@@ -97,7 +151,7 @@ async function renderOverview() {
   const pct = s.total_steps ? Math.min(100, (100 * s.step) / s.total_steps) : 0;
   const phases = Object.entries(s.phase_seconds || {}).sort((a, b) => b[1] - a[1]);
   const evalKeys = [...new Set(o.eval.flatMap((e) => Object.keys(e).filter((k) => k !== "step")))];
-  const health = o.files.map((f) => `<tr><td>${esc(f.file)}</td><td>${f.lines}</td>
+  const health = o.files.map((f) => `<tr><td class="file">${esc(f.file)}</td><td>${f.lines}</td>
       <td class="${f.malformed ? "warn" : ""}">${f.malformed}${f.first_malformed_line ? ` (first at line ${f.first_malformed_line})` : ""}</td>
       <td>${f.partial_last_line ? "yes" : "no"}</td></tr>`).join("");
   $("#tab-overview").innerHTML = `
@@ -106,96 +160,26 @@ async function renderOverview() {
         ${s.phase ? `<div class="k">phase: <b id="overview-phase">${esc(s.phase)}</b></div>` : ""}</div>
       <div class="card"><div class="k">step</div><div class="v" id="overview-step">${s.step} / ${total}</div>
         <div class="progress"><div style="width:${pct}%"></div></div></div>
-      <div class="card"><div class="k">time left</div><div class="v" id="overview-eta">${s.state === "running" ? duration(s.eta_s) : "–"}</div></div>
+      <div class="card"><div class="k">${s.state === "running" ? "time left" : "total wall time"}</div><div class="v" id="overview-eta">${s.state === "running" ? duration(s.eta_s) : duration(s.wall_s)}</div>
+        ${s.state === "running" && s.wall_s != null ? `<div class="k">running for ${duration(s.wall_s)}</div>` : ""}</div>
+      ${lastRewardCards(o.last_rewards)}
       <div class="card"><div class="k">lifecycle events</div><div class="v" id="overview-events">${o.n_events}</div></div>
-      <div class="card"><div class="k">samples recorded</div><div class="v" id="overview-samples">${o.n_samples}</div></div>
+      <div class="card"><div class="k">samples recorded</div><div class="v" id="overview-samples">${o.n_samples}</div>
+        <div class="k">${o.n_trajectories} full trajectories</div></div>
     </div>
     ${s.note ? `<p class="warn">${esc(s.note)}</p>` : ""}
     ${s.error ? `<p class="warn" id="overview-error">error: ${esc(s.error)}</p>` : ""}
     <div class="grid2">
       <div><h3>Time per phase</h3><table id="overview-phases"><tr><th>phase</th><th>seconds</th><th>share</th></tr>
         ${phases.map(([k, v]) => `<tr><td>${esc(k)}</td><td>${v.toFixed(1)}</td><td>${(100 * v / Math.max(1e-9, phases.reduce((a, p) => a + p[1], 0))).toFixed(0)}%</td></tr>`).join("")}</table></div>
-      <div><h3>Eval rewards</h3>${o.eval.length ? `<table id="overview-eval"><tr><th>step</th>${evalKeys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>
-        ${o.eval.map((e) => `<tr><td>${e.step}</td>${evalKeys.map((k) => `<td>${fmt(e[k])}</td>`).join("")}</tr>`).join("")}</table>` : '<p class="muted">no evaluation yet</p>'}</div>
-      <div><h3>Config</h3><table id="overview-config">${Object.entries(o.config_summary).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(JSON.stringify(v))}</td></tr>`).join("")}</table>
+      <div><h3>Eval rewards</h3>${o.eval.length ? `<div class="table-scroll"><table id="overview-eval"><tr><th>step</th>${evalKeys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>
+        ${o.eval.map((e) => `<tr><td>${e.step}</td>${evalKeys.map((k) => `<td>${fmt(e[k])}</td>`).join("")}</tr>`).join("")}</table></div>` : '<p class="muted">no evaluation yet</p>'}</div>
+      <div><h3>Config</h3><table id="overview-config" class="kv">${Object.entries(o.config_summary).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(JSON.stringify(v))}</td></tr>`).join("")}</table>
         ${o.config_error ? `<p class="warn">${esc(o.config_error)}</p>` : ""}
         <details><summary>full config (${Object.keys(o.config).length} fields)</summary><pre>${esc(Object.entries(o.config).map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join("\n"))}</pre></details></div>
       <div><h3>Files</h3><table id="overview-files"><tr><th>file</th><th>lines</th><th>malformed (skipped)</th><th>partial last line</th></tr>${health}</table>
         <p class="muted">${esc(o.path)}</p></div>
     </div>`;
-}
-
-// ------------------------------------------------------------------ curves
-
-function smooth(ys, alpha) {
-  // TensorBoard-style exponential moving average, debiased at the start
-  if (!alpha) return ys;
-  let acc = 0, n = 0;
-  return ys.map((y) => {
-    if (y == null) return null;
-    n += 1;
-    acc = alpha * acc + (1 - alpha) * y;
-    return acc / (1 - Math.pow(alpha, n));
-  });
-}
-
-function defaultMetrics(names) {
-  const prefer = [/reward_mean$/, /^eval\/.*reward/, /response_len.*mean/, /^train\/loss$/];
-  const chosen = [];
-  for (const re of prefer) for (const n of names) if (re.test(n) && !chosen.includes(n) && chosen.length < 4) chosen.push(n);
-  return chosen.length ? chosen : names.slice(0, 2);
-}
-
-async function renderCurves() {
-  if (!state.overlay.size) state.overlay.add(state.run);
-  const ids = [...state.overlay];
-  const lists = await Promise.all(ids.map((id) => api(runPath(id, "curves"), { names: "" })));
-  const names = [...new Set(lists.flatMap((l) => l.metrics))].sort();
-  state.metricNames = names;
-  if (!state.metrics.size) defaultMetrics(names).forEach((n) => state.metrics.add(n));
-  renderMetricList();
-  $("#curve-runs").innerHTML = "<b>runs</b>" + state.runs.map((r) =>
-    `<label><input type="checkbox" data-run="${r.id}" ${state.overlay.has(r.id) ? "checked" : ""}> ${esc(r.name)}</label>`).join("");
-  $$("#curve-runs input").forEach((el) => el.addEventListener("change", () => {
-    const id = Number(el.dataset.run);
-    el.checked ? state.overlay.add(id) : state.overlay.delete(id);
-    renderCurves();
-  }));
-  const wanted = [...state.metrics].filter((n) => names.includes(n));
-  const data = await Promise.all(ids.map((id) => api(runPath(id, "curves"), { names: wanted.join(",") })));
-  const box = $("#curve-charts");
-  const keep = new Set(wanted.map((n) => `curve-${n}`));
-  Array.from(box.children).forEach((el) => { if (!keep.has(el.dataset.key)) { Plotly.purge(el); el.remove(); } });
-  const els = wanted.map((name) => {
-    let el = Array.from(box.children).find((c) => c.dataset.key === `curve-${name}`);
-    if (!el) { el = document.createElement("div"); el.className = "chart"; el.dataset.key = `curve-${name}`; box.appendChild(el); }
-    return el;
-  });
-  for (const [k, name] of wanted.entries()) {
-    const el = els[k];
-    const traces = [];
-    data.forEach((d, i) => {
-      const s = d.series[name];
-      if (!s) return;
-      if (state.smoothing) traces.push({ x: s.x, y: s.y, mode: "lines", line: { width: 1 }, opacity: 0.25, name: `${d.name} (raw)`, hoverinfo: "skip", showlegend: false, legendgroup: d.name });
-      traces.push({ x: s.x, y: smooth(s.y, state.smoothing), mode: "lines+markers", marker: { size: 3 }, name: d.name, legendgroup: d.name });
-    });
-    await Plotly.react(el, traces, {
-      title: { text: name, font: { size: 13 } }, margin: { l: 50, r: 10, t: 30, b: 35 }, hovermode: "x unified",
-      xaxis: { title: { text: "step" }, zeroline: false }, showlegend: ids.length > 1, legend: { orientation: "h" },
-    }, { displaylogo: false, responsive: true });
-  }
-  document.body.dataset.curves = wanted.join(",");
-}
-
-function renderMetricList() {
-  const filter = $("#metric-filter").value.toLowerCase();
-  $("#metric-list").innerHTML = state.metricNames.filter((n) => n.toLowerCase().includes(filter)).map((n) =>
-    `<label><input type="checkbox" data-metric="${esc(n)}" ${state.metrics.has(n) ? "checked" : ""}> ${esc(n)}</label>`).join("");
-  $$("#metric-list input").forEach((el) => el.addEventListener("change", () => {
-    el.checked ? state.metrics.add(el.dataset.metric) : state.metrics.delete(el.dataset.metric);
-    renderCurves();
-  }));
 }
 
 // ------------------------------------------------------------------ steps
@@ -340,26 +324,78 @@ function rewardCell(r) {
   return fmt(r);
 }
 
+function sampleParams() {
+  return {
+    q: state.q, sort: state.sort, desc: state.desc ? "1" : "0", status: [...state.statuses].join(","),
+    reward_min: state.rewardMin, reward_max: state.rewardMax,
+  };
+}
+
+function renderStatusFilter(statuses) {
+  const box = $("#samples-status-filter");
+  const key = statuses.join(",");
+  if (box.dataset.statuses === key) return;
+  box.dataset.statuses = key;
+  box.innerHTML = "status " + statuses.map((st) => `<label class="inline"><input type="checkbox" data-status="${esc(st)}" ${state.statuses.has(st) ? "checked" : ""}> ${esc(st)}</label>`).join(" ");
+  $$("#samples-status-filter input").forEach((el) => el.addEventListener("change", () => {
+    el.checked ? state.statuses.add(el.dataset.status) : state.statuses.delete(el.dataset.status);
+    state.offset = 0; renderSamples();
+  }));
+}
+
+function sampleRow(s) {
+  const adv = s.advantage == null ? "–" : fmt(s.advantage);
+  const versions = s.weight_versions || [];
+  return `<tr data-sample="${s.sample_index}" data-group="${s.group_index}" data-status="${esc(s.status)}" data-reward="${typeof s.reward === "number" ? s.reward : ""}" data-advantage="${s.advantage ?? ""}">
+      <td>g${s.group_index} / s${s.sample_index}${s.attempt ? ` (attempt ${s.attempt})` : ""}</td>
+      <td><span style="color:${STATUS_COLORS[s.status] || "#444"}">${esc(s.status)}</span></td>
+      <td class="reward">${rewardCell(s.reward)}</td><td class="advantage">${adv}</td>
+      <td class="text label">${esc(s.label ?? "")}</td>
+      <td>${esc(versions.length > 3 ? `${versions[0]}…${versions[versions.length - 1]}` : versions.join(", "))}</td>
+      <td>${s.prompt_tokens} + ${s.response_tokens}</td>
+      <td class="text">${esc(s.prompt)}</td><td class="text">${esc(s.response)}</td>
+      <td class="text warn">${esc(s.error || "")}</td>
+      <td>${s.has_trajectory ? `<button class="open-trajectory" data-sample="${s.sample_index}">view tokens</button>` : '<span class="muted">preview only</span>'}</td></tr>`;
+}
+
 async function renderSamples() {
   if (!state.steps) await loadSteps();
   const step = state.step;
   if (step == null) { $("#samples-count").textContent = "no samples yet"; return; }
-  const p = await api(runPath(state.run, "samples"), { step, split: state.split, q: state.q, offset: state.offset, limit: PAGE });
-  if (step !== state.step) return;
-  $("#samples-table tbody").innerHTML = p.items.map((s) => `<tr data-sample="${s.sample_index}" data-reward="${typeof s.reward === "number" ? s.reward : ""}">
-      <td>g${s.group_index} / s${s.sample_index}${s.attempt ? ` (attempt ${s.attempt})` : ""}</td>
-      <td><span style="color:${STATUS_COLORS[s.status] || "#444"}">${esc(s.status)}</span></td>
-      <td class="reward">${rewardCell(s.reward)}</td>
-      <td>${esc((s.weight_versions || []).join(", "))}</td>
-      <td>${s.prompt_tokens} + ${s.response_tokens}</td>
-      <td class="text">${esc(s.prompt)}</td><td class="text">${esc(s.response)}</td>
-      <td class="text warn">${esc(s.error || "")}</td></tr>`).join("");
+  const query = sampleParams();
+  const p = await api(runPath(state.run, "samples"), { step, split: state.split, offset: state.offset, limit: PAGE, ...query });
+  if (step !== state.step || JSON.stringify(query) !== JSON.stringify(sampleParams())) return;  // superseded
+  renderStatusFilter(p.statuses || []);
+  $("#samples-table tbody").innerHTML = p.items.map(sampleRow).join("");
+  $$("#samples-table thead th[data-sort]").forEach((th) => {
+    th.classList.toggle("sorted", th.dataset.sort === (state.sort || "sample"));
+    th.dataset.dir = th.dataset.sort === (state.sort || "sample") ? (state.desc ? "desc" : "asc") : "";
+  });
+  $$("#samples-table .open-trajectory").forEach((b) => b.addEventListener("click", () => openTrajectory(step, state.split, Number(b.dataset.sample))));
   const end = Math.min(p.total, p.offset + p.items.length);
-  $("#samples-count").textContent = p.total ? `${p.offset + 1}–${end} of ${p.total} samples` : "no matching samples";
+  const range = p.reward_range ? ` · rewards ${fmt(p.reward_range[0])} … ${fmt(p.reward_range[1])}` : "";
+  $("#samples-count").textContent = (p.total ? `${p.offset + 1}–${end} of ${p.total} samples` : "no matching samples") + range;
   $("#samples-count").dataset.total = String(p.total);
   $("#samples-prev").disabled = p.offset <= 0;
   $("#samples-next").disabled = end >= p.total;
   document.body.dataset.samplesStep = String(step);
+  document.body.dataset.samplesQuery = JSON.stringify(query);
+}
+
+function bindSampleControls() {
+  $("#samples-split").addEventListener("change", (e) => { state.split = e.target.value; state.offset = 0; renderSamples(); });
+  let timer = null;
+  const later = (fn) => { fn(); clearTimeout(timer); timer = setTimeout(() => { state.offset = 0; renderSamples(); }, 200); };
+  $("#sample-search").addEventListener("input", (e) => later(() => (state.q = e.target.value)));
+  $("#reward-min").addEventListener("input", (e) => later(() => (state.rewardMin = e.target.value)));
+  $("#reward-max").addEventListener("input", (e) => later(() => (state.rewardMax = e.target.value)));
+  $$("#samples-table thead th[data-sort]").forEach((th) => th.addEventListener("click", () => {
+    const col = th.dataset.sort;
+    if ((state.sort || "sample") === col) state.desc = !state.desc; else { state.sort = col; state.desc = false; }
+    state.offset = 0; renderSamples();
+  }));
+  $("#samples-prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE); renderSamples(); });
+  $("#samples-next").addEventListener("click", () => { state.offset += PAGE; renderSamples(); });
 }
 
 // ------------------------------------------------------------------ live updates
@@ -370,7 +406,7 @@ async function poll() {
     await loadSteps();
     const changed = state.steps.all.join(",") !== before;
     const live = state.steps.live;
-    if (state.tab === "overview" || (state.tab === "curves" && live) || changed || (state.followLatest && live)) await renderTab();
+    if (state.tab === "overview" || ((state.tab === "curves" || state.tab === "compare") && live) || changed || (state.followLatest && live)) await renderTab();
     else if (state.tab === "timeline") drawStepsChart();  // summaries still being computed come in
     $("#live-note").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
@@ -383,7 +419,7 @@ async function poll() {
 
 async function main() {
   state.runs = await api("/api/runs");
-  $("#run-select").innerHTML = state.runs.map((r) => `<option value="${r.id}">${esc(r.name)}</option>`).join("");
+  $("#run-select").innerHTML = state.runs.map((r) => `<option value="${r.id}">${esc(runLabel(r.id))}</option>`).join("");
   $("#run-select").addEventListener("change", async (e) => {
     state.run = Number(e.target.value); state.steps = null; state.step = null; state.followLatest = true;
     await loadSteps(); renderTab();
@@ -392,21 +428,13 @@ async function main() {
   $$(".step-select").forEach((sel) => sel.addEventListener("change", () => setStep(Number(sel.value))));
   $$(".step-prev").forEach((b) => b.addEventListener("click", () => stepBy(-1)));
   $$(".step-next").forEach((b) => b.addEventListener("click", () => stepBy(1)));
-  $("#samples-split").addEventListener("change", (e) => { state.split = e.target.value; state.offset = 0; renderSamples(); });
-  let timer = null;
-  $("#sample-search").addEventListener("input", (e) => {
-    clearTimeout(timer);
-    timer = setTimeout(() => { state.q = e.target.value; state.offset = 0; renderSamples(); }, 200);
-  });
-  $("#samples-prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE); renderSamples(); });
-  $("#samples-next").addEventListener("click", () => { state.offset += PAGE; renderSamples(); });
-  $("#metric-filter").addEventListener("input", renderMetricList);
+  bindSampleControls();
+  bindCurveControls();
   window.addEventListener("hashchange", () => { const t = location.hash.slice(1); if (t !== state.tab && $(`#tab-${t}`)) showTab(t); });
-  $("#smoothing").addEventListener("input", (e) => { state.smoothing = Number(e.target.value); $("#smoothing-value").textContent = e.target.value; renderCurves(); });
   if (state.runs.length > 1) state.runs.forEach((r) => state.overlay.add(r.id));
   await loadSteps();
   const tab = (location.hash || "#overview").slice(1);
-  await showTab(["overview", "curves", "timeline", "samples"].includes(tab) ? tab : "overview");
+  await showTab(["overview", "curves", "timeline", "samples", "compare"].includes(tab) ? tab : "overview");
   document.body.dataset.ready = "1";
   if (EMBED) $("#live-note").textContent = `report of ${state.runs.length} run(s), written ${EMBED.generated_at}`;
   else setTimeout(poll, POLL_MS);
