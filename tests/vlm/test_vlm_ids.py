@@ -49,7 +49,7 @@ images_st = st.lists(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     family=st.sampled_from(FAMILIES), images=images_st, text=st.text("abc xyz?", max_size=12), data=st.data()
 )

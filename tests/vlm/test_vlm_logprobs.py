@@ -21,7 +21,7 @@ def _prompt(engine, image_paths, text):
     return engine.vision.expand(ids, images)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llava", pytest.param("idefics3", marks=pytest.mark.slow)])
 async def test_engine_and_trainer_logprobs_match_on_image_prompts(family, vlm_checkpoints, image_files):
     path = vlm_checkpoints[family]
     engine = EmbeddedEngine.from_pretrained(path, batch_wait_s=0.01)

@@ -45,7 +45,7 @@ class RenderEnv:
         pass
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", pytest.param("idefics3", marks=pytest.mark.slow)])
 async def test_image_observation_through_engine_and_trainer(family, vlm_checkpoints, image_files, tmp_path):
     path = vlm_checkpoints[family]
     store = ImageStore(tmp_path / "rendered")

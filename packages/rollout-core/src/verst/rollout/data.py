@@ -58,6 +58,29 @@ def _row_images(prompt: Any, row: dict[str, Any], config: DataConfig, where: str
     return prompt, images + more
 
 
+def _expand(
+    prompt: Any,
+    images: list[Any],
+    config: DataConfig,
+    where: str,
+    tokenizer: Any,
+    vision: Any,
+    limit: int | None,
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """A prompt with images → its model ids (image tokens expanded once, here) and recipes."""
+    from verst.rollout.multimodal.rows import tokenize_with_images
+
+    return tokenize_with_images(
+        prompt,
+        images,
+        where=where,
+        tokenizer=tokenizer,
+        vision=vision,
+        apply_chat_template=config.apply_chat_template,
+        max_prompt_tokens=limit,
+    )
+
+
 def _row_to_sample(
     row: Any,
     config: DataConfig,
@@ -67,11 +90,8 @@ def _row_to_sample(
     vision: Any = None,
     path: Path | None = None,
 ) -> Sample:
-    """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors.
-
-    A row with images (`data.image_key`, or image parts in chat messages) is tokenized here and
-    its image tokens expanded by `vision` (the model's `MultimodalProcessor`): `sample.tokens`
-    holds the model's ids and `sample.images` their recipes."""
+    """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors. A row with
+    images is tokenized here, its image tokens expanded by `vision` (docs/vlm.md)."""
     if not isinstance(row, dict):
         raise DataError(
             f"{where}: the row is a JSON {type(row).__name__}, not an object; "
@@ -110,25 +130,8 @@ def _row_to_sample(
             )
     label = row.get(config.label_key) if config.label_key is not None else None
     if images:
-        from verst.rollout.multimodal.rows import tokenize_with_images
-
-        ids, recipes = tokenize_with_images(
-            prompt,
-            images,
-            where=where,
-            tokenizer=tokenizer,
-            vision=vision,
-            apply_chat_template=config.apply_chat_template,
-            max_prompt_tokens=max_prompt_tokens,
-        )
-        return Sample(
-            prompt=prompt,
-            label=label,
-            tokens=ids,
-            images=recipes,
-            metadata=dict(metadata),
-            status=Status.PENDING,
-        )
+        ids, recipes = _expand(prompt, images, config, where, tokenizer, vision, max_prompt_tokens)
+        return Sample(prompt=prompt, label=label, tokens=ids, images=recipes, metadata=dict(metadata))
     if config.apply_chat_template and tokenizer is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -150,6 +150,8 @@ class TrainSide:
             self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
         )
         """The same for the separate reference (its own model may share prompts or not)."""
+        self.vision: Any = None
+        """The `MultimodalProcessor` of a vision-language model, built by the first batch with images."""
         self.layout_counts: Counter[str] = Counter()
         """Micro-batches run in each layout so far (all forwards)."""
         self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
@@ -215,28 +217,17 @@ class TrainSide:
         chooser = self.ref_layout if module is self.ref else self.layout
         tokens, resp = [batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows]
         if batch.images is not None:  # vision-language: the same layouts, through the bank (docs/vlm.md)
-            from verst.rollout.multimodal.processor import PromptImage
-            from verst.trainer.vision import lay_out_with_images
+            from verst.trainer.vision import lay_out_batch, processor_for
 
-            images = [[PromptImage.from_dict(d) for d in batch.images[i]] for i in rows]
-            inputs = lay_out_with_images(chooser.pick(tokens, resp), self._vision(), tokens, resp, images)
+            self.vision = self.vision or processor_for(self.model_path)
+            images = [batch.images[i] for i in rows]
+            inputs = lay_out_batch(chooser.pick(tokens, resp), self.vision, tokens, resp, images)
         else:
             inputs = chooser.lay_out(tokens, resp)
         self.layout_counts[inputs.layout] += 1
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
-
-    def _vision(self) -> Any:
-        """The model's `MultimodalProcessor` (built on first use: text runs never need it)."""
-        if getattr(self, "_vision_processor", None) is None:
-            from transformers import AutoTokenizer
-
-            from verst.rollout.multimodal.processor import MultimodalProcessor
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self._vision_processor = MultimodalProcessor.from_pretrained(self.model_path, tokenizer)
-        return self._vision_processor
 
     @torch.no_grad()
     def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
@@ -442,7 +433,10 @@ class TrainSide:
         self.bundle.hf_model.save_pretrained(path, state_dict=sd)
         source = Path(self.model_path)
         for name in source.iterdir() if source.is_dir() else ():
-            wanted = "token" in name.name or name.name == "generation_config.json"
+            wanted = "token" in name.name or name.name in (
+                "generation_config.json",
+                "preprocessor_config.json",
+            )
             if name.is_file() and wanted and not (path / name.name).exists():
                 shutil.copy2(name, path / name.name)
 

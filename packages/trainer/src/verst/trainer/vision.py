@@ -130,11 +130,21 @@ def lay_out_with_images(
     )
 
 
-def freeze_vision_tower(model: Any, processor: MultimodalProcessor) -> int:
-    """`train.vision.freeze`: no gradients for the vision tower; returns the parameters frozen."""
-    n = 0
-    for module in processor.family.vision_modules(model)[:1]:  # the tower; the projector trains
-        for p in module.parameters():
-            p.requires_grad_(False)
-            n += p.numel()
-    return n
+def processor_for(model_path: str) -> MultimodalProcessor:
+    """The `MultimodalProcessor` of a checkpoint (its owner keeps it: its pixel cache is shared
+    by every step)."""
+    from transformers import AutoTokenizer
+
+    return MultimodalProcessor.from_pretrained(model_path, AutoTokenizer.from_pretrained(model_path))
+
+
+def lay_out_batch(
+    layout: Layout,
+    processor: MultimodalProcessor,
+    tokens: Sequence[Sequence[int]],
+    response_lengths: Sequence[int],
+    images: Sequence[Sequence[dict[str, Any]]],
+) -> PackedInputs:
+    """`lay_out_with_images` over a train batch's rows (`Sample.images` recipe dicts)."""
+    recipes = [[PromptImage.from_dict(d) for d in row] for row in images]
+    return lay_out_with_images(layout, processor, tokens, response_lengths, recipes)

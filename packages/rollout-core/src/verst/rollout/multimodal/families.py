@@ -197,9 +197,14 @@ def image_processor(family: str, model_dir: str | None) -> Any:
 
     module, name = _PIL_PROCESSORS[family]
     cls = getattr(importlib.import_module(module), name)
-    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").is_file():
-        return cls.from_pretrained(model_dir)
-    return cls()
+    if model_dir is None:
+        return cls()
+    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        raise ValueError(
+            f"{model_dir} has no preprocessor_config.json: the image processor's settings (image size, "
+            f"normalisation) would be guessed; copy it from the checkpoint the model came from"
+        )
+    return cls.from_pretrained(model_dir)
 
 
 def build_family(config: Any, tokenizer: Any, processor: Any) -> VisionFamily:
