@@ -32,7 +32,7 @@ from pathlib import Path
 from verst.rollout.agentic import StepResult, tool_span
 from verst.rollout.agentic.episode import AgenticGenerate
 from verst.rollout.config import RolloutConfig
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.lifecycle import NoopSink
 from verst.rollout.protocols import RolloutContext, RolloutRequest
 from verst.rollout.sample import Sample

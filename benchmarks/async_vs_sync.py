@@ -59,7 +59,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "verst.rollout.engines.server",
+            "verst.rollout.engines.serve.server",
             "--model",
             str(model),
             "--port",
@@ -116,7 +116,7 @@ class StepLogger:
 
 def run_once(args: argparse.Namespace, *, fully_async: bool, latency_ms: float, out: Path) -> dict[str, Any]:
     from verst.trainer.cli import load_config_and_env
-    from verst.trainer.controller import run_training
+    from verst.trainer.run.controller import run_training
 
     overrides = [
         f"run.num_steps={args.steps}",

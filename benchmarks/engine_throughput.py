@@ -43,7 +43,7 @@ import time
 import torch
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.toy import build_tiny_llama, make_tiny_checkpoint
 
 

@@ -92,10 +92,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from verst.rollout.sample import Sample, Status
     from verst.trainer.algorithms import AlgorithmConfig
-    from verst.trainer.batch import build_train_batch
     from verst.trainer.config import TrainConfig
-    from verst.trainer.lora import LoraSection
-    from verst.trainer.train_side import TrainSide
+    from verst.trainer.train.batch import build_train_batch
+    from verst.trainer.train.lora import LoraSection
+    from verst.trainer.train.side import TrainSide
 
     torch.set_num_threads(args.threads)
     base_kib = _rss_kib("VmRSS")

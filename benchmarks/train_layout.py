@@ -1,7 +1,7 @@
 """Micro-batch layouts at a GRPO size: forward + backward time and peak memory, padded vs shared prompt.
 
 Why: in GRPO the n samples of a group share their prompt, and the padded layout computes that
-prompt n times, forward and backward. `train.layout = "shared_prompt"` (verst.trainer.layout)
+prompt n times, forward and backward. `train.layout = "shared_prompt"` (verst.trainer.train.layout)
 puts a group in one row `[prompt, resp_1, ..., resp_n]` with a 4D mask, so the prompt is
 computed once. This measures what that buys on the train step's log-prob forward/backward, and
 what `auto` (which may also split a group into rows of 2, 4, ... responses) picks and buys,
@@ -41,7 +41,7 @@ import torch
 def build_model(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verst.trainer.logprobs import PolicyLogprobs
+    from verst.trainer.train.logprobs import PolicyLogprobs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -80,7 +80,7 @@ def layout_label(layout) -> str:
 
 def micro_step(model, tokens, resp, layout: str, chooser, *, entropy: bool = True) -> tuple[float, float]:
     """Wall and CPU seconds of one micro-batch's forward + backward in `layout` ('auto' = chooser)."""
-    from verst.trainer.logprobs import pack_sequences
+    from verst.trainer.train.logprobs import pack_sequences
 
     t0, c0 = time.perf_counter(), time.process_time()
     inputs = (
@@ -98,7 +98,7 @@ def peak_bytes(model, tokens, resp, layout: str) -> int:
     """Highest running sum of allocations - frees during one micro-batch's forward + backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verst.trainer.logprobs import pack_sequences
+    from verst.trainer.train.logprobs import pack_sequences
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         lp, ent = model(pack_sequences(tokens, resp, layout=layout), return_entropy=True)
@@ -136,7 +136,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from verst.trainer.layout import LayoutChooser
+    from verst.trainer.train.layout import LayoutChooser
 
     model = build_model(args)
     batch = build_batch(args)

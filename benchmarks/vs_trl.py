@@ -101,7 +101,7 @@ def run_verst(
     from verst.rollout.selection import resolve_extra_env_vars
     from verst.trainer.cli import add_config_dir_to_path, resolve_paths
     from verst.trainer.config import load_run_config
-    from verst.trainer.controller import InMemoryLogger, run_training
+    from verst.trainer.run.controller import InMemoryLogger, run_training
 
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [

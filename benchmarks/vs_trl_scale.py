@@ -184,7 +184,7 @@ def child_verst(a: argparse.Namespace) -> dict[str, Any]:
     from verst.rollout.selection import resolve_extra_env_vars
     from verst.trainer.cli import add_config_dir_to_path, resolve_paths
     from verst.trainer.config import load_run_config
-    from verst.trainer.controller import InMemoryLogger, run_training
+    from verst.trainer.run.controller import InMemoryLogger, run_training
 
     work = Path(a.work)
     timers = _Timers()
@@ -199,10 +199,10 @@ def child_verst(a: argparse.Namespace) -> dict[str, Any]:
                 )
 
     if a.profile:
-        import verst.trainer.logprobs as logprobs
-        from verst.rollout.engines._batch import DecodeBatch
-        from verst.trainer.logprobs import PolicyLogprobs
-        from verst.trainer.train_side import TrainSide
+        import verst.trainer.train.logprobs as logprobs
+        from verst.rollout.engines.embedded.batch import DecodeBatch
+        from verst.trainer.train.logprobs import PolicyLogprobs
+        from verst.trainer.train.side import TrainSide
 
         timers.wrap(DecodeBatch, "admit", "prefill")
         timers.wrap(DecodeBatch, "step", "decode")

@@ -19,8 +19,8 @@ END = "<!-- end generated -->"
 
 def generated_tables() -> str:
     """The markdown tables of `[run]`, `[train]`, `[engine]`, `[algorithm]` and `[opd]`."""
-    from verst.trainer.cli import markdown_section
     from verst.trainer.config import RunConfig
+    from verst.trainer.config_reference import markdown_section
 
     sections = ["run", "train", "engine", "algorithm", "opd"]
     return "\n\n".join(markdown_section(RunConfig, name) for name in sections)

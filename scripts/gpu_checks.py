@@ -299,7 +299,7 @@ async def _running(url: str, n: int, timeout: float = 30) -> bool:
 def launch(kind: str, model: Path, logs: Path, *, deterministic: bool) -> Any:
     """One server of `kind` (sglang: on GPU 0 — one call per server, so each gets
     `--base-gpu-id 0` on a one-GPU box — with the colocated flags; verst: CPU)."""
-    from verst.rollout.engines.launcher import launch_sglang_servers, launch_verst_servers
+    from verst.rollout.engines.sglang.launcher import launch_sglang_servers, launch_verst_servers
 
     if kind == "verst":
         args = ["--dtype", "float32", "--enable-weights-cpu-backup"]  # as the SGLang servers get
@@ -319,8 +319,8 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
     import torch
 
     from verst.rollout.engine import GenerateRequest, SamplingParams
-    from verst.rollout.engines.launcher import LaunchedServers
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.sglang.client import SGLangClient
+    from verst.rollout.engines.sglang.launcher import LaunchedServers
 
     pre = f"{kind}"
     loop = Loop()
@@ -396,8 +396,8 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
         with summary.check(f"{pre}/refit_distributed_gloo_buckets") as info:
             from transformers import AutoModelForCausalLM
 
-            from verst.trainer.fsdp import DistInfo
-            from verst.trainer.weight_sync import WeightSync
+            from verst.trainer.sync.weight_sync import WeightSync
+            from verst.trainer.train.fsdp import DistInfo
 
             hf = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32)
             train = _TrainStub(hf)
@@ -416,7 +416,7 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
             finally:
                 sync.close()
         with summary.check(f"{pre}/nccl_refused_on_shared_gpu") as info:
-            from verst.trainer.weight_sync import WeightSyncError
+            from verst.trainer.sync.weight_sync import WeightSyncError
 
             sync = WeightSync(
                 _TrainStub(None), _RolloutStub(client, loop), mode="distributed", staging_dir=logs,
@@ -435,7 +435,7 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
             info["detail"] = f"max |lp after - before| = {err:.3g}"
             assert err < 1e-4
         with summary.check(f"{pre}/colocated_order_release_refit_resume") as info:
-            from verst.trainer.colocate import ColocatedMemory
+            from verst.trainer.sync.colocate import ColocatedMemory
 
             memory = ColocatedMemory(client, loop.run, colocated=True)
             memory.before_generate()
@@ -465,8 +465,8 @@ def sglang(model: Path, summary: Summary, kind: str, logs: Path) -> None:
 
 def router(urls: list[str], summary: Summary, loop: Loop, logs: Path, model: Path) -> None:
     from verst.rollout.engine import GenerateRequest, SamplingParams
-    from verst.rollout.engines.launcher import launch_router
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.sglang.client import SGLangClient
+    from verst.rollout.engines.sglang.launcher import launch_router
 
     proc = None
     with summary.check("router/launch_and_workers") as info:
@@ -543,13 +543,13 @@ def _decode_run(model: Any, ids: Any, att: Any, pos: Any, feed: Any) -> tuple[An
 
 
 def grouped_attention(summary: Summary) -> None:
-    """The embedded engine's grouped-query attention (`engines/_attention.py`) on CUDA: logits of a
+    """The embedded engine's grouped-query attention (`engines/embedded/attention.py`) on CUDA: logits of a
     left-padded prefill + 8 decode steps equal transformers' SDPA (fp32 and bf16), and the
     decode-step time of both (64 rows, SmolLM2-135M-like heads: 9 query / 3 KV, head_dim 64)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verst.rollout.engines._attention import use_grouped_sdpa
+    from verst.rollout.engines.embedded.attention import use_grouped_sdpa
 
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 0.1)):
         with summary.check(f"engine/grouped_attention_{str(dtype).split('.')[-1]}") as info:

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 
 CONTROL = ("/generate", "/model_info", "/server_info", "/v1/loads")
 """Paths not recorded (only the control calls are)."""
@@ -16,8 +16,8 @@ CONTROL = ("/generate", "/model_info", "/server_info", "/v1/loads")
 @asynccontextmanager
 async def serve(model_dir, *, info=None, record=None):
     """`verst serve`'s app on this loop; `record` collects (path, body) of control calls."""
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.server import build_app
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+    from verst.rollout.engines.serve.server import build_app
 
     app = build_app(EmbeddedEngine.from_pretrained(model_dir), info=info)
     if record is not None:

@@ -68,9 +68,9 @@ def sft(init: Path, out: Path, data: Path, *, steps: int = 300, batch: int = 64,
     from verst.rollout.config import DataConfig
     from verst.rollout.data import load_prompt_samples
     from verst.rollout.multimodal.processor import MultimodalProcessor, PromptImage
-    from verst.trainer.layout import LAYOUTS
-    from verst.trainer.logprobs import PolicyLogprobs
-    from verst.trainer.vision import lay_out_with_images
+    from verst.trainer.train.layout import LAYOUTS
+    from verst.trainer.train.logprobs import PolicyLogprobs
+    from verst.trainer.train.vision import lay_out_with_images
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(init)

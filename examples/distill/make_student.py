@@ -28,7 +28,7 @@ def main() -> None:
     import torch
 
     from verst.rollout.toy import make_tiny_checkpoint
-    from verst.trainer.sft import load_sft_config, run_sft
+    from verst.trainer.train.sft import load_sft_config, run_sft
 
     torch.set_num_threads(2)
     make_tiny_checkpoint(HERE / "model" / "student_init", seed=0, **STUDENT)

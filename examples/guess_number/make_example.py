@@ -66,7 +66,7 @@ def main() -> None:
     import torch
 
     from verst.rollout.toy import make_tiny_checkpoint
-    from verst.trainer.sft import load_sft_config, run_sft
+    from verst.trainer.train.sft import load_sft_config, run_sft
 
     torch.set_num_threads(1)
     make_data(HERE / "data")

@@ -127,7 +127,7 @@ def main() -> None:
     make_init_model(HERE / "model" / "init")
     if args.no_sft:
         return
-    from verst.trainer.sft import load_sft_config, run_sft
+    from verst.trainer.train.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(HERE / "sft.toml")
     summary = run_sft(

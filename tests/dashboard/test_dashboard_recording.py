@@ -8,8 +8,8 @@ import json
 from verst.rollout.lifecycle import EventKind, LifecycleEvent
 from verst.rollout.protocols import RolloutResult
 from verst.rollout.sample import Sample, Status
-from verst.trainer import recording
-from verst.trainer.recording import BufferedSink, RunRecorder
+from verst.trainer.run import recording
+from verst.trainer.run.recording import BufferedSink, RunRecorder
 
 
 def _sample(i: int, **kw) -> Sample:

@@ -19,11 +19,11 @@ import pytest
 import torch
 from train_testlib_e2e import run_config
 
-from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.sglang.launcher import launch_verst_servers
 from verst.rollout.errors import EngineUnavailableError, RolloutFailedError
-from verst.trainer.checkpoint import latest_checkpoint
 from verst.trainer.cli import EXIT_ROLLOUT_FAILED, main
-from verst.trainer.controller import InMemoryLogger, run_training
+from verst.trainer.run.checkpoint import latest_checkpoint
+from verst.trainer.run.controller import InMemoryLogger, run_training
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_digits"
 

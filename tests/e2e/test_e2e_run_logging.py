@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from verst.rollout.errors import MissingOptionalDependency
 from verst.trainer.config import RunConfig, load_run_config
-from verst.trainer.curves import PANELS, pick_metric, plot_curves
-from verst.trainer.metrics import RunLogger, wandb_enabled
-from verst.trainer.progress import ProgressDisplay, format_duration
-from verst.trainer.run_dir import RunDir, to_toml
+from verst.trainer.run.curves import PANELS, pick_metric, plot_curves
+from verst.trainer.run.metrics import RunLogger, wandb_enabled
+from verst.trainer.run.progress import ProgressDisplay, format_duration
+from verst.trainer.run.run_dir import RunDir, to_toml
 
 keys = st.text("abcdefghij_-.", min_size=1, max_size=8)
 scalars = st.one_of(

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
 
 def admits_of(engine: EmbeddedEngine) -> list[int]:

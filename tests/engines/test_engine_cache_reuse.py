@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines import _batch
-from verst.rollout.engines._batch import DecodeBatch, Row
-from verst.rollout.engines._sampling import RowSampling
+from verst.rollout.engines.embedded import batch as _batch
+from verst.rollout.engines.embedded.batch import DecodeBatch, Row
+from verst.rollout.engines.embedded.sampling import RowSampling
 
 torch.set_num_threads(1)
 

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.launcher import free_port
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import free_port
 
 OK_GENERATE = {
     "text": "ab",

@@ -14,17 +14,17 @@ from pydantic import ValidationError
 from verst.rollout.engine import GenerateRequest, InferenceEngine, SamplingParams
 from verst.rollout.engines.config import ENGINES, build_engine
 from verst.rollout.engines.config import parse_engine_config as EngineConfig
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.engines.pool import EnginePool
-from verst.rollout.engines.server import LatencyInjection, build_app, make_parser
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.serve.server import LatencyInjection, build_app, make_parser
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.errors import ConfigError, MissingOptionalDependency
 
 
 def test_config_is_strict_and_documented():
     with pytest.raises(ValidationError):
-        EngineConfig(type="vllm")
+        EngineConfig(type="trtllm")
     with pytest.raises(ValidationError):
         EngineConfig(unknown_key=1)
     assert all(f.description for m in ENGINES.builtins.values() for f in m.model_fields.values())

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
 torch.set_num_threads(2)
 
@@ -258,7 +258,7 @@ async def test_weight_update_lands_between_decode_steps(tiny_checkpoint):
     seed=st.integers(0, 1000),
 )
 def test_sampling_respects_topk_topp_and_reports_untruncated_logprobs(rows, seed):
-    from verst.rollout.engines._sampling import BatchSampling, RowSampling, sample
+    from verst.rollout.engines.embedded.sampling import BatchSampling, RowSampling, sample
 
     vocab = 16
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3  # [rows, vocab]

@@ -1,4 +1,4 @@
-"""The embedded engine's grouped-query attention (`engines/_attention.py`) is transformers' SDPA
+"""The embedded engine's grouped-query attention (`engines/embedded/attention.py`) is transformers' SDPA
 attention, row for row, without repeating the KV heads: real tiny GQA Llamas, padded prefill,
 decode steps on the cache, the unpadded (maskless) prefill, and the engine end to end."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines._attention import ATTENTION_NAME, use_grouped_sdpa
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.attention import ATTENTION_NAME, use_grouped_sdpa
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
 
 def _llama(heads: int, kv: int, seed: int = 0):

@@ -14,11 +14,11 @@ import torch
 from aiohttp import web
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import free_port
-from verst.rollout.engines.server import build_app
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.rollout.engines.serve.server import build_app
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import free_port
 
 PROMPT = [1, 8, 9, 10, 11, 12]
 

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines._batch import DecodeBatch, Row, share_groups
-from verst.rollout.engines._sampling import RowSampling
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.batch import DecodeBatch, Row, share_groups
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.rollout.engines.embedded.sampling import RowSampling
 
 torch.set_num_threads(1)
 

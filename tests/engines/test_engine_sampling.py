@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verst.rollout.engines._sampling import BLOCK, BatchSampling, RowSampling, sample
+from verst.rollout.engines.embedded.sampling import BLOCK, BatchSampling, RowSampling, sample
 
 
 @pytest.mark.parametrize(

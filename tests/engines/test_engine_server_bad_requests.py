@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import free_port
-from verst.rollout.engines.server import build_app
-from verst.rollout.engines.sglang_client import error_message
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.rollout.engines.serve.server import build_app
+from verst.rollout.engines.sglang.client import error_message
+from verst.rollout.engines.sglang.launcher import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,9 +20,9 @@ import torch
 from aiohttp import web
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.launcher import free_port, launch_verst_servers
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import free_port, launch_verst_servers
 
 EXTERNAL_URL = os.environ.get("VERST_TEST_SGLANG_URL")
 EXTERNAL_MODEL = os.environ.get("VERST_TEST_SGLANG_MODEL")
@@ -53,8 +53,8 @@ def servers(tiny_checkpoint, tmp_path_factory):
 @asynccontextmanager
 async def in_process_server(model_dir):
     """`verst serve`'s app on this test's event loop (a second worker for the router test)."""
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.server import build_app
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+    from verst.rollout.engines.serve.server import build_app
 
     runner = web.AppRunner(build_app(EmbeddedEngine.from_pretrained(model_dir)))
     await runner.setup()
@@ -302,7 +302,7 @@ async def _rollout(engine, tokenizer, data_path):
 @needs_own_servers
 async def test_default_rollout_same_samples_in_process_and_over_http(servers, tiny_checkpoint, tmp_path):
     """The default strategy against the embedded engine and against `verst serve` via the client."""
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["1+1=", "2+3=", "4+4="]))

@@ -16,12 +16,12 @@ import torch
 from serve_testlib import serve
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines._common import InvalidRequest
-from verst.rollout.engines.sglang_client import (
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.sglang.client import (
     SGLangClient,
-    _worker_urls,
     error_message,
     serialize_named_tensors,
+    worker_urls,
 )
 
 PROMPT = [1, 8, 9, 10, 11, 12]
@@ -203,10 +203,10 @@ async def test_release_resume_protocol(tiny_checkpoint, head):
 def test_router_worker_listing_forms():
     # sglang-router 0.3.2 GET /workers; dp-aware workers carry an @rank suffix (one server)
     body = {"workers": [{"url": "http://h:1@0"}, {"url": "http://h:1@1"}, {"url": "http://h:2"}], "total": 3}
-    assert _worker_urls(body) == ["http://h:1", "http://h:2"]
-    assert _worker_urls({"urls": ["http://h:1/", "http://h:2"]}) == ["http://h:1", "http://h:2"]
-    assert _worker_urls([{"url": "http://h:3@0", "worker_id": "a"}]) == ["http://h:3"]
-    assert _worker_urls({"something": 1}) is None
+    assert worker_urls(body) == ["http://h:1", "http://h:2"]
+    assert worker_urls({"urls": ["http://h:1/", "http://h:2"]}) == ["http://h:1", "http://h:2"]
+    assert worker_urls([{"url": "http://h:3@0", "worker_id": "a"}]) == ["http://h:3"]
+    assert worker_urls({"something": 1}) is None
 
 
 def test_cpu_tensors_pickled_by_value_cuda_ipc_patch_is_idempotent():
@@ -215,7 +215,7 @@ def test_cpu_tensors_pickled_by_value_cuda_ipc_patch_is_idempotent():
 
     from torch.multiprocessing import reductions
 
-    from verst.rollout.engines import cuda_ipc
+    from verst.rollout.engines.common import cuda_ipc
 
     t = torch.arange(6.0).view(2, 3)[:, 1:]  # non-contiguous: sent contiguous
     back = dict(pickle.loads(base64.b64decode(serialize_named_tensors({"w": t}))))
@@ -229,7 +229,7 @@ def test_cpu_tensors_pickled_by_value_cuda_ipc_patch_is_idempotent():
 
 
 def test_sglang_launch_command_per_server_gpus_and_flags():
-    from verst.rollout.engines.launcher import sglang_server_command
+    from verst.rollout.engines.sglang.launcher import sglang_server_command
 
     cmds = [
         sglang_server_command("/m", i, host="127.0.0.1", port=30000 + i, tp_size=2, base_gpu_id=1)

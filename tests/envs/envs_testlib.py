@@ -83,7 +83,7 @@ def make_tool_model(path: Path, steps: int = 220, seed: int = 0) -> Path:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    from verst.rollout.engines.openai_protocol import template_messages
+    from verst.rollout.engines.serve.openai_protocol import template_messages
 
     ids = tok.apply_chat_template(
         template_messages(conversation()), tools=[ADD_TOOL], tokenize=True, return_dict=False
@@ -116,9 +116,9 @@ def serve_in_thread(info: dict) -> Iterator[str]:
     run by an event loop in a background thread; yields the base URL."""
     from aiohttp import web
 
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.launcher import free_port
-    from verst.rollout.engines.server import build_app
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+    from verst.rollout.engines.serve.server import build_app
+    from verst.rollout.engines.sglang.launcher import free_port
 
     engine = EmbeddedEngine.from_pretrained(info["model"], num_threads=1)
     loop = asyncio.new_event_loop()

@@ -15,7 +15,7 @@ from envs_testlib import RecordingEngine, assert_exact_trajectory, lifecycle_clo
 from verst.rollout.agentic import ModelTurn
 from verst.rollout.config import DataConfig
 from verst.rollout.data_sources import build_data_source
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.integrations._common import EnvFailure
 from verst.rollout.integrations.nemo_gym_env import NemoGymEnvironment, NemoGymOptions
 from verst.rollout.sample import Sample, Status
@@ -56,7 +56,7 @@ def rows(tmp_path):
 
 
 async def test_episodes_seed_call_tools_and_verify(tool_model, rows):
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     runner, url = await _serve(nemo_gym_stub.build_app())
     engine = EmbeddedEngine.from_pretrained(tool_model, num_threads=1)
@@ -118,7 +118,7 @@ async def test_an_env_that_always_fails_stops_the_rollout_instead_of_hanging(too
     """Every episode's /verify answers 500: each group is retried, then marked FAILED; once more
     groups failed in a row than the batch holds, the rollout stops with an error naming the cause
     (the data source would otherwise be cycled forever)."""
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
     from verst.rollout.errors import RolloutFailedError
 
     path = tmp_path / "fail.jsonl"

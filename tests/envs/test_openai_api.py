@@ -14,7 +14,7 @@ import pytest
 import torch
 from envs_testlib import ADD_TOOL, CALL, QUESTION, serve_in_thread
 
-from verst.rollout.engines.server import make_parser
+from verst.rollout.engines.serve.server import make_parser
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +158,8 @@ def test_malformed_json_is_a_400(server):
 
 
 async def test_in_process_client_records_exact_tokens(tool_model):
-    from verst.rollout.engines.embedded import EmbeddedEngine
-    from verst.rollout.engines.inprocess_openai import InProcessOpenAI
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+    from verst.rollout.engines.serve.inprocess_openai import InProcessOpenAI
 
     engine = EmbeddedEngine.from_pretrained(tool_model, num_threads=1)
     oai = InProcessOpenAI(engine, tool_call_parser="hermes")

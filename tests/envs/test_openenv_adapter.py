@@ -79,7 +79,7 @@ def server(env_module):
     import uvicorn
     from openenv.core.env_server.http_server import create_app
 
-    from verst.rollout.engines.launcher import free_port
+    from verst.rollout.engines.sglang.launcher import free_port
 
     mod = importlib.import_module(env_module)
     app = create_app(
@@ -100,7 +100,7 @@ def server(env_module):
 
 @pytest.fixture(scope="module")
 def engine(tool_model):
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine.from_pretrained(tool_model, num_threads=1)
 
@@ -141,7 +141,7 @@ async def _one_step(options, env_module):
 
 
 async def test_faults_are_env_failures_with_their_reason(server, env_module):
-    from verst.rollout.engines.launcher import free_port
+    from verst.rollout.engines.sglang.launcher import free_port
 
     with pytest.raises(EnvFailure, match=r"openenv environment failed \(http_error\): reset"):
         await _one_step({"base_url": f"http://127.0.0.1:{free_port()}", "connect_timeout_s": 2}, env_module)

@@ -66,7 +66,7 @@ def vf_module(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tool_model):
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine.from_pretrained(tool_model, num_threads=1)
 

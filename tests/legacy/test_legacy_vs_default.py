@@ -33,7 +33,7 @@ LABELS = ["15", "42", "5", "10", "16", "5"]
 def engine(tiny_checkpoint):
     torch = pytest.importorskip("torch")  # the `local` extra is part of the dev environment
     torch.set_num_threads(1)
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     eng = EmbeddedEngine.from_pretrained(tiny_checkpoint)
     yield eng

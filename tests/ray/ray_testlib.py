@@ -62,7 +62,7 @@ class KillDuringStep:
     `at`-th `phase` begins (the driver is then about to call it for that step)."""
 
     def __init__(self, ray: Any, suffix: str, at: int, phase: str) -> None:
-        from verst.trainer.controller import InMemoryLogger
+        from verst.trainer.run.controller import InMemoryLogger
 
         self._inner = InMemoryLogger()
         self.records = self._inner.records

@@ -16,7 +16,7 @@ import torch
 from ray_testlib import install_reward_module, ray_run, run_actors_left, run_dict, write_prompts
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.trainer.config import run_config_from_dict
 from verst.trainer.placement import build_ray_placement, placement_problems
 
@@ -32,8 +32,8 @@ async def _over_http(engine: EmbeddedEngine) -> None:
     """`verst serve`'s /release_memory_occupation and /resume_memory_occupation, via the client."""
     from aiohttp import web
 
-    from verst.rollout.engines.server import build_app
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.serve.server import build_app
+    from verst.rollout.engines.sglang.client import SGLangClient
 
     runner = web.AppRunner(build_app(engine))
     await runner.setup()

@@ -15,8 +15,8 @@ from ray_testlib import (
 )
 
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import run_training
 from verst.trainer.placement.proxies import ActorDiedError
+from verst.trainer.run.controller import run_training
 
 
 @pytest.mark.slow

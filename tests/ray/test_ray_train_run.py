@@ -30,10 +30,10 @@ from ray_testlib import (
 )
 from safetensors.torch import load_file
 
-from verst.trainer.checkpoint import latest_checkpoint, read_meta
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import InMemoryLogger, run_training
 from verst.trainer.placement.proxies import ActorDiedError
+from verst.trainer.run.checkpoint import latest_checkpoint, read_meta
+from verst.trainer.run.controller import InMemoryLogger, run_training
 
 
 def _volatile(key: str) -> bool:

@@ -67,7 +67,7 @@ def sglang_app(engine) -> web.Application:
 async def served_engine(tiny_checkpoint):
     import torch
 
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     torch.set_num_threads(1)
     engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, device="cpu")

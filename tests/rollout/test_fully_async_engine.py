@@ -77,7 +77,7 @@ def test_fully_async_with_the_legacy_flag_fails_fast_in_run_validation(where, ti
 async def test_producer_on_the_embedded_engine_records_weight_versions(tiny_checkpoint):
     import torch
 
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     torch.set_num_threads(1)
     engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, device="cpu")
@@ -128,7 +128,7 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
     import torch
 
     from verst.trainer.config import run_config_from_dict
-    from verst.trainer.controller import InMemoryLogger, run_training
+    from verst.trainer.run.controller import InMemoryLogger, run_training
 
     install_reward_module(tmp_path, monkeypatch, "g1_fa_rewards")
     data = write_prompts(tmp_path / "prompts.jsonl", 24)
@@ -148,7 +148,7 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
                 produced_during_training.append(produced - at_train_start[0])
 
     trainer_strategy: list[FullyAsyncRollout] = []
-    from verst.trainer import rollout_side
+    from verst.trainer.run import rollout_side
 
     original = rollout_side.load_rollout_strategy
 

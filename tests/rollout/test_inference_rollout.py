@@ -249,13 +249,14 @@ async def test_two_strategies_on_one_engine_abort_only_their_own_requests():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("verst.rollout.engines.embedded") is None, reason="embedded engine not built yet"
+    importlib.util.find_spec("verst.rollout.engines.embedded.engine") is None,
+    reason="embedded engine not built yet",
 )
 @pytest.mark.timeout(120)
 async def test_inference_rollout_against_the_embedded_engine(tiny_checkpoint):
     import torch
 
-    from verst.rollout.engines.embedded import EmbeddedEngine
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
     torch.set_num_threads(1)
     engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, device="cpu")

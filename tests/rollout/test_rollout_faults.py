@@ -15,7 +15,7 @@ from inference_testkit import ToyEngine, make_context
 from verst.rollout.config import DataConfig
 from verst.rollout.data import PromptDataSource
 from verst.rollout.engine import GenerateOutput, GenerateRequest
-from verst.rollout.engines._common import InvalidRequest
+from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.errors import RolloutFailedError
 from verst.rollout.protocols import RolloutRequest
 from verst.rollout.sample import Sample, Status

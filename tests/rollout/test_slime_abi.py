@@ -17,7 +17,7 @@ from verst.rollout.protocols import RolloutRequest
 from verst.rollout.sample import Sample
 from verst.rollout.strategies.inference import InferenceRollout
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.rollout_side import v1_args_for
+from verst.trainer.run.rollout_side import v1_args_for
 
 SLIME_STYLE = """
 from verst.rollout.sample import Sample

@@ -17,7 +17,7 @@ import torch
 
 from verst.rollout.agentic import StepResult
 from verst.rollout.config import RolloutConfig
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.lifecycle import ListSink
 from verst.rollout.protocols import RolloutContext, RolloutRequest
 from verst.rollout.sample import Sample, Status
@@ -25,9 +25,9 @@ from verst.rollout.strategies.inference import InferenceRollout
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.algorithms.aggregation import LossNorm
 from verst.trainer.algorithms.algorithm import build_algorithm
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.side import TrainSide
 
 
 class CountdownEnv:
@@ -163,7 +163,7 @@ def _group(gi: int, n: int) -> list[Sample]:
 def test_unequal_groups_are_counted_and_logged_never_silently_dropped(caplog):
     groups = [_group(0, 4), _group(1, 4), _group(2, 3), _group(3, 4), []]
     groups[3][0].status = Status.FAILED
-    with caplog.at_level(logging.WARNING, logger="verst.trainer.batch"):
+    with caplog.at_level(logging.WARNING, logger="verst.trainer.train.batch"):
         batch = build_train_batch(groups)
     assert batch.group_size == 4 and batch.metrics["train/groups"] == 2
     assert batch.metrics["train/dropped_groups"] == 3

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from serve_testlib import serve
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.sglang_client import SGLangClient
-from verst.trainer.colocate import ColocatedMemory, ColocatedMemoryError
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.trainer.sync.colocate import ColocatedMemory, ColocatedMemoryError
 
 PROMPT = [1, 8, 9, 10]
 
@@ -100,7 +100,7 @@ def test_the_old_order_is_caught_by_the_server(engine_side):
     loop, client, _ = engine_side
     loop.run(client.release_memory_occupation(None))
     loop.run(client.resume_memory_occupation(None))
-    from verst.rollout.engines._common import InvalidRequest
+    from verst.rollout.engines.common.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="cpu-backup"):
         loop.run(client.generate(GenerateRequest(PROMPT, SamplingParams(2))))

@@ -8,7 +8,7 @@ import torch
 from train_testlib import install_reward_module, run_dict, write_prompts
 
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import InMemoryLogger, Trainer
+from verst.trainer.run.controller import InMemoryLogger, Trainer
 
 
 def _train(tmp_path, name, reward, data, model, **rollout):

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from test_train_fsdp import _groups
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.lora import LoraSection
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.lora import LoraSection
+from verst.trainer.train.side import TrainSide
 
 STEPS = 2
 

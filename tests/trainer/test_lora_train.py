@@ -14,18 +14,18 @@ import torch
 from test_train_weight_sync import _max_mismatch, _sample_batch
 from train_testlib import install_reward_module, run_dict, write_prompts
 
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import free_port
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.errors import ConfigError
 from verst.rollout.sample import Sample, Status
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import run_config_from_dict, validate_run_config
-from verst.trainer.fsdp import DistInfo
-from verst.trainer.model import build_reference
-from verst.trainer.rollout_side import RolloutSide
-from verst.trainer.train_side import TrainSide
-from verst.trainer.weight_sync import WeightSync
+from verst.trainer.run.rollout_side import RolloutSide
+from verst.trainer.sync.weight_sync import WeightSync
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.fsdp import DistInfo
+from verst.trainer.train.model import build_reference
+from verst.trainer.train.side import TrainSide
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -192,7 +192,7 @@ def test_adapter_refit_embedded_and_verst_serve(tmp_path, tiny_checkpoint, data)
 async def _start_server(model, url):
     from aiohttp import web
 
-    from verst.rollout.engines.server import build_app
+    from verst.rollout.engines.serve.server import build_app
 
     app = build_app(EmbeddedEngine.from_pretrained(model), info={"enable_lora": True})
     runner = web.AppRunner(app)
@@ -204,7 +204,7 @@ async def _start_server(model, url):
 def _adapter(run_dir):
     from safetensors.torch import load_file
 
-    from verst.trainer.checkpoint import latest_checkpoint
+    from verst.trainer.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert not (ckpt / "model").exists()  # adapter-only checkpoint
@@ -228,7 +228,7 @@ def test_lora_resume_is_exact_and_export_loads(tmp_path, tiny_checkpoint, monkey
             )
         )
 
-    from verst.trainer.controller import InMemoryLogger, run_training
+    from verst.trainer.run.controller import InMemoryLogger, run_training
 
     log = InMemoryLogger()
     straight = run_training(cfg(3), tmp_path / "straight", env={}, logger=log)
@@ -302,7 +302,7 @@ def test_samples_pick_their_adapter_by_metadata(tmp_path, tiny_checkpoint):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from verst.trainer.lora_sync import start_adapters
+    from verst.trainer.sync.lora import start_adapters
 
     torch.set_num_threads(1)
     torch.manual_seed(5)

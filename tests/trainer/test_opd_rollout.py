@@ -9,12 +9,12 @@ import pytest
 import torch
 from train_testlib import run_dict, write_prompts
 
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.toy import make_tiny_checkpoint
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import InMemoryLogger, run_training
 from verst.trainer.opd.scoring import TEACHER_LOGPROBS_KEY, TEACHER_NAME_KEY, TEACHER_TOPK_IDS_KEY
-from verst.trainer.rollout_side import RolloutSide
+from verst.trainer.run.controller import InMemoryLogger, run_training
+from verst.trainer.run.rollout_side import RolloutSide
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_served_teacher_through_the_sglang_client(tmp_path, tiny_checkpoint, tea
     """A teacher served by `verst serve`, scored through the SGLang client: same numbers as embedded."""
     import asyncio
 
-    from verst.rollout.engines.launcher import launch_verst_servers
-    from verst.rollout.engines.sglang_client import SGLangClient
+    from verst.rollout.engines.sglang.client import SGLangClient
+    from verst.rollout.engines.sglang.launcher import launch_verst_servers
     from verst.rollout.sample import Sample, Status
     from verst.trainer.opd.config import OpdConfig
     from verst.trainer.opd.scoring import TeacherScorer

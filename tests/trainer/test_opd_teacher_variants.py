@@ -27,7 +27,7 @@ from verst.trainer.opd.scoring import (
     build_teacher_engines,
 )
 from verst.trainer.opd.teachers import EngineTeacherConfig, TeacherSection, TrainerTeacherConfig
-from verst.trainer.run_dir import to_toml
+from verst.trainer.run.run_dir import to_toml
 
 TEACHER_TYPE = f"{__name__}:CheckpointTeacher"
 
@@ -51,7 +51,7 @@ class CheckpointTeacher:
             return self.weights
 
         async def build_engine(self, *, max_concurrency: int) -> InferenceEngine:
-            from verst.rollout.engines.embedded import EmbeddedEngine
+            from verst.rollout.engines.embedded.engine import EmbeddedEngine
 
             assert self.weights is not None
             return await asyncio.to_thread(

@@ -12,11 +12,10 @@ import pytest
 import torch
 from test_opd_token_sets import reference_kl
 
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.sample import Sample, Status
 from verst.rollout.toy import make_tiny_checkpoint
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.scoring import (
@@ -28,7 +27,8 @@ from verst.trainer.opd.scoring import (
 )
 from verst.trainer.opd.teachers import EngineTeacherConfig, TrainerTeacherConfig
 from verst.trainer.opd.token_sets import TOKEN_SET_STRATEGIES, WEIGHTINGS
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.side import TrainSide
 
 K = 4
 

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from verst.rollout.sample import Sample, Status
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch, micro_batches, split_even
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch, micro_batches, split_even
+from verst.trainer.train.side import TrainSide
 
 
 def _sample(

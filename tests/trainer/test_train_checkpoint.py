@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from verst.trainer.checkpoint import (
+from verst.trainer.run.checkpoint import (
     capture_rng,
     latest_checkpoint,
     list_checkpoints,
@@ -21,7 +21,7 @@ from verst.trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from verst.trainer.signals import StopRequest
+from verst.trainer.run.signals import StopRequest
 
 
 def _write_files(n: int):

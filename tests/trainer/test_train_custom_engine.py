@@ -23,8 +23,8 @@ from verst.rollout.engine import EngineCapabilities, GenerateOutput, GenerateReq
 from verst.rollout.engines.config import EngineSection
 from verst.rollout.errors import ConfigError
 from verst.trainer.config import load_run_config, validate_run_config
-from verst.trainer.controller import run_training
-from verst.trainer.run_dir import to_toml
+from verst.trainer.run.controller import run_training
+from verst.trainer.run.run_dir import to_toml
 
 ENGINE_TYPE = f"{__name__}:LoopEngine"
 

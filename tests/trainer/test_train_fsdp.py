@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.sample import Sample, Status
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.fsdp import DistInfo
-from verst.trainer.model import build_policy
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.fsdp import DistInfo
+from verst.trainer.train.model import build_policy
+from verst.trainer.train.side import TrainSide
 
 STEPS = 2
 
@@ -73,7 +73,7 @@ def _train(model: str, env: dict[str, str], fsdp: bool) -> tuple[TrainSide, list
 def _worker(rank: int, port: int, model: str, out: str) -> None:
     import torch.distributed as dist
 
-    from verst.trainer.fsdp import is_sharded
+    from verst.trainer.train.fsdp import is_sharded
 
     torch.set_num_threads(1)
     env = {
@@ -168,7 +168,7 @@ sys.path.insert(0, {rewarddir!r})
 from train_testlib import run_dict
 from verst.rollout.selection import resolve_extra_env_vars
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import run_training
+from verst.trainer.run.controller import run_training
 cfg = run_config_from_dict(run_dict(
     Path({model!r}), Path({data!r}),
     run={{"num_steps": int(sys.argv[2]), "save_interval": 2}},

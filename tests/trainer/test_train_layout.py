@@ -1,4 +1,4 @@
-"""Micro-batch layouts (`verst.trainer.layout`): the shared-prompt layout equals the padded one.
+"""Micro-batch layouts (`verst.trainer.train.layout`): the shared-prompt layout equals the padded one.
 
 A real tiny Hugging Face Llama (random weights, built from a config) runs the same sequences in
 the padded, packed and shared-prompt layouts; log-probs, entropy and the gradients of a loss
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from verst.rollout.errors import ConfigError
-from verst.trainer.batch import micro_batches
-from verst.trainer.layout import (
+from verst.trainer.train.batch import micro_batches
+from verst.trainer.train.layout import (
     LAYOUTS,
     DecoderShape,
     LayoutChooser,
@@ -28,7 +28,7 @@ from verst.trainer.layout import (
     prompt_groups,
     shared_prompt_unsupported,
 )
-from verst.trainer.logprobs import PolicyLogprobs, pack_sequences
+from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences
 
 VOCAB = 61
 
@@ -252,7 +252,7 @@ def test_layout_config_keeps_old_packing_configs_and_reports_bad_values(tmp_path
 def group_batch(tiny_checkpoint):
     """Two groups of 3 sharing a prompt each (different lengths), one agentic sample."""
     from verst.rollout.sample import Sample, Status
-    from verst.trainer.batch import build_train_batch
+    from verst.trainer.train.batch import build_train_batch
 
     gen = torch.Generator().manual_seed(3)
     groups = []
@@ -282,7 +282,7 @@ def group_batch(tiny_checkpoint):
 def _side(tiny_checkpoint, **train):
     from verst.trainer.algorithms import AlgorithmConfig
     from verst.trainer.config import TrainConfig
-    from verst.trainer.train_side import TrainSide
+    from verst.trainer.train.side import TrainSide
 
     # eps = 1: AdamW's first update is ~ lr * grad (not lr * sign(grad)), so weights compare like grads
     cfg = TrainConfig(model_path=str(tiny_checkpoint), micro_batch_size=3, lr=1e-2, eps=1.0, **train)

@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.trainer.logit_head import LogitHead, check_logit_head, logit_head
-from verst.trainer.logprobs import PolicyLogprobs, pack_sequences
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.trainer.train.logit_head import LogitHead, check_logit_head, logit_head
+from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences
 
 V = 48
 SMALL = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}

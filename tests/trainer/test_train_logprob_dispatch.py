@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verst.trainer import logprobs
-from verst.trainer.logprobs import hidden_logprobs, pack_sequences, unflatten
+from verst.trainer.train import logprobs
+from verst.trainer.train.logprobs import hidden_logprobs, pack_sequences, unflatten
 
 
 def grads(backend: str, n: int, v: int, temperature: float, seed: int = 0):

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.sample import Sample, Status
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.logprobs import pack_sequences
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.logprobs import pack_sequences
+from verst.trainer.train.side import TrainSide
 
 
 async def _generate(engine: EmbeddedEngine, temperature: float) -> list[list[Sample]]:

@@ -18,12 +18,12 @@ import pytest
 import torch
 from test_train_fsdp import _groups
 
-from verst.rollout.engines.launcher import free_port
+from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.model import lr_lambda
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.model import lr_lambda
+from verst.trainer.train.side import TrainSide
 
 STEPS, TOTAL = 3, 10
 CFG = {"lr": 1.0, "warmup_steps": 4, "scheduler": "cosine", "min_lr_ratio": 0.1}

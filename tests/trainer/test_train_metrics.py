@@ -15,9 +15,9 @@ import torch
 from test_train_fsdp import _groups
 
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import TrainConfig
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.side import TrainSide
 
 
 def _twice(groups):

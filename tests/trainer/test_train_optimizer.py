@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
-from verst.trainer.model import fused_adamw
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.model import fused_adamw
+from verst.trainer.train.side import TrainSide
 
 
 def test_train_side_uses_fused_adamw_on_cpu(tiny_checkpoint):

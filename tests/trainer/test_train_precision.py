@@ -15,10 +15,10 @@ import torch
 from test_train_step import _groups
 
 from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import RunConfig, TrainConfig, train_problems
-from verst.trainer.model import mixed_precision_policy, resolve_attn_implementation
-from verst.trainer.train_side import TrainSide
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.model import mixed_precision_policy, resolve_attn_implementation
+from verst.trainer.train.side import TrainSide
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_bf16_compute_keeps_fp32_masters_that_move_at_tiny_lr(tiny_checkpoint, f
     linear = next(m for m in hf.get_decoder().modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
     kernel_inputs: list[torch.dtype] = []
-    import verst.trainer.logprobs as lp_mod
+    import verst.trainer.train.logprobs as lp_mod
 
     real = lp_mod.hidden_logprobs
 

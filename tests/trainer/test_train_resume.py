@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from train_testlib import install_reward_module, run_dict, write_prompts
 
-from verst.trainer.checkpoint import latest_checkpoint, read_meta
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.controller import InMemoryLogger, run_training
+from verst.trainer.run.checkpoint import latest_checkpoint, read_meta
+from verst.trainer.run.controller import InMemoryLogger, run_training
 
 
 class SigtermAt(InMemoryLogger):

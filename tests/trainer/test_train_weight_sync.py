@@ -12,16 +12,16 @@ import torch
 from train_testlib import run_dict, write_prompts
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import launch_verst_servers
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import launch_verst_servers
 from verst.rollout.sample import Sample, Status
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import run_config_from_dict
-from verst.trainer.fsdp import DistInfo
-from verst.trainer.rollout_side import RolloutSide
-from verst.trainer.train_side import TrainSide
-from verst.trainer.weight_sync import WeightSync, WeightSyncError
+from verst.trainer.run.rollout_side import RolloutSide
+from verst.trainer.sync.weight_sync import WeightSync, WeightSyncError
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.fsdp import DistInfo
+from verst.trainer.train.side import TrainSide
 
 PROMPTS = ["12+3=", "7+70=", "(5)"]
 

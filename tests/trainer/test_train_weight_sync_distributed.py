@@ -13,16 +13,16 @@ import torch
 from test_train_weight_sync import _max_mismatch, _sample_batch, setup  # noqa: F401 (fixture)
 from train_testlib import run_dict, write_prompts
 
-from verst.rollout.engines.embedded import EmbeddedEngine
-from verst.rollout.engines.launcher import launch_verst_servers
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.engines.pool import EnginePool
-from verst.rollout.engines.sglang_client import SGLangClient
+from verst.rollout.engines.sglang.client import SGLangClient
+from verst.rollout.engines.sglang.launcher import launch_verst_servers
 from verst.rollout.errors import ConfigError
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import run_config_from_dict, validate_run_config
-from verst.trainer.fsdp import DistInfo
-from verst.trainer.rollout_side import RolloutSide
-from verst.trainer.weight_sync import WeightSync
+from verst.trainer.run.rollout_side import RolloutSide
+from verst.trainer.sync.weight_sync import WeightSync
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.fsdp import DistInfo
 
 
 def test_distributed_sync_to_verst_serve(tmp_path, tiny_checkpoint, setup):  # noqa: F811
@@ -96,7 +96,7 @@ def test_nccl_refused_when_trainer_and_engine_share_a_gpu(tmp_path, tiny_checkpo
     from types import SimpleNamespace
 
     from verst.rollout.engine import engine_capabilities
-    from verst.trainer.weight_sync import WeightSyncError
+    from verst.trainer.sync.weight_sync import WeightSyncError
 
     _, train = setup
     client = SGLangClient("http://127.0.0.1:9")  # never contacted: the refusal comes first

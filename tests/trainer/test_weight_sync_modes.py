@@ -9,19 +9,19 @@ from pydantic import Field
 from test_train_weight_sync import _max_mismatch, _sample_batch, setup  # noqa: F401 (fixture)
 
 from verst.rollout.engine import EngineCapabilities
-from verst.rollout.engines.embedded import EmbeddedEngine
+from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.errors import ConfigError, Problem
-from verst.trainer.batch import build_train_batch
 from verst.trainer.config import RunConfig, load_run_config
-from verst.trainer.fsdp import DistInfo
-from verst.trainer.rollout_side import RolloutSide
-from verst.trainer.weight_sync import WeightSync
-from verst.trainer.weight_sync_modes import (
+from verst.trainer.run.rollout_side import RolloutSide
+from verst.trainer.sync.modes import (
     DiskSyncConfig,
     DistributedSyncConfig,
     SyncContext,
     WeightSyncSection,
 )
+from verst.trainer.sync.weight_sync import WeightSync
+from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.fsdp import DistInfo
 
 MODE_TYPE = f"{__name__}:ShelfSync"
 

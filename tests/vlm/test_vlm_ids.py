@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest
-from verst.rollout.engines._batch import Row
-from verst.rollout.engines._sampling import RowSampling
-from verst.rollout.engines._vision import prefill_kwargs
+from verst.rollout.engines.embedded.batch import Row
+from verst.rollout.engines.embedded.sampling import RowSampling
+from verst.rollout.engines.embedded.vision import prefill_kwargs
 from verst.rollout.multimodal.images import ImageError, ImageStore
 from verst.rollout.multimodal.processor import MultimodalProcessor, PromptImage
-from verst.trainer.layout import LAYOUTS
-from verst.trainer.vision import lay_out_with_images
+from verst.trainer.train.layout import LAYOUTS
+from verst.trainer.train.vision import lay_out_with_images
 
 FAMILIES = ("llava", "idefics3")
 

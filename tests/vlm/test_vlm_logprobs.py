@@ -8,9 +8,9 @@ from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded import EmbeddedEngine
 from verst.rollout.multimodal.images import resolve_image
 from verst.rollout.multimodal.processor import MultimodalProcessor
-from verst.trainer.layout import LAYOUTS
-from verst.trainer.logprobs import PolicyLogprobs
-from verst.trainer.vision import lay_out_with_images
+from verst.trainer.train.layout import LAYOUTS
+from verst.trainer.train.logprobs import PolicyLogprobs
+from verst.trainer.train.vision import lay_out_with_images
 
 FAMILIES = ("llava", "idefics3")
 
@@ -69,7 +69,7 @@ async def test_image_to_text_only_model_is_refused(family, vlm_checkpoints, tiny
     text_only = EmbeddedEngine.from_pretrained(tiny_checkpoint)
     try:
         p = _prompt(vlm, image_files[:1], "x <image>")
-        from verst.rollout.engines._common import InvalidRequest
+        from verst.rollout.engines.common.errors import InvalidRequest
 
         with pytest.raises(InvalidRequest, match="text-only model"):
             await text_only.generate(GenerateRequest(p.input_ids[:3], images=tuple(p.images)))

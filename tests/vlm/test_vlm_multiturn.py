@@ -16,9 +16,9 @@ from verst.rollout.multimodal.images import ImageStore
 from verst.rollout.multimodal.processor import MultimodalProcessor, PromptImage
 from verst.rollout.protocols import GenerateInput, GenerateState, RolloutContext
 from verst.rollout.sample import Sample
-from verst.trainer.layout import LAYOUTS
-from verst.trainer.logprobs import PolicyLogprobs
-from verst.trainer.vision import lay_out_with_images
+from verst.trainer.train.layout import LAYOUTS
+from verst.trainer.train.logprobs import PolicyLogprobs
+from verst.trainer.train.vision import lay_out_with_images
 
 
 class RenderEnv:

@@ -1,7 +1,7 @@
 """The `InferenceEngine` protocol and the plain data it exchanges.
 
-Two implementations: the embedded engine (`verst.rollout.engines.embedded`, an in-process torch
-model) and the SGLang HTTP client (`verst.rollout.engines.sglang_client`), which talks to real
+Two implementations: the embedded engine (`verst.rollout.engines.embedded.engine`, an in-process torch
+model) and the SGLang HTTP client (`verst.rollout.engines.sglang.client`), which talks to real
 SGLang servers or routers and to `verst serve`. Rollout strategies only see this protocol.
 
 What an engine can do beyond it is asked, never guessed from its class or type name: optional
@@ -115,6 +115,10 @@ class GenerateOutput:
     """Per output position, the log-probs of `token_ids_logprob`."""
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     """Per prompt position, the log-probs of `token_ids_logprob` (first is None)."""
+    output_token_versions: list[int] | None = None
+    """Per output token, the weight version that sampled it, when the engine reports it per token
+    (vLLM's `weight_versions` spans: a request paused across a refit changes version mid-way);
+    None = every token has `weight_version`."""
 
     @property
     def completion_tokens(self) -> int:

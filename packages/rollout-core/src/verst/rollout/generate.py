@@ -19,12 +19,11 @@ import contextlib
 from collections import OrderedDict
 from typing import Any
 
-from verst.rollout.agentic.episode import METADATA_KEYS as EPISODE_METADATA_KEYS
 from verst.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.logging_utils import sample_text_preview
 from verst.rollout.protocols import GenerateFn, GenerateInput, GenerateState
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import EPISODE_METADATA_KEYS, Sample, Status
 from verst.rollout.sampling import derive_sample_seed
 
 STATUS_BY_FINISH_REASON: dict[str, Status] = {
@@ -226,11 +225,16 @@ class SingleTurnGenerate:
         config = state.config
         new_ids = out.output_ids
         n_new = len(new_ids)
-        if previous_len == 0:  # the common case: one segment, one version, every token trained on
+        fresh = out.output_token_versions
+        if fresh is None or len(fresh) != n_new:  # one version for the whole answer
+            fresh = [out.weight_version] * n_new
+        if previous_len == 0:  # the common case: one segment, every token trained on
             sample.loss_mask = None
-            sample.token_versions = [out.weight_version] * n_new
+            if config.mask_offpolicy_in_partial_rollout and len(set(fresh)) > 1:  # refit mid-request
+                sample.loss_mask = offpolicy_loss_mask(None, fresh)
+            sample.token_versions = list(fresh)
         else:
-            versions = previous_token_versions(sample, previous_len) + [out.weight_version] * n_new
+            versions = previous_token_versions(sample, previous_len) + list(fresh)
             sample.loss_mask = resumed_loss_mask(sample.loss_mask, previous_len, n_new, mask_offpolicy=False)
             if config.mask_offpolicy_in_partial_rollout:
                 sample.loss_mask = offpolicy_loss_mask(sample.loss_mask, versions)

@@ -2,7 +2,9 @@
 
 A sample is created by the data source (PENDING, prompt only), filled in by a generate
 function (tokens, response, log-probs, status), scored by a reward function, and consumed by
-the trainer. Its length invariants are checked in exactly one place, `Sample.validate`.
+the trainer. Its length invariants are checked in exactly one place, `Sample.validate`; a
+multi-turn sample's segments (built by `verst.rollout.agentic.trajectory.append_turn`) are
+checked there too, by `trajectory_problems`.
 """
 
 from __future__ import annotations
@@ -165,8 +167,6 @@ class Sample:
                 f"len(token_versions)={len(self.token_versions)} != response_length={self.response_length}"
             )
         if "segments" in self.metadata:  # a multi-turn trajectory built with append_turn
-            from verst.rollout.agentic.trajectory import trajectory_problems
-
             problems += trajectory_problems(self)
         if problems:
             raise SampleInvariantError(f"sample {self.sample_index}: " + "; ".join(problems))
@@ -192,3 +192,51 @@ class Sample:
     def clone(self) -> Sample:
         """A deep copy (groups are built by cloning the data source's prompt sample)."""
         return copy.deepcopy(self)
+
+
+SEGMENTS_KEY = "segments"
+"""`sample.metadata` key of the segment list."""
+
+EPISODE_METADATA_KEYS = (SEGMENTS_KEY, "termination", "turn_rewards", "env_metrics", "env_info", "agentic")
+"""Metadata keys an agentic episode writes (`verst.rollout.agentic.episode`; "agentic" is its
+`STATE_KEY`), removed when a sample is reset to its prompt."""
+
+
+def segments_of(sample: Sample) -> list[dict[str, Any]]:
+    """The sample's segments (an empty list for a sample without turns)."""
+    return sample.metadata.get(SEGMENTS_KEY, [])
+
+
+def trajectory_problems(sample: Sample) -> list[str]:
+    """Broken multi-turn invariants of `sample` (empty when it has no segments or is fine)."""
+    segments = segments_of(sample)
+    if not segments:
+        return []
+    problems = []
+    pos = 0
+    mask = (
+        sample.effective_loss_mask()
+        if sample.loss_mask is None or len(sample.loss_mask) == sample.response_length
+        else None
+    )
+    for k, seg in enumerate(segments):
+        if seg["start"] != pos:
+            problems.append(
+                f"segment {k} starts at {seg['start']}, expected {pos} (segments must be contiguous)"
+            )
+        pos = seg["start"] + seg["length"]
+        if mask is None:
+            continue
+        span = mask[seg["start"] : pos]
+        if seg["source"] == "env" and any(span):
+            problems.append(f"segment {k} (env) has loss mask 1 on injected tokens")
+        if seg["source"] == "model" and seg["trainable"] and not all(span):
+            problems.append(f"segment {k} (model, trainable) has loss mask 0")
+        if seg["source"] == "model" and not seg["trainable"] and any(span):
+            problems.append(f"segment {k} (model, masked) has loss mask 1")
+    if pos != sample.response_length:
+        problems.append(f"segments cover {pos} tokens, response_length={sample.response_length}")
+    n_model = sum(1 for s in segments if s["source"] == "model")
+    if len(sample.weight_versions) != n_model:
+        problems.append(f"{len(sample.weight_versions)} weight_versions for {n_model} model segments")
+    return problems

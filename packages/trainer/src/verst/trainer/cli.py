@@ -20,9 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
-import types
-import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from pydantic import BaseModel
 from verst.rollout.config import is_path_field
 from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem, RolloutError
 from verst.rollout.importing import ImportPathError
+from verst.trainer.config_reference import config_reference, describe_model
 
 USER_ERRORS = (ConfigError, DataError, MissingOptionalDependency, ImportPathError)
 """Errors printed without a traceback (exit code `EXIT_USER_ERROR`): the user can fix them."""
@@ -41,142 +40,6 @@ EXIT_INTERRUPTED = 130
 EXIT_ROLLOUT_FAILED = 3
 """Exit code of a run stopped by a `RolloutError` (a dead engine, a function that always raises,
 every group filtered); the last checkpoint holds every prompt that was in play."""
-
-# ---------------------------------------------------------------- help generated from the schema
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(annotation))
-    if origin is not None:
-        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    if annotation is type(None):
-        return "None"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The section model of a field: `Model`, or `Model | None` (an optional section)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else None
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
-
-
-def _variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
-    """(type name, config model) of each built-in variant of a variant-table field, else []."""
-    from verst.rollout.variants import variant_table_of
-
-    table = variant_table_of(field)
-    return list(table.builtins.items()) if table is not None else []
-
-
-def _dict_variants(field: Any) -> list[tuple[str, type[BaseModel]]]:
-    """The same for a `dict[str, <variant field>]` (e.g. `[opd.teachers.<name>]`), else []."""
-    from verst.rollout.variants import VariantTable
-
-    args = typing.get_args(field.annotation)
-    if typing.get_origin(field.annotation) is not dict or len(args) != 2:
-        return []
-    table = next((m for m in getattr(args[1], "__metadata__", ()) if isinstance(m, VariantTable)), None)
-    return list(table.builtins.items()) if table is not None else []
-
-
-def describe_model(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
-    """Lines documenting every field of `model` (recursively): `key (type, default): meaning`.
-    A variant field (e.g. `[engine]`) documents each built-in variant's fields."""
-    nested: list[tuple[str, type[BaseModel], str]] = []
-    for name, field in model.model_fields.items():
-        variants, key = _variants(field), name
-        if not variants:
-            variants, key = _dict_variants(field), f"{name}.<name>"
-        if variants:
-            for type_name, sub in variants:
-                doc = f'type = "{type_name}": {sub.__doc__ or ""}'.strip()
-                nested.append((key, sub, doc))
-            continue
-        sub = _nested_model(field.annotation)
-        if sub is not None:
-            nested.append((name, sub, field.description or ""))
-            continue
-        if field.default_factory is not None:
-            try:
-                default = field.default_factory()  # type: ignore[call-arg]
-            except TypeError:
-                default = "..."
-        else:
-            default = field.default
-        dict_of = typing.get_args(field.annotation)
-        if typing.get_origin(field.annotation) is dict and len(dict_of) == 2 and _nested_model(dict_of[1]):
-            nested.append((f"{name}.<name>", dict_of[1], field.description or ""))
-            continue
-        yield f"  {name} = {json.dumps(default, default=str)}   ({_type_name(field.annotation)})"
-        if field.description:
-            yield f"      {field.description}"
-    for name, sub, doc in nested:
-        key = f"{prefix}.{name}" if prefix else name
-        yield ""
-        yield f"[{key}]" + (f"  — {doc}" if doc else "")
-        yield from describe_model(sub, key)
-
-
-def markdown_reference(model: type[BaseModel], section: str, variant: str | None = None) -> str:
-    """Markdown tables (`| key | type | default | meaning |`) of a section and its sub-sections;
-    `variant` names the variant `model` is (its `type`), shown in the heading."""
-    title = f"### `[{section}]`" + (f' — `type = "{variant}"`' if variant else "")
-    rows = [title, "", *([model.__doc__.strip(), ""] if variant and model.__doc__ else [])]
-    rows += ["| key | type | default | meaning |", "|---|---|---|---|"]
-    subs: list[str] = []
-    for name, field in model.model_fields.items():
-        variants = _variants(field)
-        if variants:
-            subs += [markdown_reference(m, f"{section}.{name}", t) for t, m in variants]
-            default = field.default_factory().type if field.default_factory is not None else None  # type: ignore[call-arg]
-            kinds = " \\| ".join(f"'{t}'" for t, _ in variants)
-            shown = f'`"{default}"`' if default else "unset"
-            rows.append(f"| `{name}` | {kinds} (a name or a table) | {shown} | {field.description or ''} |")
-            continue
-        variants = _dict_variants(field)
-        if variants:
-            subs += [markdown_reference(m, f"{section}.{name}.<name>", t) for t, m in variants]
-            rows.append(f"| `{name}` | `{{name: table}}` | `{{}}` | {field.description or ''} |")
-            continue
-        sub = _nested_model(field.annotation)
-        if sub is not None:
-            subs.append(markdown_reference(sub, f"{section}.{name}"))
-            continue
-        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-        shown = "unset" if default is None else f"`{json.dumps(default, default=str)}`"
-        doc = (field.description or "").replace("|", "\\|")
-        rows.append(
-            f"| `{name}` | `{_type_name(field.annotation).replace('|', chr(92) + '|')}` | {shown} | {doc} |"
-        )
-    return "\n\n".join(["\n".join(rows), *subs])
-
-
-def markdown_section(model: type[BaseModel], name: str) -> str:
-    """The markdown tables of `model`'s field `name` (every variant of a variant field)."""
-    field = model.model_fields[name]
-    variants = _variants(field)
-    if variants:
-        return "\n\n".join(markdown_reference(m, name, t) for t, m in variants)
-    return markdown_reference(field.annotation, name)
-
-
-def config_reference() -> str:
-    """Every config section and field with its default and meaning (for `verst train --help`)."""
-    from verst.trainer.config import RunConfig
-
-    lines = ["Config reference (TOML sections; override any field with section.key=value):"]
-    lines += list(describe_model(RunConfig))
-    return "\n".join(lines)
-
 
 # ---------------------------------------------------------------- config loading
 
@@ -245,9 +108,9 @@ def load_config_and_env(config: str, overrides: Sequence[str]) -> tuple[Any, dic
 def cmd_train(args: argparse.Namespace) -> int:
     """`verst train`: validate, prepare the run directory, train, draw the curves."""
     cfg, env = load_config_and_env(args.config, args.overrides)
-    from verst.trainer.controller import run_training
-    from verst.trainer.metrics import RunLogger
-    from verst.trainer.run_dir import RunDir
+    from verst.trainer.run.controller import run_training
+    from verst.trainer.run.metrics import RunLogger
+    from verst.trainer.run.run_dir import RunDir
 
     fresh = not Path(cfg.run.output_dir).exists()
     run_dir = RunDir(Path(cfg.run.output_dir)).create()
@@ -301,7 +164,7 @@ def summary_dict(summary: Any) -> dict[str, Any]:
 
 
 def _eval_reward(metrics: dict[str, float]) -> float | None:
-    from verst.trainer.progress import EVAL_KEYS, _first
+    from verst.trainer.run.progress import EVAL_KEYS, _first
 
     return _first(metrics, EVAL_KEYS, None)
 
@@ -327,8 +190,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     """`verst sft`: supervised warm start."""
     from pydantic import ValidationError
 
-    from verst.trainer.config import parse_override, problems_from_validation_error
-    from verst.trainer.sft import SftConfig, load_sft_config, run_sft
+    from verst.trainer.config import parse_override
+    from verst.trainer.config_checks import problems_from_validation_error
+    from verst.trainer.train.sft import SftConfig, load_sft_config, run_sft
 
     overrides = {}
     for text in args.overrides:
@@ -354,7 +218,7 @@ def _fmt(metrics: dict[str, float]) -> str:
 def checkpoint_model_dir(path: str | Path) -> Path:
     """A model directory from a HF model folder, a run checkpoint (`step_N/model`), or a run
     directory (its newest checkpoint)."""
-    from verst.trainer.checkpoint import latest_checkpoint
+    from verst.trainer.run.checkpoint import latest_checkpoint
 
     path = Path(path).resolve()
     if (path / "config.json").exists():
@@ -391,7 +255,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             ]
         )
     from verst.trainer.config import resolved_model_path
-    from verst.trainer.rollout_side import RolloutSide
+    from verst.trainer.run.rollout_side import RolloutSide
 
     side = RolloutSide(cfg, model_path=resolved_model_path(cfg), env=env)
     try:
@@ -404,7 +268,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_serve(argv: Sequence[str]) -> int:
     """`verst serve`: delegate to the engine server's own argument parser."""
-    from verst.rollout.engines.server import main as serve_main
+    from verst.rollout.engines.serve.server import main as serve_main
 
     return int(serve_main(list(argv)) or 0)
 
@@ -456,14 +320,14 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`verst export`: the adapter (or, with --merge, a merged model) of a run's newest checkpoint."""
-    from verst.trainer.export import export_run
+    from verst.trainer.run.export import export_run
 
     print(export_run(args.run_dir, args.out, merge=args.merge))
     return 0
 
 
 def _sft_reference() -> str:
-    from verst.trainer.sft import SftConfig
+    from verst.trainer.train.sft import SftConfig
 
     return "\n".join(["SFT config fields:", *describe_model(SftConfig)])
 

@@ -10,23 +10,49 @@ capabilities, algorithm combinations, FSDP placement) and raises every problem i
 from __future__ import annotations
 
 import copy
-import difflib
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from verst.rollout.config import RolloutConfig, Section, path_field
-from verst.rollout.engines.config import ENGINES, EngineConfig, EngineSection, engine_problems
+from verst.rollout.engines.config import ENGINES, EngineConfig, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.algorithms.rollout_correction import TokenTis
-from verst.trainer.lora import LoraSection
+from verst.trainer.config_checks import (
+    finite_problems,
+    merge_problems,
+    model_paths_problems,
+    optimizer_problems,
+    partial_run_config,
+    problems_from_validation_error,
+)
 from verst.trainer.opd.config import OpdConfig, opd_problems
 from verst.trainer.placement.layout import RaySection, placement_problems
-from verst.trainer.weight_sync_modes import WEIGHT_SYNCS, WeightSyncConfig
+from verst.trainer.sync.modes import WEIGHT_SYNCS, WeightSyncConfig
+from verst.trainer.train.checks import layout_problems, train_problems, weight_sync_problems
+from verst.trainer.train.lora import LoraSection, lora_problems
+
+__all__ = [
+    "RunConfig",
+    "RunSection",
+    "TrainConfig",
+    "apply_overrides",
+    "layout_problems",
+    "load_run_config",
+    "parse_override",
+    "problems_from_validation_error",
+    "read_run_config_data",
+    "resolved_model_path",
+    "run_config_from_dict",
+    "run_config_with_problems",
+    "train_problems",
+    "validate_run_config",
+    "weight_sync_problems",
+]
 
 
 class VisionSection(Section):
@@ -275,86 +301,6 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(problems_from_validation_error(exc, RunConfig, data)) from None
 
 
-def _fields_at(model: type[BaseModel], loc: Sequence[Any], data: Any = None) -> dict[str, Any] | None:
-    """The fields of the (nested) model at `loc`, or None if it is not a model. `data` (the
-    validated input) picks the variant of a variant field (e.g. `[engine]` by its `type`)."""
-    from verst.rollout.variants import variant_table_of
-
-    current: Any = model
-    for part in loc:
-        data = data.get(part) if isinstance(data, Mapping) else None
-        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
-            field = current.model_fields[part]
-            current = _model_in(field.annotation)
-            table = variant_table_of(field)
-            if table is not None:
-                current = _variant_model(table, data) or current
-        elif isinstance(part, str) and current is dict:
-            current = None
-        else:
-            return None
-        if current is None:
-            return None
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return dict(current.model_fields)
-    return None
-
-
-def _variant_model(table: Any, data: Any) -> type[BaseModel] | None:
-    """The config model a variant table selects for `data`, when it can tell."""
-    name = data.get("type", table.default) if isinstance(data, Mapping) else table.default
-    try:
-        return table.config_class(name) if isinstance(name, str) else None
-    except (ValueError, ImportError):
-        return None
-
-
-def _model_in(annotation: Any) -> Any:
-    """The pydantic model inside an annotation (`X`, `X | None`), else None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
-
-
-def problems_from_validation_error(
-    exc: ValidationError, model: type[BaseModel], data: Any = None
-) -> list[Problem]:
-    """Translate pydantic errors: key, why, fix; unknown keys suggest the closest valid key
-    (`data`, the input, tells which variant's keys are valid in a variant section)."""
-    problems = []
-    for err in exc.errors():
-        loc = [p for p in err["loc"] if not isinstance(p, int)]
-        key = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            valid = _fields_at(model, loc[:-1], data) or {}
-            close = difflib.get_close_matches(str(loc[-1]), list(valid), n=1, cutoff=0.5)
-            fix = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else ""
-            fix += f" valid keys here: {', '.join(sorted(valid))}" if valid else " remove it"
-            problems.append(Problem(key, "unknown key", fix.strip()))
-            continue
-        fix = "see `verst train --help` for this field's type and meaning"
-        valid = _fields_at(model, loc[:-1], data) or {}
-        field = valid.get(str(loc[-1])) if loc else None
-        if field is not None and field.description:
-            fix = f"expected: {field.description}{_default_text(field)}"
-        problems.append(Problem(key, f"{err['msg']} (got {err.get('input')!r})", fix))
-    return problems
-
-
-def _default_text(field: Any) -> str:
-    """` (default X)` for a field with a default, ` (required)` for one without; nothing for a
-    default built by a factory that has no short form (a nested table)."""
-    if field.is_required():
-        return " (required)"
-    if field.default_factory is not None:
-        value = field.default_factory()
-        return f" (default {value!r})" if isinstance(value, list | dict | tuple) and not value else ""
-    return f" (default {field.default!r})"
-
-
 def read_run_config_data(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The TOML of a run config (None = empty) with the overrides applied, as a dict."""
     data: dict[str, Any] = {}
@@ -379,8 +325,6 @@ def run_config_with_problems(data: Mapping[str, Any]) -> tuple[RunConfig, list[P
     config built from the values that did (`partial_run_config`), so the cross-section checks
     can still report with the schema problems. Raises the schema problems alone when even that
     cannot be built."""
-    from verst.trainer.config_checks import partial_run_config
-
     try:
         return run_config_from_dict(data), []
     except ConfigError as exc:
@@ -393,102 +337,9 @@ def run_config_with_problems(data: Mapping[str, Any]) -> tuple[RunConfig, list[P
 # ---------------------------------------------------------------- cross-section validation
 
 
-def train_problems(
-    cfg: RunConfig, env: Mapping[str, str], *, cuda_available: bool | None = None
-) -> list[Problem]:
-    """Trainer checks: FSDP placement, model path, attention kernel, batch splits."""
-    if cuda_available is None:
-        import torch
-
-        cuda_available = torch.cuda.is_available()
-    problems = []
-    world_size = int(env.get("WORLD_SIZE", "1") or 1)
-    if cfg.run.placement == "ray":
-        world_size = 2  # Ray starts the train actors; FSDP placement is checked by placement_problems
-    if cfg.train.fsdp and not cuda_available and world_size < 2:
-        problems.append(
-            Problem(
-                "train.fsdp",
-                "FSDP on CPU with a single process would run unsharded (accelerate ignores its FSDP "
-                "plugin on CPU, and one process has nothing to shard across)",
-                "launch 2+ processes, e.g. `torchrun --nproc_per_node 2 -m verst.trainer.cli train CONFIG`, "
-                "or set train.fsdp=false",
-            )
-        )
-    if cfg.train.model_path is None and _engine_model_path(cfg) is None:
-        problems.append(
-            Problem("train.model_path", "no model to train", "set train.model_path (or engine.model_path)")
-        )
-    if cfg.train.attn_implementation == "flash_attention_2":
-        from verst.trainer.model import flash_attn_2_available
-
-        if not cuda_available or not flash_attn_2_available():
-            problems.append(
-                Problem(
-                    "train.attn_implementation",
-                    "flash_attention_2 needs CUDA and the flash-attn 2 package as transformers "
-                    "detects it (the flash-attn-4 that the sglang extra installs does not count)",
-                    "use 'auto' or 'sdpa' (verst ships no flash-attn extra: its 2.8.3 sdist does not "
-                    "build against torch >= 2.13); a flash-attn 2 wheel matching your torch/CUDA, "
-                    "installed by hand, is picked up by 'auto'",
-                )
-            )
-    problems += layout_problems(cfg.train, cuda_available=cuda_available)
-    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    if samples % cfg.train.num_updates_per_rollout:
-        problems.append(
-            Problem(
-                "train.num_updates_per_rollout",
-                f"the rollout's {samples} samples do not split into {cfg.train.num_updates_per_rollout} "
-                "equal mini-batches",
-                "choose a divisor of rollout.batch_size * rollout.n_samples_per_prompt",
-            )
-        )
-    problems += weight_sync_problems(cfg.train, cfg.engine)
-    return problems
-
-
-def layout_problems(train: TrainConfig, *, cuda_available: bool) -> list[Problem]:
-    """`train.packing` against `train.layout`, and shared prompts against flash-attention 2."""
-    problems = []
-    if train.packing is not None and train.layout not in ("auto", train.effective_layout):
-        problems.append(
-            Problem(
-                "train.packing",
-                f"train.packing={str(train.packing).lower()} means layout {train.effective_layout!r}, "
-                f"but train.layout={train.layout!r}",
-                "remove train.packing (train.layout replaces it) or make the two agree",
-            )
-        )
-    if train.effective_layout == "shared_prompt":
-        from verst.trainer.model import resolve_attn_implementation
-
-        if resolve_attn_implementation(train.attn_implementation, cuda=cuda_available) == "flash_attention_2":
-            problems.append(
-                Problem(
-                    "train.layout",
-                    "'shared_prompt' needs a custom attention mask, which flash_attention_2 does not take",
-                    "use train.layout='auto' or 'packed' with flash_attention_2, or "
-                    "train.attn_implementation='sdpa'",
-                )
-            )
-    return problems
-
-
-def weight_sync_problems(train: TrainConfig, engine: EngineSection) -> list[Problem]:
-    """`train.weight_sync` against what the engine accepts (the mode asks its capabilities)."""
-    return train.weight_sync.problems(
-        "train.weight_sync", engine.capabilities(), f"engine.type={engine.type!r}"
-    )
-
-
-def _engine_model_path(cfg: RunConfig) -> str | None:
-    return cfg.engine.model_path
-
-
 def resolved_model_path(cfg: RunConfig) -> str:
     """The model the trainer loads: train.model_path, else the engine's."""
-    path = cfg.train.model_path or _engine_model_path(cfg)
+    path = cfg.train.model_path or cfg.engine.model_path
     if path is None:
         raise ConfigError([Problem("train.model_path", "no model to train", "set train.model_path")])
     return str(path)
@@ -508,13 +359,6 @@ def validate_run_config(
     reported first, with the cross-section problems that do not concern the same keys.
     `config_dir` is where relative model paths may be relative to (besides the cwd).
     """
-    from verst.trainer.config_checks import (
-        finite_problems,
-        merge_problems,
-        model_paths_problems,
-        optimizer_problems,
-    )
-
     problems: list[Problem] = list(finite_problems(cfg, ""))
     problems += optimizer_problems(cfg.train)
     problems += model_paths_problems(cfg, search_dirs=[config_dir] if config_dir else [])
@@ -530,9 +374,7 @@ def validate_run_config(
         cfg.opd, student_model_path=cfg.train.model_path or cfg.engine.model_path, fsdp=cfg.train.fsdp
     )
     problems += train_problems(cfg, env, cuda_available=cuda_available)
-    from verst.trainer.lora import lora_problems
-
-    problems += lora_problems(cfg, cfg.train.model_path or _engine_model_path(cfg))
+    problems += lora_problems(cfg, cfg.train.model_path or cfg.engine.model_path)
     problems += placement_problems(cfg, env)
     problems = merge_problems(schema_problems, problems)
     if problems:

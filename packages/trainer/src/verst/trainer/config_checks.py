@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -218,3 +219,86 @@ def merge_problems(schema: Sequence[Problem], cross: Sequence[Problem]) -> list[
         return any(key == b or key.startswith(b + ".") or b.startswith(key + ".") for b in bad)
 
     return [*schema, *(p for p in cross if not related(p.key))]
+
+
+# ---------------------------------------------------------------- pydantic errors as Problems
+
+
+def _fields_at(model: type[BaseModel], loc: Sequence[Any], data: Any = None) -> dict[str, Any] | None:
+    """The fields of the (nested) model at `loc`, or None if it is not a model. `data` (the
+    validated input) picks the variant of a variant field (e.g. `[engine]` by its `type`)."""
+    from verst.rollout.variants import variant_table_of
+
+    current: Any = model
+    for part in loc:
+        data = data.get(part) if isinstance(data, Mapping) else None
+        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            field = current.model_fields[part]
+            current = _model_in(field.annotation)
+            table = variant_table_of(field)
+            if table is not None:
+                current = _variant_model(table, data) or current
+        elif isinstance(part, str) and current is dict:
+            current = None
+        else:
+            return None
+        if current is None:
+            return None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return dict(current.model_fields)
+    return None
+
+
+def _variant_model(table: Any, data: Any) -> type[BaseModel] | None:
+    """The config model a variant table selects for `data`, when it can tell."""
+    name = data.get("type", table.default) if isinstance(data, Mapping) else table.default
+    try:
+        return table.config_class(name) if isinstance(name, str) else None
+    except (ValueError, ImportError):
+        return None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (`X`, `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def problems_from_validation_error(
+    exc: ValidationError, model: type[BaseModel], data: Any = None
+) -> list[Problem]:
+    """Translate pydantic errors: key, why, fix; unknown keys suggest the closest valid key
+    (`data`, the input, tells which variant's keys are valid in a variant section)."""
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not isinstance(p, int)]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(model, loc[:-1], data) or {}
+            close = difflib.get_close_matches(str(loc[-1]), list(valid), n=1, cutoff=0.5)
+            fix = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else ""
+            fix += f" valid keys here: {', '.join(sorted(valid))}" if valid else " remove it"
+            problems.append(Problem(key, "unknown key", fix.strip()))
+            continue
+        fix = "see `verst train --help` for this field's type and meaning"
+        valid = _fields_at(model, loc[:-1], data) or {}
+        field = valid.get(str(loc[-1])) if loc else None
+        if field is not None and field.description:
+            fix = f"expected: {field.description}{_default_text(field)}"
+        problems.append(Problem(key, f"{err['msg']} (got {err.get('input')!r})", fix))
+    return problems
+
+
+def _default_text(field: Any) -> str:
+    """` (default X)` for a field with a default, ` (required)` for one without; nothing for a
+    default built by a factory that has no short form (a nested table)."""
+    if field.is_required():
+        return " (required)"
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return f" (default {value!r})" if isinstance(value, list | dict | tuple) and not value else ""
+    return f" (default {field.default!r})"

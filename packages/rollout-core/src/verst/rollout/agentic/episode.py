@@ -14,6 +14,8 @@ Abort: when the rollout aborts (`state.aborted`, or the engine returns `abort`),
 stops with termination `aborted` and status ABORTED. `on_abort = "resume"` keeps its turns and
 parks its live environment, so a resubmitted sample continues where it stopped (partial
 rollout / fully-async); `"restart"` closes the environment and resets the sample to its prompt.
+A parked environment lives in this process only: an episode resubmitted after a restart (or
+evicted from the park) starts over from its prompt, counted as the env metric `resumes_lost`.
 """
 
 from __future__ import annotations
@@ -43,15 +45,15 @@ from verst.rollout.agentic.trajectory import append_turn, mask_turns_before, seg
 from verst.rollout.engine import GenerateOutput, GenerateRequest
 from verst.rollout.lifecycle import EventKind, LifecycleEvent, NoopSink
 from verst.rollout.protocols import GenerateInput, GenerateState, RolloutContext
-from verst.rollout.sample import Sample, Status
+from verst.rollout.sample import EPISODE_METADATA_KEYS, Sample, Status
 
 T = TypeVar("T")
 
 STATE_KEY = "agentic"
 """`sample.metadata` key of the loop's own per-episode state (episode id, open turn)."""
 
-METADATA_KEYS = ("segments", "termination", "turn_rewards", "env_metrics", "env_info", STATE_KEY)
-"""Per-episode metadata keys, removed when a sample is reset to its prompt."""
+METADATA_KEYS = EPISODE_METADATA_KEYS
+"""Per-episode metadata keys, removed when a sample is reset to its prompt (`STATE_KEY` among them)."""
 
 STATUS_BY_TERMINATION: dict[TerminationReason, Status] = {
     TerminationReason.STOP: Status.COMPLETED,
@@ -146,6 +148,9 @@ class AgenticGenerate:
             sample.status = Status.ABORTED
             return sample
         env = self._parked.pop(meta["episode_id"], None) if meta else None
+        # an episode to resume whose environment is not parked here (the process restarted since,
+        # or it was evicted from the park) starts over, counted as `resumes_lost`
+        lost = env is None and meta is not None and sample.response_length > 0
         if env is None and (sample.response_length or meta):  # not resumable here: start over
             _reset_episode(sample)
         attempt = sample.metadata.get("attempt")
@@ -156,6 +161,8 @@ class AgenticGenerate:
                 if env is None:
                     env = self._new_env()
                     await self._start(state, sample, env, trace)
+                    if lost:
+                        sample.metadata["env_metrics"]["resumes_lost"] = 1.0
                 reason = await self._turns(inp, env, trace, emit)
         except TimeoutError:
             reason = TerminationReason.TIMEOUT

@@ -21,8 +21,11 @@ a tool that raises or exceeds `tool_timeout_s` gives the model an error response
 counted (`tool_errors`, `malformed_calls`, `unknown_tools`, `tool_timeouts`) — never a crash
 or a hang; `max_tool_errors` consecutive failed turns end the episode (`tool_error`).
 
-A sync tool runs in a worker thread; a timed-out sync tool cannot be interrupted (its thread
-runs to completion in the background), so keep sync tools short or make them async.
+A sync tool runs, by default, in a child process forked for the call, which is killed when the
+call times out, so a timed-out tool really stops (`sync_tool_runner = "process"`; see
+`verst.rollout.agentic.tool_runner` for what that implies). `sync_tool_runner = "thread"` runs
+it in a worker thread instead, sharing this process's memory; a timed-out thread cannot be
+stopped and runs to completion in the background. An async tool is cancelled at its timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
+from verst.rollout.agentic.tool_runner import SyncToolRunner, run_sync_tool
 from verst.rollout.agentic.tracing import tool_span
 from verst.rollout.importing import import_object
 from verst.rollout.logging_utils import sample_text_preview
@@ -231,6 +235,12 @@ class ToolEnvironmentConfig(BaseModel):
     tool_timeout_s: float = Field(
         10.0, gt=0, description="Timeout of one tool call (then an error response)."
     )
+    sync_tool_runner: SyncToolRunner = Field(
+        "process",
+        description="Where a sync tool runs: 'process' (a forked child, killed at the timeout, so a timed-out "
+        "tool really stops; its changes to its own memory stay in the child) or 'thread' (a worker thread in "
+        "this process, which a timeout cannot stop).",
+    )
     max_tool_errors: int | None = Field(
         None,
         ge=1,
@@ -359,7 +369,7 @@ class ToolEnvironment:
             raise TypeError(f"bad arguments for {tool.name}: {exc}") from None
         if tool.is_async:
             return await tool.fn(**arguments)
-        return await asyncio.to_thread(tool.fn, **arguments)
+        return await run_sync_tool(tool.fn, arguments, self.config.sync_tool_runner)
 
     def _format(self, result: Any) -> str:
         text = result if isinstance(result, str) else json.dumps(result, default=str)

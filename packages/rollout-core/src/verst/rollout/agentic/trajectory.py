@@ -15,29 +15,32 @@ The sample's response (everything after the prompt) is a sequence of **segments*
   injected token: the version of the last model token before it, -1 before the first; an
   empty model turn generated nothing, so it lends its version to no injected token).
 
-`trajectory_problems` checks these invariants; `Sample.validate` calls it for samples that
-carry segments.
+`trajectory_problems` (defined with `Sample`, in `verst.rollout.sample`, and re-exported here) checks
+these invariants; `Sample.validate` calls it for samples that carry segments.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
-from verst.rollout.sample import Sample
+from verst.rollout.sample import SEGMENTS_KEY, Sample, segments_of, trajectory_problems
 
 MASKED_LOGPROB = 0.0
 """`rollout_logprobs` value on injected (non-model) tokens; never trained on (loss mask 0)."""
 
-SEGMENTS_KEY = "segments"
-"""`sample.metadata` key of the segment list."""
+__all__ = [
+    "MASKED_LOGPROB",
+    "SEGMENTS_KEY",
+    "append_turn",
+    "generated_token_count",
+    "mask_turns_before",
+    "model_token_positions",
+    "segments_of",
+    "trajectory_problems",
+]
 
 Source = Literal["model", "env"]
-
-
-def segments_of(sample: Sample) -> list[dict[str, Any]]:
-    """The sample's segments (an empty list for a sample without turns)."""
-    return sample.metadata.get(SEGMENTS_KEY, [])
 
 
 def append_turn(
@@ -149,38 +152,3 @@ def model_token_positions(sample: Sample) -> list[int]:
         if seg["source"] == "model"
         for i in range(seg["start"], seg["start"] + seg["length"])
     ]
-
-
-def trajectory_problems(sample: Sample) -> list[str]:
-    """Broken multi-turn invariants of `sample` (empty when it has no segments or is fine)."""
-    segments = segments_of(sample)
-    if not segments:
-        return []
-    problems = []
-    pos = 0
-    mask = (
-        sample.effective_loss_mask()
-        if sample.loss_mask is None or len(sample.loss_mask) == sample.response_length
-        else None
-    )
-    for k, seg in enumerate(segments):
-        if seg["start"] != pos:
-            problems.append(
-                f"segment {k} starts at {seg['start']}, expected {pos} (segments must be contiguous)"
-            )
-        pos = seg["start"] + seg["length"]
-        if mask is None:
-            continue
-        span = mask[seg["start"] : pos]
-        if seg["source"] == "env" and any(span):
-            problems.append(f"segment {k} (env) has loss mask 1 on injected tokens")
-        if seg["source"] == "model" and seg["trainable"] and not all(span):
-            problems.append(f"segment {k} (model, trainable) has loss mask 0")
-        if seg["source"] == "model" and not seg["trainable"] and any(span):
-            problems.append(f"segment {k} (model, masked) has loss mask 1")
-    if pos != sample.response_length:
-        problems.append(f"segments cover {pos} tokens, response_length={sample.response_length}")
-    n_model = sum(1 for s in segments if s["source"] == "model")
-    if len(sample.weight_versions) != n_model:
-        problems.append(f"{len(sample.weight_versions)} weight_versions for {n_model} model segments")
-    return problems

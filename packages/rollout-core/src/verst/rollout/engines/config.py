@@ -3,12 +3,15 @@
 type = "embedded"            the model in this process (CPU or GPU), extra `local`
 type = "sglang"              existing SGLang servers (`urls`) or a router (`router_url`)
 type = "sglang_launch"       start SGLang servers (and a router) for the run, extra `sglang`
+type = "vllm"                existing vLLM servers (`urls`; verst.rollout.engines.vllm)
+type = "vllm_launch"         start vLLM servers from their own interpreter (`engine.python`)
 type = "pkg.module:Engine"   your own engine: a class whose nested `Config` subclasses `EngineSection`
 
 Each config owns its fields and knows three things: `capabilities()` (what the engine can do —
 validation asks this instead of comparing type names), `problems(key)` (its own config checks)
 and `build(max_concurrency=...)` (the engine). `ENGINES` is the one table of built-in engines;
-adding one is a config class here plus one entry (see docs/engines.md, "Adding an engine").
+adding one is a config class (subclassing `section.EngineSection`; in its own folder, like
+`vllm/config.py`) plus one entry (see docs/engines.md, "Adding an engine").
 """
 
 from __future__ import annotations
@@ -19,49 +22,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from verst.rollout.config import Section, path_field
+from verst.rollout.config import path_field
 from verst.rollout.engine import EngineCapabilities, InferenceEngine
+from verst.rollout.engines.section import EngineSection
+from verst.rollout.engines.vllm.config import VllmEngineConfig, VllmLaunchEngineConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.variants import VariantTable
-
-
-class EngineSection(Section):
-    """Base of every engine's config: its `type` and the model it serves."""
-
-    type: str = Field(
-        "embedded",
-        description=(
-            "embedded (in-process HF model), sglang (existing servers), sglang_launch (start them), "
-            "or an import path 'pkg.module:Engine' (a class with a nested Config)."
-        ),
-    )
-    model_path: str | None = path_field(
-        description="Model directory (HF layout); None = the trainer's model."
-    )
-
-    def capabilities(self) -> EngineCapabilities:
-        """What this engine can do (override: the defaults are the least an engine offers)."""
-        return EngineCapabilities()
-
-    def problems(self, key: str = "engine") -> list[Problem]:
-        """This engine's own config problems, keyed under `key` (the model-path check is
-        `engine_problems`'s, from `capabilities().needs_model_path`)."""
-        return []
-
-    async def build(self, *, max_concurrency: int) -> InferenceEngine:
-        """Create the engine (the run's event loop is running); `max_concurrency` bounds requests."""
-        raise NotImplementedError(f"{type(self).__name__}.build")
-
-    def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:
-        """A copy set up to serve LoRA adapters up to `max_rank` on `target_modules`, `adapters`
-        of them at once (engines that need launch flags for it override this)."""
-        return self
-
-    def with_model_path(self, path: str | None) -> EngineSection:
-        """A copy whose `model_path` defaults to `path` (the trainer's or a teacher's model)."""
-        if self.model_path is None and path is not None:
-            return self.model_copy(update={"model_path": path})
-        return self
 
 
 class EmbeddedEngineConfig(EngineSection):
@@ -97,7 +63,7 @@ class EmbeddedEngineConfig(EngineSection):
         )
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
-        from verst.rollout.engines.embedded import EmbeddedEngine
+        from verst.rollout.engines.embedded.engine import EmbeddedEngine
         from verst.rollout.engines.pool import EnginePool
 
         def make() -> EmbeddedEngine:
@@ -128,7 +94,7 @@ class HttpEngineConfig(EngineSection):
     )
 
     def _client(self, url: str, router: bool, share: int) -> InferenceEngine:
-        from verst.rollout.engines.sglang_client import SGLangClient
+        from verst.rollout.engines.sglang.client import SGLangClient
 
         return SGLangClient(
             url,
@@ -228,8 +194,8 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
         return self.model_copy(update={"extra_args": [*self.extra_args, *flags]})
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
-        from verst.rollout.engines.launcher import launch_sglang_servers
         from verst.rollout.engines.pool import EnginePool
+        from verst.rollout.engines.sglang.launcher import launch_sglang_servers
 
         assert self.model_path is not None
         launched = await asyncio.to_thread(
@@ -259,6 +225,8 @@ ENGINES: VariantTable[EngineSection] = VariantTable(
         "embedded": EmbeddedEngineConfig,
         "sglang": SGLangEngineConfig,
         "sglang_launch": SGLangLaunchEngineConfig,
+        "vllm": VllmEngineConfig,
+        "vllm_launch": VllmLaunchEngineConfig,
     },
     default="embedded",
 )

@@ -27,7 +27,7 @@ class EnvFailure(RuntimeError):
 def assistant_message(text: str, tools: list[dict[str, Any]] | None, parse_tools: bool) -> dict[str, Any]:
     """A model turn's text as an OpenAI assistant message (tool calls parsed as `verst serve`
     does with `--tool-call-parser hermes`, when `parse_tools` and tools are offered)."""
-    from verst.rollout.engines.openai_protocol import parse_tool_calls
+    from verst.rollout.engines.serve.openai_protocol import parse_tool_calls
     from verst.rollout.rewards.rules import strip_trailing_stop
 
     text = strip_trailing_stop(text)

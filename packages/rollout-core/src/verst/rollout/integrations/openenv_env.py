@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
-from verst.rollout.engines._common import require
+from verst.rollout.engines.common.errors import require
 from verst.rollout.importing import import_object
 from verst.rollout.integrations._common import EnvFailure
 from verst.rollout.rewards.rules import strip_trailing_stop

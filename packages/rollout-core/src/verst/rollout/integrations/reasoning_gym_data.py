@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verst.rollout.engines._common import require
+from verst.rollout.engines.common.errors import require
 from verst.rollout.errors import DataError, Problem
 from verst.rollout.sample import Sample, Status
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
-from verst.rollout.engines._common import require
+from verst.rollout.engines.common.errors import require
 from verst.rollout.errors import ConfigError, MissingOptionalDependency, Problem
 from verst.rollout.integrations._common import EnvFailure, ListSource, assistant_message
 from verst.rollout.sample import Sample, Status

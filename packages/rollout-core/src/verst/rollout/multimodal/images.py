@@ -40,7 +40,7 @@ class ImageRef:
 
 
 def _pil() -> Any:
-    from verst.rollout.engines._common import require
+    from verst.rollout.engines.common.errors import require
 
     return require("PIL.Image", extra="local", feature=_PIL_FEATURE)
 

@@ -43,12 +43,11 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from verst.rollout.engine import SamplingParams
-from verst.rollout.errors import RolloutError, RolloutFailedError
-from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
+from verst.rollout.errors import RolloutError
+from verst.rollout.generate import reset_sample
 from verst.rollout.logging_utils import log_first_sample, log_rollout_finish
 from verst.rollout.protocols import (
     Capability,
@@ -61,52 +60,21 @@ from verst.rollout.protocols import (
 from verst.rollout.sample import Sample
 from verst.rollout.sampling import sampling_params_for
 from verst.rollout.strategies.fully_async_options import FullyAsyncOptions
+from verst.rollout.strategies.fully_async_producer import AsyncTally, Buffered, ProducerError, ProducerMixin
 from verst.rollout.strategies.inference import (
     InferenceRollout,
     RolloutStalledError,
-    max_waves,
 )
-from verst.rollout.strategies.rollout_state import RolloutTally, mark_failed, retryable
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 """Version of `FullyAsyncRollout.state_dict()`'s layout."""
 
-
-@dataclass
-class _AsyncTally(RolloutTally):
-    """Counters since the last training call (turned into metrics by the next one)."""
-
-    stale_retried: int = 0
-    """Too-stale groups handed back to the data source."""
-    stale_dropped: int = 0
-    """Too-stale groups discarded (`stale_policy = "drop"`)."""
-    aborted_retried: int = 0
-    """Groups that finished with aborted samples, handed back."""
-    aborted_dropped: int = 0
-    """Groups that finished with aborted samples, discarded."""
+__all__ = ["STATE_VERSION", "FullyAsyncRollout", "ProducerError"]
 
 
-@dataclass
-class _Buffered:
-    """A finished group waiting to be trained on."""
-
-    group: list[Sample]
-    """The group's samples (all finished, passed the filters)."""
-    fallback_version: int
-    """Weight version known when it finished; used for samples that recorded no version."""
-
-    def oldest_version(self) -> int:
-        """The smallest weight version any sample of the group was generated with."""
-        return min((v for s in self.group for v in s.weight_versions), default=self.fallback_version)
-
-
-class ProducerError(RolloutError):
-    """The background producer stopped on an error; the training call cannot be served."""
-
-
-class FullyAsyncRollout(InferenceRollout):
+class FullyAsyncRollout(ProducerMixin, InferenceRollout):
     """Fully-async rollout with a bounded buffer and bounded staleness (see the module docstring).
 
     Eval requests run like `InferenceRollout`'s (they do not touch the buffer) while the
@@ -129,7 +97,7 @@ class FullyAsyncRollout(InferenceRollout):
                 f"hold one batch of rollout.batch_size = {config.batch_size} groups; set "
                 f"async_buffer_groups >= {config.batch_size}"
             )
-        self.buffer: deque[_Buffered] = deque()
+        self.buffer: deque[Buffered] = deque()
         """Finished groups waiting for a training call, oldest first."""
         self.last_dropped_groups: list[list[Sample]] = []
         """Groups dropped (too stale or aborted, `stale_policy = "drop"`) since the previous call."""
@@ -143,7 +111,7 @@ class FullyAsyncRollout(InferenceRollout):
         self._closing_unfinished: list[list[Sample]] = []
         self._dropped: list[list[Sample]] = []
         self._failed: list[list[Sample]] = []
-        self._tally = _AsyncTally()
+        self._tally = AsyncTally()
         self._producer: asyncio.Task[None] | None = None
         self._producer_error: BaseException | None = None
         self._state: GenerateState | None = None
@@ -196,7 +164,7 @@ class FullyAsyncRollout(InferenceRollout):
         # a run that switched from the default strategy has counters only (nothing buffered)
         self._version = int(state.get("weight_version", 0))
         self.buffer = deque(
-            _Buffered([Sample.from_dict(d) for d in b["group"]], int(b["fallback_version"]))
+            Buffered([Sample.from_dict(d) for d in b["group"]], int(b["fallback_version"]))
             for b in state.get("buffer", [])
         )
         self._resume = [[Sample.from_dict(d) for d in g] for g in state.get("pending", [])]
@@ -217,7 +185,7 @@ class FullyAsyncRollout(InferenceRollout):
             groups = [*self._resume, *self._closing_unfinished, *unfinished, *(b.group for b in self.buffer)]
             self._resume, self._closing_unfinished = [], []
             self.buffer.clear()
-            tally = _AsyncTally()
+            tally = AsyncTally()
             self._hand_back(groups, tally)
             if groups:
                 logger.info("fully-async close: handed %d groups back to the data source", len(groups))
@@ -249,189 +217,12 @@ class FullyAsyncRollout(InferenceRollout):
         if self._producer is None:
             self._producer = asyncio.create_task(self._produce(), name="verst-fully-async-producer")
 
-    async def _produce(self) -> None:
-        config = self.context.config
-        wave = config.effective_over_sampling_batch_size
-        try:
-            while True:
-                async with self._cond:
-                    await self._cond.wait_for(
-                        lambda: (
-                            self._closing
-                            or self._producer_error is not None
-                            or (
-                                self._room() > 0
-                                and not self._stalled
-                                and (bool(self._resume) or not self._exhausted)
-                            )
-                        )
-                    )
-                    if self._closing or self._producer_error is not None:
-                        return
-                if self._pulled_since_kept >= max_waves(config) * wave:
-                    self._stalled = True  # every group is being dropped: wait for the next call
-                    logger.warning(
-                        "fully-async producer: %d groups pulled without keeping one; pausing "
-                        "(max_waves_per_rollout)",
-                        self._pulled_since_kept,
-                    )
-                    await self._notify()
-                    continue
-                room = self._room()
-                groups = [self._resume.pop(0) for _ in range(min(room, len(self._resume)))]
-                if len(groups) < room:
-                    got = self.context.data_source.get_samples(min(wave, room - len(groups)))
-                    if not got and not groups:
-                        self._exhausted = True
-                        logger.warning("fully-async producer: the data source ran out of prompts")
-                        async with self._cond:
-                            self._cond.notify_all()
-                        continue
-                    groups += got
-                    self._pulled_since_kept += len(got)
-                for group in groups:
-                    self._submit(group)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._producer_error = exc
-            logger.exception("fully-async producer failed")
-            async with self._cond:
-                self._cond.notify_all()
-            raise
-
-    def _submit(self, group: list[Sample]) -> None:
-        for s in group:
-            s.group_index, s.sample_index = self._next_group, self._next_sample
-            self._next_sample += 1
-        self._next_group += 1
-        task = asyncio.create_task(self._run_group(group))
-        self._in_flight[task] = group
-        task.add_done_callback(lambda t: self._in_flight.pop(t, None))
-
-    async def _run_group(self, group: list[Sample]) -> None:
-        """Generate one group (retrying failures), then buffer, drop or hand it back."""
-        try:
-            samples = await self._generate_with_retries(group)
-            if samples is not None:
-                self._file(samples)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # e.g. a raising dynamic filter: surface it, lose no prompt
-            self._producer_error = exc
-            logger.exception("fully-async: handling a finished group failed")
-            self._give_back([group], fresh=True)
-        finally:
-            # leave the in-flight set before waking the producer (its room counts it)
-            self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-        await self._notify()
-
-    async def _generate_with_retries(self, group: list[Sample]) -> list[Sample] | None:
-        """The generated group, or None when it failed for good (marked FAILED) or is closing."""
-        assert self._state is not None
-        retries = 0
-        while True:
-            try:
-                return await generate_and_rm_group(self._state, group, self._params)
-            except GroupGenerationError as err:
-                if self._closing:
-                    self._closing_unfinished.append(group)
-                    return None
-                retry = retries < self.context.config.max_group_retries and retryable(err)
-                self._log_group_failure(err, retry)
-                if not retry:
-                    self._failed.append(mark_failed(group, err))
-                    self._tally.failed_groups += 1
-                    self._tally.failure_streak.append(group)
-                    self._check_streak()
-                    return None
-                retries += 1
-                self._tally.group_retries += 1
-                group = [reset_sample(s, keep_attempt=True) for s in group]
-
-    def _file(self, samples: list[Sample]) -> None:
-        """A generated group: into the buffer, dropped by a filter, or unfinished (retry/drop)."""
-        kept: list[list[Sample]] = []
-        unfinished: list[list[Sample]] = []
-        self._classify(samples, kept, unfinished, self._tally)
-        self._check_streak()
-        if kept:
-            self._pulled_since_kept = 0
-        for g in kept:
-            self.buffer.append(_Buffered(g, self._version))
-            self.produced_groups += 1
-        self.peak_buffer = max(self.peak_buffer, len(self.buffer))
-        for g in unfinished:
-            if self._closing:
-                self._closing_unfinished.append(g)
-            elif self.options.stale_policy == "retry":
-                self._tally.aborted_retried += 1
-                self._give_back([g], fresh=False)
-            else:
-                self._tally.aborted_dropped += 1
-                self._dropped.append(g)
-
-    def _check_streak(self) -> None:
-        """Past one batch of failed groups in a row: stop the producer with `RolloutFailedError`
-        and hand those groups back as fresh prompts (so a checkpoint holds them)."""
-        streak = self._tally.failure_streak
-        if len(streak) <= self.context.config.batch_size or self._producer_error is not None:
-            return
-        errors = [g[0].metadata.get("error", "") for g in streak if g]
-        self._producer_error = RolloutFailedError(
-            self._state.rollout_id if self._state else 0, errors, source=self.failure_source()
-        )
-        ids = {id(g) for g in streak}
-        self._failed = [g for g in self._failed if id(g) not in ids]
-        self._give_back(list(streak), fresh=True)
-        streak.clear()
-
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
-
-    def _give_back(self, groups: list[list[Sample]], *, fresh: bool) -> None:
-        """Hand groups back to the data source (counted as returned) and wake the producer.
-
-        `fresh` resets them to prompts; otherwise partial samples are kept with `partial_rollout`.
-        """
-        if fresh:
-            for g in groups:
-                for s in g:
-                    reset_sample(s)
-        self._hand_back(groups, self._tally)
-        self._exhausted = False
-
-    async def _stop_in_flight(self) -> list[list[Sample]]:
-        """Abort the producer's requests, wait for its groups; return those that never finished."""
-        if self._state is not None:
-            self._state.aborted.set()
-        in_flight = dict(self._in_flight)
-        if not in_flight:
-            return []
-        assert self._state is not None
-        try:
-            await self.context.engine.abort(self._state.request_prefix + "-")
-        except Exception as exc:  # keep closing: the groups are still handed back
-            logger.warning("fully-async close: engine abort failed: %s: %s", type(exc).__name__, exc)
-        _, pending = await asyncio.wait(in_flight, timeout=self.abort_grace_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            logger.warning(
-                "%d groups ignored the abort for %.0fs; cancelled", len(pending), self.abort_grace_s
-            )
-            await asyncio.wait(pending)
-        return [
-            group for task, group in in_flight.items() if task.cancelled() or task.exception() is not None
-        ]
-
     # ------------------------------------------------------------------ the consumer
 
     def _evict_stale(self, version: int) -> None:
         """Retry or drop buffered groups older than `max_weight_staleness` versions."""
         options = self.options
-        keep: deque[_Buffered] = deque()
+        keep: deque[Buffered] = deque()
         for b in self.buffer:
             if version - b.oldest_version() <= options.max_weight_staleness:
                 keep.append(b)
@@ -448,7 +239,7 @@ class FullyAsyncRollout(InferenceRollout):
         target = self.context.config.batch_size
         self._stalled, self._pulled_since_kept = False, 0  # each call may pull its own waves
         self._start(request)
-        taken: list[_Buffered] = []
+        taken: list[Buffered] = []
         try:
             async with self._cond:
                 while True:
@@ -488,9 +279,9 @@ class FullyAsyncRollout(InferenceRollout):
         tally.waves = -(-self._pulled_since_kept // self.context.config.effective_over_sampling_batch_size)
         return self._stall_error(request.rollout_id, 0, tally)
 
-    def _result(self, request: RolloutRequest, taken: list[_Buffered], started: float) -> RolloutResult:
+    def _result(self, request: RolloutRequest, taken: list[Buffered], started: float) -> RolloutResult:
         kept = [b.group for b in taken]
-        tally, self._tally = self._tally, _AsyncTally(failure_streak=self._tally.failure_streak)
+        tally, self._tally = self._tally, AsyncTally(failure_streak=self._tally.failure_streak)
         tally.wave_limit_hit = self._stalled and len(kept) < self.context.config.batch_size
         failed, self._failed = self._failed, []
         self.last_dropped_groups, self._dropped = self._dropped, []

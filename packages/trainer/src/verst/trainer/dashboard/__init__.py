@@ -8,5 +8,5 @@
 * `report` writes the self-contained HTML report; `assets` holds the page and plotly.js.
 * `cli` adds the two subcommands to `verst`.
 
-What the run records for it (`samples.jsonl`, `status.json`) is `verst.trainer.recording`.
+What the run records for it (`samples.jsonl`, `status.json`) is `verst.trainer.run.recording`.
 """

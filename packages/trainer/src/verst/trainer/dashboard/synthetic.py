@@ -21,7 +21,7 @@ from verst.trainer.dashboard.trajectories import (
     trajectory_record,
     write_lines,
 )
-from verst.trainer.recording import SAMPLES_FILE, STATUS_FILE, sample_record
+from verst.trainer.run.recording import SAMPLES_FILE, STATUS_FILE, sample_record
 
 _STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
 

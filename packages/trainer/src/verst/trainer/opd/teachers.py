@@ -28,7 +28,7 @@ from verst.rollout.variants import VariantTable
 
 if TYPE_CHECKING:
     from verst.rollout.engine import InferenceEngine
-    from verst.trainer.logprobs import PolicyLogprobs
+    from verst.trainer.train.logprobs import PolicyLogprobs
 
 TeacherLoader = Callable[[str, str], "PolicyLogprobs"]
 """`load(model_path, dtype)`: a frozen `PolicyLogprobs` of a Hugging Face directory, loaded the way

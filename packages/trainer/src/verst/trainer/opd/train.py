@@ -34,8 +34,6 @@ from torch import Tensor
 from verst.rollout.sample import Sample
 from verst.trainer.algorithms.aggregation import Aggregation
 from verst.trainer.algorithms.terms import LossTerm, MicroBatch, TermOutput
-from verst.trainer.logit_head import LogitHead
-from verst.trainer.logprobs import PackedInputs, PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.scoring import (
     TEACHER_LOGPROBS_KEY,
@@ -45,6 +43,8 @@ from verst.trainer.opd.scoring import (
 )
 from verst.trainer.opd.teachers import TeacherLoader
 from verst.trainer.opd.token_sets import TopKSides, sampled_token_opd_advantage, topk_opd_kl
+from verst.trainer.train.logit_head import LogitHead
+from verst.trainer.train.logprobs import PackedInputs, PolicyLogprobs, pack_sequences, unflatten
 
 
 @dataclass

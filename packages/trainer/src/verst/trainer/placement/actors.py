@@ -168,7 +168,7 @@ class TrainActor(ActorBase):
         }
         os.environ.update(rank_env)  # accelerate and NCCL read the process environment
         self.env.update(rank_env)
-        from verst.trainer.train_side import TrainSide
+        from verst.trainer.train.side import TrainSide
 
         cfg = self.config
         self.log.info("rank %d of %d, rendezvous %s:%d", rank, world_size, master_addr, master_port)
@@ -225,7 +225,7 @@ class RolloutManagerActor(ActorBase):
     (or in `run.ray.engine_actors` engine actors it talks to); `sglang_launch` servers are
     started (and stopped) by it; `sglang` connects to running ones. Colocated, the engine gives
     its memory to the trainer after each rollout and takes it back around the refit, in SGLang's
-    order (`verst.trainer.colocate.ColocatedMemory`; a no-op for engines without the hooks).
+    order (`verst.trainer.sync.colocate.ColocatedMemory`; a no-op for engines without the hooks).
     """
 
     role = "rollout"
@@ -235,8 +235,8 @@ class RolloutManagerActor(ActorBase):
 
         `engine_actors`: (handle, name) of the run's engine actors; the engine is then an
         `EnginePool` of `ActorEngine` clients instead of one built here."""
-        from verst.trainer.recording import BufferedSink
-        from verst.trainer.rollout_side import RolloutSide
+        from verst.trainer.run.recording import BufferedSink
+        from verst.trainer.run.rollout_side import RolloutSide
 
         engine = None
         if engine_actors:
@@ -248,7 +248,7 @@ class RolloutManagerActor(ActorBase):
         self.side = RolloutSide(
             self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
         )
-        from verst.trainer.colocate import ColocatedMemory
+        from verst.trainer.sync.colocate import ColocatedMemory
 
         self.memory = ColocatedMemory(self.side.engine, self.side._run, colocated=colocated)
         strategy = type(self.side.strategy)

@@ -29,7 +29,6 @@ from typing import Any
 from verst.rollout.engine import EngineCapabilities
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.lifecycle import LifecycleSink
-from verst.trainer.checkpoint import latest_checkpoint
 from verst.trainer.config import RunConfig
 from verst.trainer.placement.layout import PlacementPlan, plan_placement, resolve_device
 from verst.trainer.placement.ray_cluster import (
@@ -39,6 +38,7 @@ from verst.trainer.placement.ray_cluster import (
     require_ray,
     runtime_env,
 )
+from verst.trainer.run.checkpoint import latest_checkpoint
 
 PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for the cluster to grant the train placement group."""

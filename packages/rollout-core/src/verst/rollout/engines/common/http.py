@@ -1,0 +1,125 @@
+"""HTTP with bounded retries, shared by every client of an HTTP engine.
+
+One pooled `aiohttp` session per event loop (its connection limit is the client's concurrency);
+`call` retries only what retrying can fix (connection errors, timeouts, 5xx including 503 while
+a server starts) with exponential backoff, and raises a 4xx at once as `InvalidRequest` carrying
+the server's JSON error message (`error_message`: SGLang's `{"error": {"message"}}`, `{"error": str}`
+or an OpenAI-style `ErrorResponse`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from verst.rollout.engine import EngineError
+from verst.rollout.engines.common.errors import InvalidRequest
+
+
+class Retryable(Exception):
+    """A failure worth retrying (connection error, timeout, 5xx)."""
+
+
+def error_message(data: Any) -> Any:
+    """The message of an SGLang error body: `{"error": {"message"}}`, `{"error": str}`, or an
+    `ErrorResponse` (`{"object": "error", "message", "type", "code"}`)."""
+    if not isinstance(data, dict):
+        return data
+    err = data.get("error")
+    if isinstance(err, dict):
+        return err.get("message", err)
+    if err is not None:
+        return err
+    if "message" in data:
+        return data["message"]
+    return data
+
+
+class RetryingHttp:
+    """A pooled JSON-over-HTTP session with bounded retries for retryable failures only."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 64,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        """`timeout_s` bounds one request; a failed retryable call is retried `max_retries` times,
+        sleeping `backoff_s * 2**attempt` between tries."""
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    async def session(self) -> aiohttp.ClientSession:
+        """The session of the running loop (a new one after the loop changed or it was closed)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            connector = aiohttp.TCPConnector(limit=self.max_connections)
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            self._session_loop = loop
+        return self._session
+
+    async def once(self, method: str, url: str, body: Any) -> Any:
+        """One try: the decoded JSON body (or its text); `Retryable` or `InvalidRequest` on failure."""
+        session = await self.session()
+        try:
+            async with session.request(method, url, json=body) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except aiohttp.InvalidURL as exc:  # deterministic: retrying cannot help
+            raise InvalidRequest(f"{method} {url}: not a valid URL ({exc}); check engine.urls") from exc
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            raise Retryable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        text = raw.decode(errors="replace")
+        try:
+            data = json.loads(text) if text.strip() else None
+        except json.JSONDecodeError:
+            data = text
+        if status >= 500:
+            raise Retryable(f"HTTP {status}: {text[:300]}")
+        if status >= 400:
+            raise InvalidRequest(f"{method} {url} → HTTP {status}: {error_message(data)}")
+        return data
+
+    async def call(self, method: str, url: str, body: Any = None) -> Any:
+        """`once` with bounded retries for retryable failures; `EngineError` when they run out."""
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await self.once(method, url, body)
+            except Retryable as exc:
+                last = str(exc)
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise EngineError(
+            f"{method} {url} failed after {self.max_retries + 1} attempts (last error: {last}); "
+            f"is the server running and reachable?"
+        )
+
+    async def healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+        """GET `url` answered 200 (one try, no retries); a malformed URL is `InvalidRequest`."""
+        session = await self.session()
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except aiohttp.InvalidURL as exc:  # deterministic: waiting for it cannot help
+            raise InvalidRequest(f"GET {url}: not a valid URL ({exc})") from exc
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        """Close the session (a later call opens a new one)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None

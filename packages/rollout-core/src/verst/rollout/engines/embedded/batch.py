@@ -1,0 +1,486 @@
+"""The running decode batch of the embedded engine: rows, their KV cache, prefill, merge, step.
+
+Continuous batching on transformers' `DynamicCache`: a group of new requests is prefilled
+together (left-padded; identical prompts once, see `DecodeBatch.admit`), its first token
+sampled, and the group is merged into the running batch between decode steps (the shorter
+cache is left-padded with masked zeros). A finished row leaves `rows` at once, but its slot in
+the batch tensors stays (decoded and ignored) until a quarter of the slots are dead or new rows
+merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
+instead of one per departure. Cache columns that every remaining row masks out are trimmed.
+Positions are explicit (`position_ids`), so padding never shifts RoPE.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from verst.rollout.engine import FinishReason, GenerateRequest
+from verst.rollout.engines.embedded.sampling import (
+    BatchSampling,
+    PromptScores,
+    RowSampling,
+    ids_logprobs,
+    prompt_scores,
+    sample,
+    top_logprobs,
+)
+from verst.rollout.engines.embedded.vision import prefill_kwargs
+from verst.rollout.multimodal.processor import image_key
+
+
+@dataclass(slots=True)
+class Row:
+    """One request being decoded (or waiting to be)."""
+
+    request: GenerateRequest
+    """The request as submitted (rid assigned)."""
+    sampling: RowSampling
+    """Resolved sampling settings."""
+    stop_ids: frozenset[int]
+    """Token ids that end the request (EOS unless ignore_eos, plus stop_token_ids)."""
+    context_len: int
+    """Model context length: prompt + output never exceeds it."""
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens."""
+    output_logprobs: list[float] = field(default_factory=list)
+    """Their log-probs."""
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Top-k pairs per output position (when asked)."""
+    output_ids_lp: list[list[tuple[float, int]]] = field(default_factory=list)
+    """`token_ids_logprob` pairs per output position (when asked)."""
+    input_logprobs: list[float | None] | None = None
+    """Prompt log-probs (when asked)."""
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    """Prompt top-k pairs (when asked)."""
+    input_ids_lp: list[list[tuple[float, int]] | None] | None = None
+    """Prompt `token_ids_logprob` pairs (when asked)."""
+    finish: FinishReason | None = None
+    """Set when the row is done."""
+    matched: int | str | None = None
+    """The stop token id or stop string that ended it."""
+    handle: Any = None
+    """The engine's completion handle (future, loop, stream queue)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.input_ids)
+
+
+def growing_cache(config: Any) -> Any:
+    """A `DynamicCache` whose full-attention layers grow in place (see `_growing_layer_class`)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if other:
+        raise ValueError(
+            f"the embedded engine supports full-attention KV caches only; this model's cache has {other} "
+            f"layers (sliding-window or linear attention); serve it with SGLang (engine.type = 'sglang')"
+        )
+    layer_cls = _growing_layer_class()
+    cache.layers = [layer_cls() for _ in cache.layers]
+    return cache
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """`DynamicLayer` that writes each step's keys/values into spare capacity.
+
+    transformers' `DynamicLayer.update` concatenates, copying the whole cache every decode step;
+    this subclass keeps `keys`/`values` as column views of a buffer with spare columns (`spare`,
+    set by the batch to what its rows can still generate, at most `CHUNK`). Row selection
+    (finished rows leaving) selects from the buffer, keeping the spare room; trimming leading
+    columns keeps the view. Whenever the batch replaces the tensors otherwise (merge), the next
+    update sees they are no longer views of the buffer and re-adopts them.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        CHUNK = 64
+        spare = CHUNK
+        """Spare columns allocated past the current length (the batch lowers it to what it needs)."""
+
+        def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
+            b, h, t, d = keys.shape
+            cap = t + extra + max(1, min(self.spare, self.CHUNK))
+            self._kbuf = keys.new_empty((b, h, cap, d))  # [batch, heads, capacity, head_dim]
+            self._vbuf = values.new_empty((b, h, cap, values.shape[-1]))
+            self._kbuf[:, :, :t] = keys
+            self._vbuf[:, :, :t] = values
+            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
+
+        def _start(self) -> int | None:
+            """The buffer column where `keys`/`values` start when they are views of the buffers."""
+            kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+            k, v = self.keys, self.values
+            if kb is None or vb is None or k is None or v is None:
+                return None
+            if k.shape[:2] != kb.shape[:2] or v.shape[:2] != vb.shape[:2]:
+                return None
+            if k.stride() != kb.stride() or v.stride() != vb.stride():
+                return None
+            # a view's offset into a buffer we still hold can only come from slicing that buffer
+            dk = (k.data_ptr() - kb.data_ptr()) // k.element_size()
+            dv = (v.data_ptr() - vb.data_ptr()) // v.element_size()
+            if dk < 0 or dk % kb.stride(2) or dv < 0 or dv % vb.stride(2):
+                return None
+            start = dk // kb.stride(2)
+            if start != dv // vb.stride(2) or start + k.shape[2] > kb.shape[2]:
+                return None
+            return start
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.keys is None or self.keys.numel() == 0:
+                self._adopt(key_states, value_states, 0)
+                return self.keys, self.values
+            t, n = self.keys.shape[-2], key_states.shape[-2]
+            start = self._start()
+            if start is None or start + t + n > self._kbuf.shape[-2]:
+                self._adopt(self.keys, self.values, n)
+                start = 0
+            end = start + t + n
+            self._kbuf[:, :, start + t : end] = key_states
+            self._vbuf[:, :, start + t : end] = value_states
+            self.keys, self.values = self._kbuf[:, :, start:end], self._vbuf[:, :, start:end]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the `indices` rows: one copy of their live columns plus the spare room."""
+            start = self._start()
+            if start is None or self.keys.numel() == 0:
+                super().batch_select_indices(indices)
+                return
+            t = self.keys.shape[-2]
+            self._kbuf = self._kbuf[:, :, start:].index_select(0, indices)
+            self._vbuf = self._vbuf[:, :, start:].index_select(0, indices)
+            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
+
+    return GrowingLayer
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _set_scores(row: Row, scores: PromptScores) -> None:
+    """Give the row its own copy of (possibly shared) prompt scores."""
+    chosen, top, by_id = scores
+    row.input_logprobs = list(chosen)
+    row.input_top = None if top is None else list(top)
+    row.input_ids_lp = None if by_id is None else list(by_id)
+
+
+def _inv_temp(row: Row) -> float:
+    t = row.sampling.temperature
+    return 1.0 / t if t > 0 else 1.0
+
+
+def share_groups(rows: list[Row]) -> tuple[list[int], list[int]]:
+    """Rows with the same prompt, adapter and images (hash and place) share one prefill.
+
+    Returns (`unique`: index in `rows` of the first row of each distinct (prompt, adapter), in
+    order; `source`: for every row, the position in `unique` of the row it shares with).
+    """
+    first: dict[tuple[Any, ...], int] = {}
+    unique: list[int] = []
+    source: list[int] = []
+    for i, r in enumerate(rows):
+        key = (tuple(r.request.input_ids), r.request.lora_path, image_key(r.request.images))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(i)
+        source.append(first[key])
+    return unique, source
+
+
+def _set_spare(cache: Any, rows: list[Row]) -> None:
+    """Size the cache's spare columns to the most tokens any of `rows` may still feed."""
+    left = max(
+        min(
+            r.request.sampling.max_new_tokens - len(r.output_ids),
+            r.context_len - r.prompt_len - len(r.output_ids),
+        )
+        for r in rows
+    )
+    for layer in cache.layers:
+        layer.spare = max(1, left)
+
+
+def _wants_input(row: Row) -> bool:
+    return row.request.return_logprob and row.request.logprob_start_len == 0
+
+
+class DecodeBatch:
+    """Rows being decoded together, with their shared KV cache."""
+
+    def __init__(self, model: Any, pad_id: int, tokenizer: Any) -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.tokenizer = tokenizer
+        self.rows: list[Row] = []
+        """The live rows, in slot order."""
+        self.slots: list[int] | None = None
+        """Each live row's slot in the batch tensors (None: row i is slot i, no dead slots)."""
+        self.slot_rows: list[Row] = []
+        """The row of every slot, finished ones included (what LoRA routing sees)."""
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [batch, cols] long; 1 = real token
+        self.next_pos: torch.Tensor | None = None  # [batch] long; position of the next fed token
+        self.last: torch.Tensor | None = None  # [batch] long; sampled, not yet fed
+        self.sampling: BatchSampling | None = None
+        self.device = next(model.parameters()).device
+        cfg = model.config
+        self.vocab = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).vocab_size)
+        self.adapters: Any = None
+        """LoRA adapters (`verst.rollout.engines.embedded.lora.EngineAdapters`), told each forward's rows."""
+        self.vision: Any = None
+        """The `MultimodalProcessor` of a vision-language model (None: text only)."""
+        self.share_prefix = True
+        """Prefill rows with the same prompt and adapter once (see `admit`)."""
+        self.prefill_rows = 0
+        """Rows admitted through `admit` so far."""
+        self.prefill_tokens = 0
+        """Prompt tokens run through prefill forwards so far (padding not counted)."""
+        self.prefill_tokens_saved = 0
+        """Prompt tokens not run because their row shared another row's prefill."""
+        growing_cache(model.config)  # fail at construction for unsupported cache layouts
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _route(self, rows: list[Row]) -> None:
+        """Tell the adapters which rows (in order) the next forward carries."""
+        if self.adapters is not None:
+            self.adapters.select([r.request.lora_path for r in rows], self.device)
+
+    # ---- scoring and prefill -------------------------------------------------------------
+    def score(self, row: Row) -> None:
+        """`max_new_tokens = 0`: one forward over the prompt, no padding; fills prompt scores."""
+        ids = torch.tensor([row.request.input_ids], device=self.device)  # [1, prompt]
+        self._route([row])
+        inputs = prefill_kwargs(self.vision, self.model, ids, [row])
+        logits = self.model(**inputs, use_cache=False).logits[0]  # [prompt, vocab]
+        if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
+            _set_scores(row, prompt_scores(row.request, logits, _inv_temp(row)))
+        row.finish = "length"
+
+    def admit(self, rows: list[Row]) -> None:
+        """Prefill `rows` together, sample their first token, and merge them into the batch.
+
+        Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled once: the
+        forward runs over the distinct prompts only, and its KV cache, mask, positions, last
+        logits and prompt scores are copied to every row that shares them (each row gets its own
+        cache storage; sampling stays per row, with each row's own generator).
+        """
+        every = list(range(len(rows)))
+        unique, source = share_groups(rows) if self.share_prefix else (every, every)
+        firsts = [rows[u] for u in unique]
+        lens = [r.prompt_len for r in firsts]
+        width = max(lens)
+        ids = torch.full((len(firsts), width), self.pad_id, dtype=torch.long)  # [unique, width]
+        mask = torch.zeros((len(firsts), width), dtype=torch.long)  # [unique, width]
+        for i, r in enumerate(firsts):
+            ids[i, width - lens[i] :] = torch.tensor(r.request.input_ids)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [unique, width]
+        cache = growing_cache(self.model.config)
+        _set_spare(cache, rows)
+        full = any(_wants_input(r) for r in rows)
+        self._route(firsts)
+        out = self.model(
+            **prefill_kwargs(self.vision, self.model, ids, firsts),
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if full else 1,
+        )
+        logits = out.logits  # [unique, width or 1, vocab]
+        self.prefill_rows += len(rows)
+        self.prefill_tokens += sum(lens)
+        self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(lens)
+        last = logits[:, -1, :]  # [unique, vocab]
+        if len(firsts) < len(rows):
+            index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
+            cache.batch_select_indices(index)  # index_select: every row its own copy
+            mask, last = mask[index], last[index]
+        if full:
+            memo: dict[tuple[Any, ...], PromptScores] = {}
+            for r, u in zip(rows, source, strict=True):
+                if _wants_input(r):
+                    q = r.request
+                    key = (u, _inv_temp(r), q.top_logprobs_num, tuple(q.token_ids_logprob or ()))
+                    if key not in memo:
+                        memo[key] = prompt_scores(q, logits[u, width - lens[u] :], _inv_temp(r))
+                    _set_scores(r, memo[key])
+        sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
+        tokens, lps = sample(last, sampling)
+        self._record(rows, tokens, lps)
+        self._compact()
+        self._merge(rows, cache, mask, mask.sum(1), tokens)
+
+    def _merge(
+        self, rows: list[Row], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
+    ) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos, self.last = rows, cache, mask, pos, last
+            self.slot_rows = rows
+            self._resample()
+            return
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        a, b = self.mask.shape[1], mask.shape[1]
+        width = max(a, b)
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width - a, 2), _pad_left(theirs.keys, width - b, 2)])
+            mine.values = torch.cat(
+                [_pad_left(mine.values, width - a, 2), _pad_left(theirs.values, width - b, 2)]
+            )
+        self.mask = torch.cat([_pad_left(self.mask, width - a, 1), _pad_left(mask, width - b, 1)])
+        self.next_pos = torch.cat([self.next_pos, pos])
+        self.last = torch.cat([self.last, last])
+        self.rows = self.slot_rows = self.rows + rows
+        _set_spare(self.cache, self.rows)
+        self._resample()
+
+    def _resample(self) -> None:
+        self.sampling = BatchSampling.build([r.sampling for r in self.slot_rows], self.vocab, self.device)
+
+    # ---- decoding ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """Feed every row's last token and sample the next one."""
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        n = self.mask.shape[0]  # slots, dead ones included
+        self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        self._route(self.slot_rows)
+        out = self.model(
+            input_ids=self.last[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_pos = self.next_pos + 1
+        assert self.sampling is not None
+        tokens, lps = sample(out.logits[:, -1, :], self.sampling)
+        self.last = tokens
+        self._record(self.rows, tokens, lps, self.slots)
+
+    def _record(
+        self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor, slots: list[int] | None = None
+    ) -> None:
+        """Append sampled tokens (and asked-for log-probs) and mark finished rows.
+
+        tokens: [slots], lps: [slots, vocab]; row i's are at `slots[i]` (i when None)."""
+        at = slots if slots is not None else range(len(rows))
+        toks = tokens.tolist()
+        chosen = lps.gather(-1, tokens[:, None])[:, 0].tolist()
+        need_top = [i for i, r in enumerate(rows) if r.request.top_logprobs_num > 0]
+        if need_top:
+            k = max(rows[i].request.top_logprobs_num for i in need_top)
+            tops = top_logprobs(lps[[at[i] for i in need_top]], k)
+            for i, top in zip(need_top, tops, strict=True):
+                rows[i].output_top.append(top[: rows[i].request.top_logprobs_num])
+        for r, j in zip(rows, at, strict=True):
+            if r.request.token_ids_logprob:
+                r.output_ids_lp.append(ids_logprobs(lps[j : j + 1], r.request.token_ids_logprob)[0])
+            r.output_ids.append(toks[j])
+            r.output_logprobs.append(chosen[j])
+            self._check_finish(r)
+
+    def _check_finish(self, r: Row) -> None:
+        tok = r.output_ids[-1]
+        if tok in r.stop_ids:
+            r.finish, r.matched = "stop", tok
+            return
+        stops = r.request.sampling.stop
+        if stops and self.tokenizer is not None:
+            window = max(len(s) for s in stops) + 8
+            tail = self.tokenizer.decode(r.output_ids[-window:], skip_special_tokens=False)
+            for s in stops:
+                if s in tail:
+                    r.finish, r.matched = "stop", s
+                    return
+        n = len(r.output_ids)
+        if n >= r.request.sampling.max_new_tokens or r.prompt_len + n >= r.context_len:
+            r.finish = "length"
+
+    def mark_abort(self, match: Any) -> None:
+        """Mark rows whose request matches as aborted (kept partial output)."""
+        for r in self.rows:
+            if r.finish is None and match(r):
+                r.finish = "abort"
+
+    DEAD_FRACTION = 0.25
+    """Compact the batch tensors once this fraction of their slots belongs to finished rows."""
+
+    def pop_finished(self) -> list[Row]:
+        """Remove and return finished rows; their slots go when enough are dead (`_compact`)."""
+        done = [r for r in self.rows if r.finish is not None]
+        if not done:
+            return []
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        at = self.slots if self.slots is not None else list(range(len(self.rows)))
+        keep = [(r, j) for r, j in zip(self.rows, at, strict=True) if r.finish is None]
+        if not keep:
+            self.rows, self.slots, self.cache, self.mask, self.next_pos, self.last, self.sampling = (
+                [],
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
+            self.slot_rows = []
+            return done
+        self.rows, self.slots = [r for r, _ in keep], [j for _, j in keep]
+        gone = torch.tensor(sorted(set(at) - set(self.slots)), device=self.device)
+        self.next_pos[gone] = 0  # a dead slot is fed a harmless position (never past the context)
+        if (self.mask.shape[0] - len(self.rows)) >= self.DEAD_FRACTION * self.mask.shape[0]:
+            self._compact()
+        self._trim()
+        return done
+
+    def _compact(self) -> None:
+        """Drop the dead slots from the cache and the batch tensors (one copy of the live rows)."""
+        if self.slots is None:
+            return
+        assert self.mask is not None and self.next_pos is not None and self.last is not None
+        index = torch.tensor(self.slots, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.next_pos, self.last = self.next_pos[index], self.last[index]
+        self.slots = None
+        self.slot_rows = self.rows
+        self._resample()
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that no live row attends to (views: nothing is copied)."""
+        assert self.mask is not None
+        live_mask = self.mask if self.slots is None else self.mask[self.slots]
+        live = live_mask.any(dim=0).nonzero()  # columns some live row still attends to
+        first = int(live[0, 0]) if live.numel() else 0
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+    def drop_all(self, reason: FinishReason) -> list[Row]:
+        """Finish every row with `reason` (after a failed step) and empty the batch."""
+        for r in self.rows:
+            r.finish = r.finish or reason
+        return self.pop_finished()

@@ -1,0 +1,5 @@
+"""`python -m verst.rollout.engines.serve ...`: the same program as `verst serve`."""
+
+from verst.rollout.engines.serve.server import main
+
+main()
