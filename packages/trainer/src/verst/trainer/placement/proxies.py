@@ -144,7 +144,7 @@ class RayPlacement:
 
         `sink` receives the rollout manager's lifecycle events (drained after each call), so
         they land in the driver's run directory."""
-        ray = require_ray(local_cluster=not config.run.ray_address)
+        ray = require_ray(local_cluster=not config.run.ray_address, join=config.run.ray_address)
         rc = config.run.ray
         cpu_plan = plan_placement(rc, "cpu")  # CPU reservations do not depend on the device
         need = sum(b["CPU"] for b in cpu_plan.bundles) + (

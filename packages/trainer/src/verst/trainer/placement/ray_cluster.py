@@ -75,7 +75,9 @@ the GCS there; with it the node IP is the loopback address and Ray's servers lis
 local node IP is found, and that a `ray start` worker node may not join this cluster)."""
 
 
-def require_ray(*, local_cluster: bool = False) -> ModuleType:
+def require_ray(
+    *, local_cluster: bool = False, join: str | None = None, probe_s: float | None = None
+) -> ModuleType:
     """Import Ray, or raise `MissingOptionalDependency` with the install command.
 
     Ray's `uv run` hook (re-running `uv run` and uploading the working directory for every worker)
@@ -83,11 +85,20 @@ def require_ray(*, local_cluster: bool = False) -> ModuleType:
     driver's interpreter, on this machine or on nodes with the same image. `local_cluster`: this
     process will start a local cluster, which must stay on loopback (`LOOPBACK_ENV`, unless the
     user set it; it only takes effect if Ray is not imported yet — `connect` checks the result).
+    `join`: this process will join the cluster at that address; it is probed first
+    (`ray_join.join_settings`: an unreachable address fails within `probe_s`, default a minute,
+    and a loopback-only head gets the loopback setting).
     """
     import os
     import sys
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if join:
+        from verst.trainer.placement.ray_join import JOIN_PROBE_S, join_settings
+
+        wait = JOIN_PROBE_S if probe_s is None else probe_s
+        for key, value in join_settings(join, probe_s=wait, ray_imported="ray" in sys.modules).items():
+            os.environ.setdefault(key, value)
     if local_cluster and "ray" not in sys.modules:
         for key, value in LOOPBACK_ENV.items():
             os.environ.setdefault(key, value)
@@ -148,6 +159,7 @@ def connect(
     namespace: str,
     min_cpus: float = 0.0,
     init_options: Mapping[str, Any] | None = None,
+    probe_s: float | None = None,
 ) -> RayConnection:
     """Join the cluster at `address`, or start a local one; reuse an existing connection.
 
@@ -155,12 +167,13 @@ def connect(
     machine with fewer cores: Ray's CPUs are scheduling units, and most actors mostly wait. It
     runs on loopback only; if Ray was imported before verst could pin that (`LOOPBACK_ENV`), the
     cluster is shut down again with an error saying how to fix it. `init_options` go to
-    `ray.init` as they are (tests: `_temp_dir`, `log_to_driver`).
+    `ray.init` as they are (tests: `_temp_dir`, `log_to_driver`). Before joining `address` it is
+    probed for up to `probe_s` (`verst.trainer.placement.ray_join`).
     """
     import math
     import os
 
-    ray = require_ray(local_cluster=not address)
+    ray = require_ray(local_cluster=not address, join=address, probe_s=probe_s)
     if ray.is_initialized():
         return RayConnection(address=None, started_here=False)
     if address:

@@ -16,6 +16,7 @@ refit`; NCCL only, GPU only, checked against vLLM's source). The push loop is th
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -101,8 +102,7 @@ class DistributedTransport:
         engines = self._engines(rollout)
         submit = rollout.submit
         wait = self.config.group_timeout_s
-        for call in [submit(e.begin_weight_update()) for e in engines]:
-            call.result(wait)
+        begun = _begin_all(rollout, engines, wait)
         ok = False
         try:
             parts = list(
@@ -139,7 +139,7 @@ class DistributedTransport:
                     call.result(wait)
             ok = True
         finally:
-            for call in [submit(e.end_weight_update(version, check=ok)) for e in engines]:
+            for call in [submit(e.end_weight_update(version, check=ok)) for e in begun]:
                 call.result(wait)
         versions = {rollout.submit(e.get_weight_version()).result(wait) for e in engines}
         return int(versions.pop()) if len(versions) == 1 else -1
@@ -199,3 +199,23 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _begin_all(rollout: RolloutSurface, engines: list[Any], wait: float) -> list[Any]:
+    """Open the weight-update session on every engine, or on none: when one fails, the sessions
+    already open are ended (without a version check, so they continue generating) and the first
+    error is raised."""
+    calls = [(e, rollout.submit(e.begin_weight_update())) for e in engines]
+    begun, error = [], None
+    for engine, call in calls:
+        try:
+            call.result(wait)
+            begun.append(engine)
+        except BaseException as exc:
+            error = error or exc
+    if error is None:
+        return begun
+    for call in [rollout.submit(e.end_weight_update(None, check=False)) for e in begun]:
+        with contextlib.suppress(Exception):  # best effort: the begin error is what the user needs
+            call.result(wait)
+    raise error

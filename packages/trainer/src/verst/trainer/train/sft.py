@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verst.rollout.errors import DataError
+from verst.rollout.errors import ConfigError, DataError, Problem
 
 
 class SftConfig(BaseModel):
@@ -62,6 +62,23 @@ def load_sft_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     return SftConfig.model_validate(raw)
 
 
+def sft_problems(cfg: SftConfig) -> list[Problem]:
+    """Every problem of the run's paths, before anything loads: `model_path` must be a model
+    directory (config.json + weights) or a Hub id, `data_path` an existing file."""
+    from verst.trainer.config_checks import model_path_problems
+
+    problems = model_path_problems("model_path", cfg.model_path)
+    data = Path(cfg.data_path)
+    if not data.is_file():
+        why = "is a directory, not a JSONL file" if data.is_dir() else "not found"
+        problems.append(
+            Problem(
+                "data_path", f"{cfg.data_path!r} {why}", "point it at a JSONL file of {prompt, response} rows"
+            )
+        )
+    return problems
+
+
 def _read_rows(cfg: SftConfig) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     with open(cfg.data_path) as f:
@@ -97,7 +114,11 @@ def _encode(tokenizer: Any, cfg: SftConfig, prompt: str, response: str) -> tuple
 
 
 def run_sft(cfg: SftConfig, *, log: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
-    """Fine-tune `cfg.model_path` on `cfg.data_path`, save to `cfg.output_dir`; return a summary."""
+    """Fine-tune `cfg.model_path` on `cfg.data_path`, save to `cfg.output_dir`; return a summary.
+    Bad paths are one `ConfigError` (`sft_problems`) before the model loads."""
+    problems = sft_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,7 @@
 """The train side's weights and state: the full weights for a refit (`state_dict_for_sync`,
 gathered under FSDP), the LoRA adapter's tensors, a Hugging Face export (`save_hf`), and the
-checkpoint of model, optimizer, scheduler and counters (`save` / `load`). Mixed into `TrainSide`.
+checkpoint of model, optimizer, scheduler and counters (`save` / `load`; with PPO's critic its
+`critic/state.pt` too). Mixed into `TrainSide`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class TrainStateMixin:
     bundle: Any
     lora: Any
     dist: Any
+    critic: Any
+    """PPO's value model (`train.critic.Critic`) or None; its state is saved and loaded with the policy's."""
     model_path: str
     optimizer_steps: int
 
@@ -80,6 +83,8 @@ class TrainStateMixin:
         path = Path(path)
         sd = self.state_dict_for_sync() if self.lora is None else self.adapter_state_for_sync()
         opt = self._optimizer_state()
+        if self.critic is not None:  # a collective under FSDP too; rank 0 writes critic/
+            self.critic.save(path)
         if not self.dist.is_main:
             return
         if self.lora is not None:
@@ -96,10 +101,14 @@ class TrainStateMixin:
         )
 
     def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote (every rank reads the files)."""
+        """Restore what `save` wrote (every rank reads the files), the critic's state included."""
+        self._load_policy(Path(path))
+        if self.critic is not None:
+            self.critic.load(path)
+
+    def _load_policy(self, path: Path) -> None:
         from safetensors.torch import load_file
 
-        path = Path(path)
         state = torch.load(path / "train_state.pt", weights_only=False)
         if self.lora is not None:
             self.lora.load(path / "adapter")

@@ -15,6 +15,7 @@ SIGKILL after a grace period.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -29,6 +30,10 @@ from types import TracebackType
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import require
+from verst.rollout.engines.common.wire import worker_urls as parse_worker_urls
+
+ROUTER_WORKERS_WAIT_S = 300.0
+"""How long a launched router may take to list every worker after `/readiness` turned 200."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -126,6 +131,35 @@ def wait_ready(server: ServerProcess, deadline_s: float, path: str = "/health_ge
     raise EngineError(
         f"server {server.url} not ready after {deadline_s:.0f}s (GET {path}); log {server.log_path}:\n{server.log_tail()}"
     )
+
+
+def wait_router_workers(router: ServerProcess, expected: Sequence[str], deadline_s: float) -> list[str]:
+    """Poll the router's `GET /workers` until every `expected` worker is listed; return the
+    listing. sglang-router 0.3.x answers `/readiness` 200 once one worker is healthy, so a
+    client that trusted it alone would send everything to the first worker."""
+    want = [u.rstrip("/") for u in expected]
+    listed: list[str] = []
+    end = time.monotonic() + deadline_s
+    while True:
+        if router.process.poll() is not None:
+            raise EngineError(
+                f"router {router.url} exited with code {router.process.returncode} before it listed "
+                f"its workers; log {router.log_path}:\n{router.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(router.url + "/workers", timeout=5) as resp:
+                listed = parse_worker_urls(json.loads(resp.read())) or []
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        missing = [u for u in want if u not in listed]
+        if not missing:
+            return listed
+        if time.monotonic() >= end:
+            raise EngineError(
+                f"router {router.url} did not list workers {missing} within {deadline_s:.0f}s "
+                f"(GET /workers lists {listed}); log {router.log_path}:\n{router.log_tail()}"
+            )
+        time.sleep(0.2)
 
 
 def _launch(
@@ -231,7 +265,7 @@ def launch_sglang_servers(
     """Start real SGLang servers (and a router); needs `uv sync --extra sglang` and a GPU.
 
     See `sglang_server_command` for the flags each server gets. The router (sglang-router 0.3.x)
-    is ready when `GET /readiness` answers 200."""
+    is ready when `GET /readiness` answers 200 and `GET /workers` lists every server."""
     require("sglang", extra="sglang", feature="launching SGLang servers")
     if router:
         require("sglang_router", extra="sglang", feature="launching the SGLang router")
@@ -282,7 +316,8 @@ def launch_router(
     log_dir: str | Path | None = None,
 ) -> ServerProcess:
     """Start `python -m sglang_router.launch_router` in front of `worker_urls`; ready when
-    `GET /readiness` is 200 (sglang-router 0.3.x). Stop it with `.stop()`."""
+    `GET /readiness` is 200 (sglang-router 0.3.x) and `GET /workers` lists every worker
+    (`wait_router_workers`). Stop it with `.stop()`."""
     require("sglang_router", extra="sglang", feature="launching the SGLang router")
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="verst-router-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -292,6 +327,7 @@ def launch_router(
     proc = _spawn(cmd, f"http://{host}:{port}", logs, "router", env)
     try:
         wait_ready(proc, ready_timeout_s, path="/readiness")
+        wait_router_workers(proc, worker_urls, ROUTER_WORKERS_WAIT_S)
     except BaseException:
         proc.stop()
         raise

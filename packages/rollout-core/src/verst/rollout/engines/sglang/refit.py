@@ -48,7 +48,9 @@ class SGLangWeightsMixin:
     async def begin_weight_update(self) -> None:
         """Open a refit on every worker: pause → flush → `/begin_weight_update`.
 
-        On failure the workers that were paused are continued again before the error is raised.
+        All or nothing: a worker that fails is continued again, and if any failed, the workers
+        where the session did open are rolled back (`/end_weight_update`, then continued) before
+        the error is raised, so no worker stays paused with an open session.
         """
 
         async def one(url: str) -> None:
@@ -60,7 +62,25 @@ class SGLangWeightsMixin:
                 await self._continue(url)
                 raise
 
-        await self._each_worker("begin_weight_update", one)
+        urls = await self.workers()
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        failed = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            begun = [u for u, r in zip(urls, results, strict=True) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self._roll_back(u) for u in begun), return_exceptions=True)
+            detail = "; ".join(f"{u}: {e}" for u, e in failed)
+            cls = InvalidRequest if all(isinstance(e, InvalidRequest) for _, e in failed) else EngineError
+            raise cls(
+                f"begin_weight_update failed on {len(failed)} of {len(urls)} workers ({detail}); "
+                f"the session was rolled back on the other {len(begun)}"
+            )
+
+    async def _roll_back(self, url: str) -> None:
+        """Close a session opened on `url` and continue it (after another worker failed)."""
+        try:
+            await self._checked("end_weight_update", url, {})
+        finally:
+            await self._continue(url)
 
     async def _continue(self, url: str) -> None:
         """Continue generation unless released memory holds it paused (colocated refit)."""
