@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from verst.trainer.train.model import with_run_flags
+
 
 class TrainStateMixin:
     """Weights out and state in/out of `TrainSide` (its `bundle`, `lora`, `dist`, counters)."""
@@ -135,7 +137,7 @@ class TrainStateMixin:
                 raise RuntimeError(
                     f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
                 )
-            self.bundle.raw_optimizer().load_state_dict(state["optimizer"])
+            self._load_optimizer(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -146,12 +148,17 @@ class TrainStateMixin:
             opts = StateDictOptions(full_state_dict=True)
             set_model_state_dict(self.bundle.module, {f"policy.{k}": v for k, v in sd.items()}, options=opts)
             set_optimizer_state_dict(
-                self.bundle.module, self.bundle.raw_optimizer(), state["optimizer"], options=opts
+                self.bundle.module,
+                self.bundle.raw_optimizer(),
+                with_run_flags(state["optimizer"], self.bundle.raw_optimizer()),
+                options=opts,
             )
         self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """The saved optimizer state, keeping this run's `fused` / `foreach` flags."""
+        state = with_run_flags(state, self.bundle.raw_optimizer())
         if self.bundle.sharding == "none":
             self.bundle.raw_optimizer().load_state_dict(state)
             return
