@@ -135,6 +135,14 @@ def test_chat_tool_call_round_trip_with_exact_ids_and_logprobs(client, hf):
         ("completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ("completions", {"prompt": "x" * 300}, "maximum context length"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        # #25 item 8: the engine's refusal (InvalidRequest) was a 503 the openai client retries
+        ("completions", {"prompt": [99999]}, "input_ids must be ints"),
+        ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "role 'wizard' is not one of"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0] needs a 'function' object",
+        ),
     ],
 )
 def test_bad_requests_get_4xx_json(client, endpoint, body, fragment):

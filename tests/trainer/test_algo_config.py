@@ -43,8 +43,11 @@ def test_defaults_are_valid_and_build():
 @pytest.mark.parametrize("loss", list(POLICY_LOSSES))
 @pytest.mark.parametrize("kl", list(KL_ESTIMATORS))
 def test_every_table_entry_builds(adv, loss, kl):
+    critic = {"critic": {}} if ADVANTAGE_ESTIMATORS[adv].needs_values else {}  # gae needs a value model
     algo = build_algorithm(
-        AlgorithmConfig(advantage=adv, policy_loss=loss, kl_estimator=kl, kl_coef=0.01, use_kl_loss=True)
+        AlgorithmConfig(
+            advantage=adv, policy_loss=loss, kl_estimator=kl, kl_coef=0.01, use_kl_loss=True, **critic
+        )
     )
     assert isinstance(algo.estimator, ADVANTAGE_ESTIMATORS[adv])
     assert isinstance(algo.policy_loss, POLICY_LOSSES[loss])

@@ -313,7 +313,11 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a run's newest checkpoint as a HF model or PEFT adapter")
     export.add_argument("run_dir", help="the run directory (run.output_dir)")
     export.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base weights")
-    export.add_argument("--out", default=None, help="output folder (default RUN_DIR/export/<kind>)")
+    export.add_argument(
+        "--out",
+        default=None,
+        help="output folder: new, empty, or an earlier export, which is replaced (default RUN_DIR/export/<kind>)",
+    )
     export.set_defaults(func=cmd_export)
     return parser
 

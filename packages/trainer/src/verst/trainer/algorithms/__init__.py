@@ -14,6 +14,7 @@ from verst.trainer.algorithms.advantages import (
     AdvantageConfig,
     AdvantageEstimator,
     DrGrpo,
+    Gae,
     Grpo,
     ReinforcePP,
     ReinforcePPBaseline,
@@ -22,6 +23,7 @@ from verst.trainer.algorithms.advantages import (
 from verst.trainer.algorithms.aggregation import AGGREGATIONS, Aggregation, LossNorm
 from verst.trainer.algorithms.algorithm import Algorithm, LossOutput, build_algorithm
 from verst.trainer.algorithms.config import AlgorithmConfig
+from verst.trainer.algorithms.critic_config import CriticConfig
 from verst.trainer.algorithms.kl import KL_ESTIMATORS, KlEstimator
 from verst.trainer.algorithms.policy_losses import (
     POLICY_LOSS_CONFIGS,
@@ -55,7 +57,9 @@ __all__ = [
     "Algorithm",
     "AlgorithmConfig",
     "Cispo",
+    "CriticConfig",
     "DrGrpo",
+    "Gae",
     "Grpo",
     "Gspo",
     "KlEstimator",

@@ -17,6 +17,12 @@ All of them compute in float64; all-equal scores in a group give exactly zero ad
   ``A = (R − mean) / sqrt(var + 1e-8)`` (unbiased var). REINFORCE++ (Hu, 2025).
 - ``reinforce_pp_baseline``: ``s_i − mean_g s`` broadcast over the response, then the same
   batch-wide whitening (REINFORCE++-baseline; verl's ``reinforce_plus_plus_baseline``).
+- ``gae``: GAE(γ, λ) from a value model (PPO with a critic; Schulman et al., 2016), over the
+  *model tokens* only (mask = 1; tool / observation tokens and padding are skipped, the next
+  model token is the next state): ``δ_t = ρ_t + γ V_t' − V_t`` (``V = 0`` after the last model
+  token), ``A_t = δ_t + γλ A_t'``, returns ``R_t = A_t + V_t`` (the critic's target), then the
+  advantages are batch-whitened (``whiten``, default). Called as ``with_values(...)``, which also
+  returns ``R``; needs ``[algorithm.critic]`` (`critic_config`, value loss in `value_loss`).
 
 Each estimator owns its config: a nested ``Config`` (an `AdvantageConfig`, the
 ``[algorithm.advantage]`` table chosen by ``type``) whose ``build()`` makes it. A new estimator is
@@ -47,6 +53,9 @@ class AdvantageEstimator(Protocol):
 
     default_loss_agg: ClassVar[str | None]
     """Aggregation used when `AlgorithmConfig.loss_agg` is None (None = no preference)."""
+    needs_values: ClassVar[bool]
+    """True for estimators that read a value model's values (`Gae`: called through
+    ``with_values``); False (or absent, for estimators from an import path) for the rest."""
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
         """rewards [G, n], mask [G·n, T], kl_penalty [G·n, T] or None → advantages [G·n, T] (float64)."""
@@ -125,6 +134,19 @@ def last_token_index(mask: Tensor) -> Tensor:
     return torch.where(mask > 0, t, torch.full_like(t, -1)).amax(dim=1)
 
 
+def token_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+    """``r_i`` at the last mask position of each row, minus the per-token KL penalty: rewards
+    [G, n] (or [B]), mask [B, T] → [B, T]."""
+    flat = rewards.reshape(-1)  # [B]
+    last = last_token_index(mask)  # [B]
+    out = torch.zeros_like(mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = flat[rows]
+    if kl_penalty is not None:
+        out = out - kl_penalty * mask
+    return out
+
+
 def discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
     """``R_t = Σ_{u≥t} γ^{u−t} ρ_u`` along dim 1 of ``token_rewards`` [B, T]."""
     if gamma == 1.0:
@@ -146,6 +168,7 @@ class Grpo:
     eps: float = 1e-6
     """Added to the std before dividing."""
     default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = False
 
     class Config(AdvantageConfig):
         """GRPO: group-relative advantage, optionally divided by the group std."""
@@ -171,6 +194,7 @@ class DrGrpo:
     """Dr.GRPO: ``s_i − mean_g s``, no std normalisation; default aggregation seq_mean_token_sum_norm."""
 
     default_loss_agg: ClassVar[str | None] = "seq_mean_token_sum_norm"
+    needs_values: ClassVar[bool] = False
 
     class Config(AdvantageConfig):
         """Dr.GRPO: group-centred reward, no std normalisation."""
@@ -189,6 +213,7 @@ class Rloo:
     """RLOO: ``s_i − mean_{j≠i} s_j`` = ``n/(n−1) · (s_i − mean_g s)``; 0 for single-sample groups."""
 
     default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = False
 
     class Config(AdvantageConfig):
         """RLOO: leave-one-out baseline."""
@@ -213,6 +238,7 @@ class ReinforcePP:
     gamma: float = 1.0
     """Discount of the return-to-go."""
     default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = False
 
     class Config(AdvantageConfig):
         """REINFORCE++: per-token discounted return, batch-whitened."""
@@ -224,14 +250,7 @@ class ReinforcePP:
             return ReinforcePP(gamma=self.gamma)
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
-        flat = rewards.reshape(-1)  # [B]
-        last = last_token_index(mask)  # [B]
-        token_rewards = torch.zeros_like(mask)  # [B, T]
-        rows = torch.nonzero(last >= 0).squeeze(1)
-        token_rewards[rows, last[rows]] = flat[rows]
-        if kl_penalty is not None:
-            token_rewards = token_rewards - kl_penalty * mask
-        returns = discounted_returns(token_rewards, self.gamma)  # [B, T]
+        returns = discounted_returns(token_rewards(rewards, mask, kl_penalty), self.gamma)  # [B, T]
         return masked_whiten(returns, mask)
 
 
@@ -240,6 +259,7 @@ class ReinforcePPBaseline:
     """REINFORCE++-baseline: ``s_i − mean_g s`` broadcast over the response, then batch-whitened."""
 
     default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = False
 
     class Config(AdvantageConfig):
         """REINFORCE++-baseline: group-centred reward, batch-whitened."""
@@ -256,12 +276,69 @@ class ReinforcePPBaseline:
         return masked_whiten(broadcast(centered, mask), mask)
 
 
+def gae(
+    token_reward: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Advantages and returns ``[B, T]`` over the masked positions (others skipped, 0 in the output).
+
+    token_reward, values, mask: [B, T]."""
+    adv = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])  # [B] A at the next model token
+    next_value = torch.zeros_like(values[:, 0])  # [B] V at the next model token (0 past the last)
+    for t in range(values.shape[1] - 1, -1, -1):
+        on = mask[:, t] > 0
+        delta = token_reward[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * running
+        adv[:, t] = torch.where(on, a, torch.zeros_like(a))
+        running = torch.where(on, a, running)
+        next_value = torch.where(on, values[:, t], next_value)
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Gae:
+    """GAE(γ, λ) from the critic's values; needs ``[algorithm.critic]``."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+    """Whiten the advantages over the batch's model tokens (the returns are not whitened)."""
+    default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = True
+
+    class Config(AdvantageConfig):
+        """GAE(gamma, lambda) advantages from a value model (PPO with a critic)."""
+
+        type: Literal["gae"] = Field("gae", description="GAE (needs [algorithm.critic]).")
+        gamma: float = Field(1.0, gt=0, le=1, description="Discount between model tokens.")
+        lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte-Carlo return minus value).")
+        whiten: bool = Field(True, description="Whiten the advantages over the batch's model tokens.")
+
+        def build(self) -> Gae:
+            return Gae(gamma=self.gamma, lam=self.lam, whiten=self.whiten)
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        raise TypeError("gae needs the critic's values: call with_values(rewards, mask, kl_penalty, values)")
+
+    def with_values(
+        self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None, values: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """rewards [G, n], mask / kl_penalty / values [G·n, T] → (advantages, returns) [G·n, T]."""
+        values = values * mask
+        adv, returns = gae(token_rewards(rewards, mask, kl_penalty), values, mask, self.gamma, self.lam)
+        if self.whiten:
+            adv = masked_whiten(adv, mask)
+        return adv, returns
+
+
 ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
     "grpo": Grpo,
     "dr_grpo": DrGrpo,
     "rloo": Rloo,
     "reinforce_pp": ReinforcePP,
     "reinforce_pp_baseline": ReinforcePPBaseline,
+    "gae": Gae,
 }
 """Advantage estimators by config name (`[algorithm.advantage] type`)."""
 

@@ -89,6 +89,11 @@ class Algorithm:
         return self.config.rollout_correction.active or self.config.use_rollout_logprobs_as_old
 
     @property
+    def needs_values(self) -> bool:
+        """`compute_advantages_and_returns` needs the critic's ``values`` (GAE)."""
+        return bool(getattr(self.estimator, "needs_values", False))
+
+    @property
     def needs_old_logprobs(self) -> bool:
         """The trainer must recompute old log-probs (False when rollout log-probs stand in)."""
         return not self.config.use_rollout_logprobs_as_old
@@ -100,6 +105,13 @@ class Algorithm:
         response_mask: [G·n, T] 0/1. kl: [G·n, T] per-token ``logp_old − logp_ref``, required with
         `use_kl_in_reward`; the reward is shaped by ``kl_coef · KL_est(kl)`` per response token.
         """
+        return self.compute_advantages_and_returns(rewards, response_mask, kl)[0]
+
+    def compute_advantages_and_returns(
+        self, rewards: Tensor, response_mask: Tensor, kl: Tensor | None = None, values: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Advantages (as `compute_advantages`) and, for an estimator with values (GAE), the value
+        targets (returns) [G·n, T] float32; None for the rest. ``values``: the critic's [G·n, T]."""
         if rewards.dim() != 2:
             raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
         g, n = rewards.shape
@@ -108,17 +120,27 @@ class Algorithm:
                 f"response_mask must be [num_groups*group_size={g * n}, T], got {tuple(response_mask.shape)}"
             )
         mask = response_mask.to(torch.float64)
-        penalty = None
-        if self.needs_kl_in_reward:
-            if kl is None:
-                raise ValueError(
-                    "use_kl_in_reward is on: pass kl = logp_old - logp_ref ([B, T]) to compute_advantages"
-                )
-            if kl.shape != response_mask.shape:
-                raise ValueError(f"kl has shape {tuple(kl.shape)}, expected {tuple(response_mask.shape)}")
-            penalty = self.config.kl_coef * self.kl_estimator(kl.detach().to(torch.float64)) * mask
-        adv = self.estimator(rewards.detach().to(torch.float64), mask, penalty)
-        return (adv * mask).to(torch.float32)
+        penalty = self._kl_penalty(kl, response_mask, mask)
+        r = rewards.detach().to(torch.float64)
+        if not self.needs_values:
+            return (self.estimator(r, mask, penalty) * mask).to(torch.float32), None
+        if values is None or values.shape != response_mask.shape:
+            got = None if values is None else tuple(values.shape)
+            raise ValueError(f"{self.config.advantage.type} needs values [B, T] from the critic, got {got}")
+        adv, returns = self.estimator.with_values(r, mask, penalty, values.detach().to(torch.float64))  # type: ignore[attr-defined]
+        return (adv * mask).to(torch.float32), (returns * mask).to(torch.float32)
+
+    def _kl_penalty(self, kl: Tensor | None, response_mask: Tensor, mask: Tensor) -> Tensor | None:
+        """``kl_coef · KL_est(kl)`` per response token with `use_kl_in_reward`, else None."""
+        if not self.needs_kl_in_reward:
+            return None
+        if kl is None:
+            raise ValueError(
+                "use_kl_in_reward is on: pass kl = logp_old - logp_ref ([B, T]) to compute_advantages"
+            )
+        if kl.shape != response_mask.shape:
+            raise ValueError(f"kl has shape {tuple(kl.shape)}, expected {tuple(response_mask.shape)}")
+        return self.config.kl_coef * self.kl_estimator(kl.detach().to(torch.float64)) * mask
 
     @property
     def terms(self) -> tuple[LossTerm, ...]:

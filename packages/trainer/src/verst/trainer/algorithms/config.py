@@ -11,7 +11,7 @@ cross-field problem at once; `AlgorithmConfig.check` raises them as one `ConfigE
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
@@ -20,6 +20,7 @@ from verst.rollout.config import Section
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms.advantages import ADVANTAGES
 from verst.trainer.algorithms.aggregation import AGGREGATIONS
+from verst.trainer.algorithms.critic_config import CriticConfig
 from verst.trainer.algorithms.kl import KL_ESTIMATORS
 from verst.trainer.algorithms.migration import migrate_flat_keys
 from verst.trainer.algorithms.policy_losses import POLICY_LOSS_CONFIGS
@@ -67,6 +68,11 @@ class AlgorithmConfig(Section):
             "mis_token, mis_seq, icepop) or a table with `type` and its options. The flat "
             "`tis = true` / `tis_cap` of earlier configs mean {type = 'tis', cap = tis_cap}."
         ),
+    )
+    critic: CriticConfig | None = Field(
+        None,
+        description="The value model of PPO with GAE ([algorithm.critic]; needs advantage = 'gae'). "
+        "None = no critic.",
     )
     use_rollout_logprobs_as_old: bool = Field(
         False, description="Use the engine's rollout log-probs as the old policy (skips recomputing them)."
@@ -156,7 +162,31 @@ class AlgorithmConfig(Section):
                 )
             )
         out += self.advantage.problems(key("advantage")) + deferred("advantage")
+        out += self._critic_problems(key)
         return out
+
+    def _critic_problems(self, key: Callable[[str], str]) -> list[Problem]:
+        """A critic needs an estimator that reads values, and such an estimator needs a critic."""
+        needs_values = bool(getattr(self.advantage.build(), "needs_values", False))
+        if self.critic is not None and not needs_values:
+            return [
+                Problem(
+                    key("critic"),
+                    f"[algorithm.critic] is set but the estimator {self.advantage.type!r} ignores values: "
+                    "the critic would be trained for nothing",
+                    "set advantage = 'gae' (PPO with a value model), or remove [algorithm.critic]",
+                )
+            ]
+        if self.critic is None and needs_values:
+            return [
+                Problem(
+                    key("advantage"),
+                    f"the estimator {self.advantage.type!r} needs a value model, and there is no critic",
+                    "add an [algorithm.critic] table (e.g. lr = 1e-5), or pick an estimator without "
+                    "values (grpo, rloo, ...)",
+                )
+            ]
+        return []
 
     def check(self, prefix: str = "algorithm") -> None:
         """Raise one `ConfigError` listing every problem, if any."""

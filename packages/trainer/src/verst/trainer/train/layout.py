@@ -6,7 +6,9 @@ the decoder's work from the shapes alone), in one table, `LAYOUTS`:
 - `padded`: one right-padded row per sequence, a `[rows, width]` padding mask;
 - `packed`: every sequence in one row, `position_ids` restarting at 0, no mask — transformers
   builds a block-diagonal causal mask from the positions (SDPA/eager: dense over the whole
-  row, quadratic in the micro-batch's total length) or runs varlen kernels (flash-attention 2);
+  row, quadratic in the micro-batch's total length) or runs varlen kernels (flash-attention 2).
+  Models whose attention ignores the positions (OPT, Falcon under SDPA/eager) would mix the
+  sequences: a probe against `padded` (`packed_unsupported`) keeps `packed` from them;
 - `shared_prompt`: sequences whose prompt (`tokens[: len - response_len]`) is identical become
   ONE row `[prompt, resp_1, ..., resp_k]`, positions `0..P-1` for the prompt and `P..P+R_i-1`
   for each response, with a 4D mask: the prompt is causal, each response attends the prompt
@@ -358,6 +360,48 @@ def shared_prompt_unsupported(
     return None
 
 
+def packed_unsupported(
+    probe: Callable[[PackedInputs], torch.Tensor] | None, *, vocab: int = 64, tolerance: float = 1e-3
+) -> str | None:
+    """Why `packed` would give wrong log-probs for this model, or None when it is exact (or
+    there is no `probe` to tell).
+
+    `packed` passes no mask and trusts the model to find sequence boundaries from the restarting
+    position ids; models whose attention ignores them (OPT, Falcon, ... under SDPA/eager) let
+    every sequence attend the ones before it in the row. The probe runs three distinct sequences
+    of uneven lengths in the padded and the packed layout and compares their log-probs.
+    """
+    if probe is None:
+        return None
+    ids = [(5 * j + 2) % min(vocab, 97) for j in range(13)]
+    tokens = [ids[:9], ids[3:8], ids[1:12]]
+    resp = [4, 2, 5]
+    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
+    lp_packed = probe(LAYOUTS["packed"].build(tokens, resp)).float()
+    diff = float((lp_padded - lp_packed).abs().max())
+    if not math.isfinite(diff) or diff > tolerance:
+        return (
+            f"a probe's log-probs differ between the padded and the packed layout (max {diff:.3g}): "
+            "the model's attention does not separate packed sequences by their position ids"
+        )
+    return None
+
+
+def _refuse(layout: str, reason: str) -> None:
+    from verst.rollout.errors import ConfigError, Problem
+
+    others = [n for n in ("auto", *LAYOUT_NAMES) if n != layout]
+    raise ConfigError(
+        [
+            Problem(
+                "train.layout",
+                f"{layout!r} would not give this model's log-probs: {reason}",
+                f"set train.layout to {', '.join(repr(n) for n in others[:-1])} or {others[-1]!r}",
+            )
+        ]
+    )
+
+
 # ---------------------------------------------------------------- the choice
 
 
@@ -384,35 +428,33 @@ class LayoutChooser:
     ) -> LayoutChooser:
         """The chooser for `requested` ('auto' or a layout name) on a model with this config.
 
-        'auto' chooses among padded and packed, plus shared_prompt where it is exact (not with
-        flash-attention 2, see `shared_prompt_unsupported`); asking for shared_prompt where it is
-        not exact raises a `ConfigError` under `train.layout` naming the reason.
+        'auto' chooses among padded, packed where it is exact (`packed_unsupported`: the probe
+        compares it with padded), and shared_prompt where it is exact (not with flash-attention 2,
+        see `shared_prompt_unsupported`); asking for packed or shared_prompt where it is not exact
+        raises a `ConfigError` under `train.layout` naming the reason.
         """
         if requested != "auto" and requested not in LAYOUTS:
             raise ValueError(f"unknown layout {requested!r}; choose one of 'auto', {', '.join(LAYOUT_NAMES)}")
         shape = DecoderShape.from_config(config)
-        wants_shared = requested in ("auto", "shared_prompt")
         reason = None
-        if wants_shared:
+        if requested in ("auto", "shared_prompt"):
             if attn == "flash_attention_2":
                 reason = "flash_attention_2 takes no custom attention mask"
             else:
                 reason = shared_prompt_unsupported(config, probe, tolerance=tolerance)
         if requested == "shared_prompt" and reason is not None:
-            from verst.rollout.errors import ConfigError, Problem
-
-            raise ConfigError(
-                [
-                    Problem(
-                        "train.layout",
-                        f"'shared_prompt' would not give this model's log-probs: {reason}",
-                        "set train.layout to 'auto', 'padded' or 'packed'",
-                    )
-                ]
-            )
+            _refuse("shared_prompt", reason)
+        packed_reason = None
+        if requested in ("auto", "packed"):
+            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            vocab = int(getattr(cfg, "vocab_size", 64) or 64)
+            packed_reason = packed_unsupported(probe, vocab=vocab, tolerance=tolerance)
+        if requested == "packed" and packed_reason is not None:
+            _refuse("packed", packed_reason)
         if requested != "auto":
             return cls((requested,), shape, attn)
-        names = ("padded", "packed") + (("shared_prompt",) if reason is None else ())
+        names = ("padded",) + (("packed",) if packed_reason is None else ())
+        names += ("shared_prompt",) if reason is None else ()
         return cls(names, shape, attn)
 
     def pick(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> Layout:

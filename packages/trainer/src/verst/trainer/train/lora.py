@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from verst.rollout.config import CONFIG_PATH, Section
-from verst.rollout.errors import Problem
+from verst.rollout.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from verst.trainer.config import RunConfig
@@ -277,6 +277,7 @@ class LoraState:
                 "was written by a full fine-tuning run; resume it without [train.lora], or start a new "
                 "run directory (run.output_dir) or set run.resume=false"
             )
+        self._check_saved_config(Path(path))
         sd = load_file(str(file))
         missing = sorted(set(self._fqn) - set(sd))
         unexpected = sorted(set(sd) - set(self._fqn))
@@ -298,6 +299,27 @@ class LoraState:
             {self._fqn[k]: v for k, v in sd.items()},
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
+
+    def _check_saved_config(self, path: Path) -> None:
+        """Refuse an adapter saved with another rank or alpha (the shapes, or silently the
+        alpha / rank scale, would change), naming the saved and the configured values."""
+        config_file = path / "adapter_config.json"
+        if not config_file.is_file():
+            return
+        saved = json.loads(config_file.read_text())
+        problems = [
+            Problem(
+                f"train.lora.{key}",
+                f"the checkpoint's adapter ({path}) was saved with {key} = {saved[peft_key]!r}; the config "
+                f"sets {key} = {self.config.get(peft_key)!r}",
+                f"set train.lora.{key} = {saved[peft_key]!r} to resume this run, or start a new run "
+                "directory (run.output_dir) or set run.resume = false",
+            )
+            for key, peft_key in (("rank", "r"), ("alpha", "lora_alpha"))
+            if peft_key in saved and saved[peft_key] != self.config.get(peft_key)
+        ]
+        if problems:
+            raise ConfigError(problems)
 
 
 def _fqn_pairs(module: Any) -> Iterator[tuple[str, str]]:

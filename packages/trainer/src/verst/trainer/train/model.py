@@ -162,6 +162,23 @@ def fused_adamw(params: list[nn.Parameter], *, fsdp: bool) -> bool | None:
     return True if ok else None
 
 
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+"""Optimizer param-group options that pick how a step runs, not what it computes."""
+
+
+def with_run_flags(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`saved` (an optimizer state dict) with the run's implementation flags (`fused`, `foreach`,
+    ...) in its param groups: `load_state_dict` takes every group option from the checkpoint, so a
+    checkpoint written before fused AdamW would silently keep a resumed run on the slow path."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return saved  # load_state_dict reports the mismatch itself
+    patched = []
+    for old, now in zip(groups, optimizer.param_groups, strict=True):
+        patched.append({**old, **{k: now[k] for k in IMPLEMENTATION_FLAGS if k in now}})
+    return {**saved, "param_groups": patched}
+
+
 def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_info: DistInfo) -> PolicyBundle:
     """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
     cuda = torch.cuda.is_available()

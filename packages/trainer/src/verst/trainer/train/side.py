@@ -25,6 +25,7 @@ from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch, micro_batches, split_even
+from verst.trainer.train.critic import Critic
 from verst.trainer.train.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
 from verst.trainer.train.layout import LayoutChooser, PackedInputs, prompt_keys
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
@@ -143,6 +144,20 @@ class TrainSide(TrainStateMixin):
         layout = cfg.effective_layout
         self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
         """Packed rather than right-padded, for forwards that take no layout choice (distillation)."""
+        self.critic = (
+            Critic(
+                algorithm.critic,
+                cfg,
+                model_path,
+                total_steps=total_steps * cfg.num_updates_per_rollout,
+                dist=self.dist,
+                accelerator=self.bundle.accelerator,
+                packing=self.packing,
+            )
+            if algorithm.critic is not None
+            else None
+        )
+        """The value model of PPO with GAE (`[algorithm.critic]`), its optimizer and schedule."""
         self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
         """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
         self.ref_layout = (
@@ -284,7 +299,9 @@ class TrainSide(TrainStateMixin):
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
-        advantages = algo.compute_advantages(batch.rewards, mask, kl=kl)  # [B, R]
+        keys = prompt_keys(batch.tokens, batch.response_lengths)  # samples of a group: same micro-batch
+        values = self.critic.values(batch, keys) if self.critic is not None else None  # [B, R]
+        advantages, returns = algo.compute_advantages_and_returns(batch.rewards, mask, kl=kl, values=values)
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
         step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
@@ -293,8 +310,8 @@ class TrainSide(TrainStateMixin):
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
         updates = split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout)
-        keys = prompt_keys(batch.tokens, batch.response_lengths)  # samples of a group: same micro-batch
-        for u, rows in enumerate(updates):
+        policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
+        for u, rows in enumerate([] if policy_waits else updates):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in micro_batches(
                 rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size, keys=keys
@@ -306,8 +323,14 @@ class TrainSide(TrainStateMixin):
         for k in _SUMMED & metrics.keys():  # each update's loss, averaged over the updates
             metrics[k] /= n_updates
         out = {f"train/{k}": v for k, v in metrics.items()}
-        out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
-        out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if step_metrics:
+            out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
+            out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
+        if self.critic is not None:
+            assert values is not None and returns is not None
+            critic_metrics = self.critic.update(batch, updates, values, returns, keys)
+            out.update({f"train/critic/{k}": v for k, v in critic_metrics.items()})
+            out["train/critic/policy_updated"] = 0.0 if policy_waits else 1.0
         out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
         for ext in self.extensions:
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
@@ -400,3 +423,4 @@ class TrainSide(TrainStateMixin):
         """Release the models (the process group is the launcher's to destroy)."""
         self.bundle = None  # type: ignore[assignment]
         self.ref = None
+        self.critic = None

@@ -1,6 +1,7 @@
 """The train side's weights and state: the full weights for a refit (`state_dict_for_sync`,
 gathered under FSDP), the LoRA adapter's tensors, a Hugging Face export (`save_hf`), and the
-checkpoint of model, optimizer, scheduler and counters (`save` / `load`). Mixed into `TrainSide`.
+checkpoint of model, optimizer, scheduler and counters (`save` / `load`; with PPO's critic its
+`critic/state.pt` too). Mixed into `TrainSide`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 
+from verst.trainer.train.model import with_run_flags
+
 
 class TrainStateMixin:
     """Weights out and state in/out of `TrainSide` (its `bundle`, `lora`, `dist`, counters)."""
@@ -19,6 +22,8 @@ class TrainStateMixin:
     bundle: Any
     lora: Any
     dist: Any
+    critic: Any
+    """PPO's value model (`train.critic.Critic`) or None; its state is saved and loaded with the policy's."""
     model_path: str
     optimizer_steps: int
 
@@ -77,6 +82,8 @@ class TrainStateMixin:
         path = Path(path)
         sd = self.state_dict_for_sync() if self.lora is None else self.adapter_state_for_sync()
         opt = self._optimizer_state()
+        if self.critic is not None:  # a collective under FSDP too; rank 0 writes critic/
+            self.critic.save(path)
         if not self.dist.is_main:
             return
         if self.lora is not None:
@@ -93,10 +100,14 @@ class TrainStateMixin:
         )
 
     def load(self, path: str | Path) -> None:
-        """Restore what `save` wrote (every rank reads the files)."""
+        """Restore what `save` wrote (every rank reads the files), the critic's state included."""
+        self._load_policy(Path(path))
+        if self.critic is not None:
+            self.critic.load(path)
+
+    def _load_policy(self, path: Path) -> None:
         from safetensors.torch import load_file
 
-        path = Path(path)
         state = torch.load(path / "train_state.pt", weights_only=False)
         if self.lora is not None:
             self.lora.load(path / "adapter")
@@ -123,7 +134,7 @@ class TrainStateMixin:
                 raise RuntimeError(
                     f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
                 )
-            self.bundle.raw_optimizer().load_state_dict(state["optimizer"])
+            self._load_optimizer(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -134,12 +145,17 @@ class TrainStateMixin:
             opts = StateDictOptions(full_state_dict=True)
             set_model_state_dict(self.bundle.module, {f"policy.{k}": v for k, v in sd.items()}, options=opts)
             set_optimizer_state_dict(
-                self.bundle.module, self.bundle.raw_optimizer(), state["optimizer"], options=opts
+                self.bundle.module,
+                self.bundle.raw_optimizer(),
+                with_run_flags(state["optimizer"], self.bundle.raw_optimizer()),
+                options=opts,
             )
         self.bundle.raw_scheduler().load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """The saved optimizer state, keeping this run's `fused` / `foreach` flags."""
+        state = with_run_flags(state, self.bundle.raw_optimizer())
         if self.bundle.sharding == "none":
             self.bundle.raw_optimizer().load_state_dict(state)
             return

@@ -23,9 +23,20 @@ class Retryable(Exception):
     """A failure worth retrying (connection error, timeout, 5xx)."""
 
 
+class HttpStatusError(InvalidRequest):
+    """A 4xx answer: `InvalidRequest` with the status code and the decoded body (a client that
+    tells a missing route, 404, from a refused request, 400, reads `status`)."""
+
+    def __init__(self, message: str, status: int, data: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.data = data
+
+
 def error_message(data: Any) -> Any:
-    """The message of an SGLang error body: `{"error": {"message"}}`, `{"error": str}`, or an
-    `ErrorResponse` (`{"object": "error", "message", "type", "code"}`)."""
+    """The message of an error body: `{"error": {"message"}}` (SGLang, vLLM's `ErrorResponse`),
+    `{"error": str}`, an OpenAI-style `{"object": "error", "message", ...}`, or FastAPI's
+    `{"detail": ...}`."""
     if not isinstance(data, dict):
         return data
     err = data.get("error")
@@ -33,8 +44,9 @@ def error_message(data: Any) -> Any:
         return err.get("message", err)
     if err is not None:
         return err
-    if "message" in data:
-        return data["message"]
+    for key in ("message", "detail"):
+        if key in data:
+            return data[key]
     return data
 
 
@@ -70,11 +82,15 @@ class RetryingHttp:
             self._session_loop = loop
         return self._session
 
-    async def once(self, method: str, url: str, body: Any) -> Any:
-        """One try: the decoded JSON body (or its text); `Retryable` or `InvalidRequest` on failure."""
+    async def once(self, method: str, url: str, body: Any, *, timeout_s: float | None = None) -> Any:
+        """One try: the decoded JSON body (or its text); `Retryable` or `HttpStatusError` (an
+        `InvalidRequest`) on failure. `timeout_s` replaces the session's bound for this call."""
         session = await self.session()
+        extra: dict[str, Any] = (
+            {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
+        )
         try:
-            async with session.request(method, url, json=body) as resp:
+            async with session.request(method, url, json=body, **extra) as resp:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.InvalidURL as exc:  # deterministic: retrying cannot help
@@ -89,15 +105,15 @@ class RetryingHttp:
         if status >= 500:
             raise Retryable(f"HTTP {status}: {text[:300]}")
         if status >= 400:
-            raise InvalidRequest(f"{method} {url} → HTTP {status}: {error_message(data)}")
+            raise HttpStatusError(f"{method} {url} → HTTP {status}: {error_message(data)}", status, data)
         return data
 
-    async def call(self, method: str, url: str, body: Any = None) -> Any:
+    async def call(self, method: str, url: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
         """`once` with bounded retries for retryable failures; `EngineError` when they run out."""
         last = ""
         for attempt in range(self.max_retries + 1):
             try:
-                return await self.once(method, url, body)
+                return await self.once(method, url, body, timeout_s=timeout_s)
             except Retryable as exc:
                 last = str(exc)
             if attempt < self.max_retries:

@@ -47,9 +47,19 @@ class WireItem:
     """Keep a matched stop string in the text (RL clients send true)."""
 
 
+class SchemaError(InvalidRequest):
+    """A /generate body that breaks the request schema (wrong types, unknown `sampling_params`
+    keys): SGLang 0.5.23's contract gate answers these 400 `{"error": "<text>"}`, a string."""
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidRequest(msg)
+
+
+def _schema(cond: bool, msg: str) -> None:
+    if not cond:
+        raise SchemaError(msg)
 
 
 def _is_int(x: Any) -> bool:
@@ -61,22 +71,22 @@ def _int_list(x: Any) -> bool:
 
 
 def _sampling(raw: Any) -> tuple[SamplingParams, int, bool, bool]:
-    _check(isinstance(raw, dict), f"sampling_params must be an object, got {type(raw).__name__}")
+    _schema(isinstance(raw, dict), f"sampling_params must be an object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(_SAMPLING_KEYS))
-    _check(not unknown, f"unknown sampling_params keys {unknown}; valid keys: {sorted(_SAMPLING_KEYS)}")
+    _schema(not unknown, f"unknown sampling_params keys {unknown}; valid keys: {sorted(_SAMPLING_KEYS)}")
     for key, value in raw.items():
         types, supported = _SAMPLING_KEYS[key]
         if value is None and key in ("sampling_seed", "stop", "stop_token_ids"):
             continue
         ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
-        _check(ok, f"sampling_params.{key} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
+        _schema(ok, f"sampling_params.{key} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
         if supported is not None:
             _check(value == supported, f"sampling_params.{key}={value!r} is not supported by verst serve")
     stop = raw.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     _check(all(isinstance(s, str) and s for s in stop), "sampling_params.stop must be non-empty strings")
     stop_ids = raw.get("stop_token_ids") or []
-    _check(_int_list(stop_ids), "sampling_params.stop_token_ids must be a list of ints")
+    _schema(_int_list(stop_ids), "sampling_params.stop_token_ids must be a list of ints")
     n = raw.get("n", 1)
     _check(n >= 1, f"sampling_params.n must be >= 1, got {n}")
     params = SamplingParams(
@@ -98,26 +108,56 @@ class RequestTooLarge(InvalidRequest):
     status = 413
 
 
+def _check_bounds(
+    prompts: list[list[int]], parsed: list[Any], max_tokens: int | None, max_sequences: int | None
+) -> None:
+    """Refuse (`RequestTooLarge`) a call with more sequences (prompts × n) than `max_sequences`,
+    or more tokens (per sequence: its prompt plus max_new_tokens) than `max_tokens`."""
+    sequences = sum(n for _, n, _, _ in parsed)
+    if max_sequences is not None and sequences > max_sequences:
+        raise RequestTooLarge(
+            f"the request asks for {sequences} sequences (prompts × n), more than this server's "
+            f"--max-request-sequences {max_sequences}; split it into smaller requests"
+        )
+    if max_tokens is not None:
+        asked = sum(
+            n * (len(p) + max(1, params.max_new_tokens))
+            for p, (params, n, _, _) in zip(prompts, parsed, strict=True)
+        )
+        if asked > max_tokens:
+            raise RequestTooLarge(
+                f"the request asks for up to {asked} tokens (prompts × n × (prompt + max_new_tokens)), more "
+                f"than this server's --max-request-tokens {max_tokens}; split it into smaller requests"
+            )
+
+
 def parse_generate(
-    body: Any, tokenizer: Any, *, max_request_tokens: int | None = None
+    body: Any,
+    tokenizer: Any,
+    *,
+    max_request_tokens: int | None = None,
+    max_request_sequences: int | None = None,
 ) -> tuple[list[WireItem], bool, bool]:
     """A /generate body → (items, is_batch, stream).
 
-    With `max_request_tokens`, a call whose prompts × n × max_new_tokens exceed it is refused
+    A call with more sequences (prompts × n) than `max_request_sequences`, or more tokens (each
+    sequence's prompt plus max_new_tokens) than `max_request_tokens`, is refused
     (`RequestTooLarge`) before any request is built or queued.
     """
-    _check(isinstance(body, dict), "the request body must be a JSON object")
+    _schema(isinstance(body, dict), "the request body must be a JSON object")
     _check(("text" in body) != ("input_ids" in body), "give exactly one of 'text' and 'input_ids'")
     if "input_ids" in body:
         ids = body["input_ids"]
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
-        _check(all(_int_list(p) for p in prompts), "input_ids must be a list of ints or a list of such lists")
+        _schema(
+            all(_int_list(p) for p in prompts), "input_ids must be a list of ints or a list of such lists"
+        )
     else:
         text = body["text"]
         batch = isinstance(text, list)
         texts = text if batch else [text]
-        _check(all(isinstance(t, str) for t in texts), "text must be a string or a list of strings")
+        _schema(all(isinstance(t, str) for t in texts), "text must be a string or a list of strings")
         _check(tokenizer is not None, "this server has no tokenizer; send input_ids")
         prompts = [tokenizer.encode(t) for t in texts]
     _check(bool(prompts), "empty batch")
@@ -137,21 +177,15 @@ def parse_generate(
     flags = {"return_logprob": False, "stream": False}
     for key, default in flags.items():
         flags[key] = body.get(key, default)
-        _check(isinstance(flags[key], bool), f"{key} must be a bool")
+        _schema(isinstance(flags[key], bool), f"{key} must be a bool")
     start = body.get("logprob_start_len", -1)
     top_n = body.get("top_logprobs_num", 0)
-    _check(_is_int(start) and _is_int(top_n), "logprob_start_len and top_logprobs_num must be ints")
+    _schema(_is_int(start) and _is_int(top_n), "logprob_start_len and top_logprobs_num must be ints")
     _check(start in (-1, 0), f"logprob_start_len must be -1 or 0 in verst serve, got {start}")
     token_ids = body.get("token_ids_logprob")
-    _check(token_ids is None or _int_list(token_ids), "token_ids_logprob must be a list of ints")
+    _schema(token_ids is None or _int_list(token_ids), "token_ids_logprob must be a list of ints")
     parsed = [_sampling(sp) for sp in sps]
-    if max_request_tokens is not None:
-        asked = sum(n * max(1, params.max_new_tokens) for params, n, _, _ in parsed)
-        if asked > max_request_tokens:
-            raise RequestTooLarge(
-                f"the request asks for up to {asked} tokens (prompts × n × max_new_tokens), more than "
-                f"this server's --max-request-tokens {max_request_tokens}; split it into smaller requests"
-            )
+    _check_bounds(prompts, parsed, max_request_tokens, max_request_sequences)
     loras = body.get("lora_path")
     loras = loras if isinstance(loras, list) else [loras] * len(prompts)
     _check(

@@ -12,8 +12,9 @@ from aiohttp import web
 
 from verst.rollout.engine import EngineError, GenerateOutput
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.wire import WireItem, output_json, parse_generate
+from verst.rollout.engines.common.wire import SchemaError, WireItem, output_json, parse_generate
 from verst.rollout.engines.serve.state import (
+    MAX_REQUEST_SEQUENCES,
     MAX_REQUEST_TOKENS,
     STATE,
     VERSION,
@@ -46,11 +47,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     try:
         items, batch, stream = parse_generate(
-            body, state.engine.tokenizer, max_request_tokens=request.app[MAX_REQUEST_TOKENS]
+            body,
+            state.engine.tokenizer,
+            max_request_tokens=request.app[MAX_REQUEST_TOKENS],
+            max_request_sequences=request.app[MAX_REQUEST_SEQUENCES],
         )
         state.refuse_if_released("generate")
     except InvalidRequest as exc:
-        return generate_error(str(exc), getattr(exc, "status", 400))
+        return generate_error(str(exc), getattr(exc, "status", 400), schema=isinstance(exc, SchemaError))
     tok = state.engine.tokenizer
     start = time.perf_counter()
     if stream:

@@ -195,6 +195,8 @@ class OpenAIFrontend:
             raise
         except Exception as exc:  # a template error is the request's fault (bad roles, ...)
             raise OpenAIError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+        if not ids:
+            raise OpenAIError("the chat template rendered no tokens for these messages", param="messages")
         return [int(i) for i in ids]
 
     async def _generate(
@@ -234,10 +236,10 @@ class OpenAIFrontend:
             )
         try:
             outs = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        except ValueError as exc:  # the engine refused the request (an `InvalidRequest`, which is
+            raise OpenAIError(str(exc)) from exc  # also an EngineError: e.g. an out-of-vocabulary id)
         except EngineError as exc:
             raise OpenAIError(str(exc), status=503, type="ServiceUnavailableError") from exc
-        except ValueError as exc:  # the engine refused the request (e.g. an out-of-vocabulary id)
-            raise OpenAIError(str(exc)) from exc
         for r, out in zip(requests, outs, strict=True):
             if self.on_call is not None:
                 self.on_call(

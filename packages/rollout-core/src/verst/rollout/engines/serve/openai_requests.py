@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 TOOL_CALL_PARSERS = ("hermes", "qwen25")
 """Names accepted by `tool_call_parser` (both read `<tool_call>{"name", "arguments"}</tool_call>`)."""
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+"""The message roles of SGLang 0.5.23's chat-completions schema (case-insensitive, lowered as
+SGLang does); any other role is a 400."""
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -133,10 +137,25 @@ class ChatRequest(BaseRequest):
     @field_validator("messages")
     @classmethod
     def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
         for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] has no 'role'")
-        return messages
+            if m["role"].lower() not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {list(CHAT_ROLES)}")
+            out.append({**m, "role": m["role"].lower()})
+        return out
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, t in enumerate(tools or []):
+            if t.get("type", "function") != "function":
+                raise ValueError(f"tools[{i}].type must be 'function', got {t.get('type')!r}")
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}] needs a 'function' object with a 'name' string")
+        return tools
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

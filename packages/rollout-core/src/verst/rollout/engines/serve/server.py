@@ -45,7 +45,9 @@ from verst.rollout.engines.serve.lora_http import add_lora_args, add_lora_routes
 from verst.rollout.engines.serve.native import add_native_routes
 from verst.rollout.engines.serve.openai_api import register_openai_routes
 from verst.rollout.engines.serve.state import (
+    DEFAULT_MAX_REQUEST_SEQUENCES,
     DEFAULT_MAX_REQUEST_TOKENS,
+    MAX_REQUEST_SEQUENCES,
     MAX_REQUEST_TOKENS,
     REFIT,
     SHUTDOWN_TIMEOUT_S,
@@ -68,11 +70,13 @@ def build_app(
     latency: LatencyInjection | None = None,
     info: dict[str, Any] | None = None,
     max_request_tokens: int | None = DEFAULT_MAX_REQUEST_TOKENS,
+    max_request_sequences: int | None = DEFAULT_MAX_REQUEST_SEQUENCES,
 ) -> web.Application:
     """The aiohttp application serving `engine` (an `EmbeddedEngine`) over SGLang's native API.
 
-    A /generate call asking for more than `max_request_tokens` (prompts × n × max_new_tokens;
-    None = unbounded) is refused with HTTP 413. On shutdown every request is aborted first (so
+    A /generate call with more sequences than `max_request_sequences` (prompts × n) or more
+    tokens than `max_request_tokens` (Σ n × (prompt + max_new_tokens)) is refused with HTTP 413
+    (None = unbounded). On shutdown every request is aborted first (so
     SIGTERM on a busy server exits in seconds), then the engine is closed.
     """
     latency = latency or LatencyInjection()
@@ -81,6 +85,7 @@ def build_app(
     app[STATE] = ServerState(engine, dict(info or {}), latency)
     app[REFIT] = DistributedRefit()
     app[MAX_REQUEST_TOKENS] = max_request_tokens
+    app[MAX_REQUEST_SEQUENCES] = max_request_sequences
     add_native_routes(app)
     add_weight_routes(app)
     register_openai_routes(app, engine, **{k: v for k, v in (info or {}).items() if k in OPENAI_ARGS})
@@ -147,7 +152,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-request-tokens",
         type=int,
         default=DEFAULT_MAX_REQUEST_TOKENS,
-        help=f"bound of one /generate call: prompts x n x max_new_tokens; 0 = none (default {DEFAULT_MAX_REQUEST_TOKENS})",
+        help=(
+            "bound of one /generate call: sum of n x (prompt + max_new_tokens); 0 = none "
+            f"(default {DEFAULT_MAX_REQUEST_TOKENS})"
+        ),
+    )
+    p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_SEQUENCES,
+        help=f"bound of one /generate call: prompts x n; 0 = none (default {DEFAULT_MAX_REQUEST_SEQUENCES})",
     )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     add_lora_args(p)
@@ -183,7 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     info = {k: v for k, v in vars(args).items() if k != "log_level"}
     info["model_path"], info["tokenizer_path"] = args.model, args.tokenizer or args.model
     latency = LatencyInjection(args.inject_latency_ms, args.inject_latency_fraction, args.inject_latency_seed)
-    app = build_app(engine, latency=latency, info=info, max_request_tokens=args.max_request_tokens or None)
+    app = build_app(
+        engine,
+        latency=latency,
+        info=info,
+        max_request_tokens=args.max_request_tokens or None,
+        max_request_sequences=args.max_request_sequences or None,
+    )
     print(f"verst serve: {args.model} on http://{args.host}:{args.port}", flush=True)
     web.run_app(
         app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S

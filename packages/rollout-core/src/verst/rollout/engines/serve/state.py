@@ -92,7 +92,10 @@ STATE = web.AppKey("verst_state", ServerState)
 REFIT = web.AppKey("verst_distributed_refit", DistributedRefit)
 MAX_REQUEST_TOKENS = web.AppKey("verst_max_request_tokens", object)
 DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
-"""Default bound of one /generate call: prompts × n × max_new_tokens (`--max-request-tokens`)."""
+"""Default bound of one /generate call: Σ n × (prompt + max_new_tokens) (`--max-request-tokens`)."""
+MAX_REQUEST_SEQUENCES = web.AppKey("verst_max_request_sequences", object)
+DEFAULT_MAX_REQUEST_SEQUENCES = 4096
+"""Default bound of one /generate call's sequences, prompts × n (`--max-request-sequences`)."""
 SHUTDOWN_TIMEOUT_S = 3.0
 """Seconds SIGTERM/SIGINT wait for handlers after aborting every request, before exiting."""
 
@@ -104,9 +107,11 @@ def error_response(status: int, message: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def generate_error(message: str, status: int = 400) -> web.Response:
-    """SGLang's /generate error body for a rejected request (`_create_error_response`)."""
-    return web.json_response({"error": {"message": message}}, status=status)
+def generate_error(message: str, status: int = 400, *, schema: bool = False) -> web.Response:
+    """SGLang's /generate error bodies: a schema violation (wrong type, unknown key) is its
+    contract gate's `{"error": "<text>"}`; any other refusal `_create_error_response`'s
+    `{"error": {"message"}}`."""
+    return web.json_response({"error": message if schema else {"message": message}}, status=status)
 
 
 def failure(message: str, status: int = 400) -> web.Response:

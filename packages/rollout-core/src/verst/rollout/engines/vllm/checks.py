@@ -75,8 +75,24 @@ async def check_server(
     if info is None:
         return problems, ServerFacts(version)
     config = info.get("vllm_config") or {}
+    model = config.get("model_config") or {}
+    problems += _config_problems(url, key, info, lora=lora, nccl=nccl)
+    parallel = config.get("parallel_config") or {}
+    facts = ServerFacts(
+        version,
+        tensor_parallel_size=int(parallel.get("tensor_parallel_size") or 1),
+        lora=config.get("lora_config") is not None,
+        max_model_len=model.get("max_model_len"),
+    )
+    return problems, facts
+
+
+def _config_problems(url: str, key: str, info: dict[str, Any], *, lora: bool, nccl: bool) -> list[Problem]:
+    """What the server's own configuration (`/server_info`) rules out for this run."""
+    config = info.get("vllm_config") or {}
     env = info.get("vllm_env") or {}
     model = config.get("model_config") or {}
+    problems: list[Problem] = []
     has_lora = config.get("lora_config") is not None
     if lora and not has_lora:
         problems.append(
@@ -107,14 +123,7 @@ async def check_server(
                 'start it with --weight-transfer-config \'{"backend": "nccl"}\' (GPU only)',
             )
         )
-    parallel = config.get("parallel_config") or {}
-    facts = ServerFacts(
-        version,
-        tensor_parallel_size=int(parallel.get("tensor_parallel_size") or 1),
-        lora=has_lora,
-        max_model_len=model.get("max_model_len"),
-    )
-    return problems, facts
+    return problems
 
 
 def _lora_fix() -> str:

@@ -266,11 +266,7 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
     # ---- health, close -----------------------------------------------------------------------
     async def health(self) -> bool:
         """`GET /health` answered 200 (one try, no retries)."""
-        try:
-            await self.http.once("GET", "/health", timeout_s=5.0)
-            return True
-        except Exception:
-            return False
+        return await self.http.healthy("/health")
 
     async def close(self) -> None:
         """Cancel pending abort re-sends; close the HTTP session."""

@@ -164,19 +164,3 @@ def parse_generate(data: Any, req: GenerateRequest, fallback_version: int) -> li
         raise EngineError(
             f"malformed {GENERATE_PATH} answer ({type(exc).__name__}: {exc}): {str(data)[:300]}"
         ) from exc
-
-
-def error_message(data: Any) -> Any:
-    """The message of a vLLM error body: `ErrorResponse` (`{"error": {"message", "type",
-    "code"}}`), FastAPI's `{"detail": ...}`, or the RL router's `{"error": str}`."""
-    if not isinstance(data, dict):
-        return data
-    err = data.get("error")
-    if isinstance(err, dict):
-        return err.get("message", err)
-    if err is not None:
-        return err
-    for key in ("detail", "message"):
-        if key in data:
-            return data[key]
-    return data
