@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-from browser_testlib import browser_required, find_browser, no_browser
 
 from verst.trainer.cli import main
 from verst.trainer.dashboard.server import BackgroundServer
@@ -36,19 +35,6 @@ STEPS = 3
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        executable = find_browser(p.chromium.executable_path)
-        if executable is None:
-            no_browser(required=browser_required())
-        b = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -110,3 +110,84 @@ def test_buffered_sink_drains_in_order_and_bounds_memory():
     for e in events:
         sink.emit(e)
     assert sink.drain() == events[2:] and sink.dropped == 2
+
+
+def _episode(i: int, status: Status = Status.COMPLETED, **kw) -> Sample:
+    """A two-turn episode built the way agentic rollouts build them (`append_turn`)."""
+    from verst.rollout.agentic.trajectory import append_turn
+
+    s = Sample(prompt=f"q{i}", tokens=[5, 6, 7], status=status, group_index=i // 4, sample_index=i, **kw)
+    append_turn(s, [10, 11], [-0.5, -0.25], True, 2, text="<call>")
+    append_turn(s, [20, 21, 22], None, False, text="<obs>")
+    append_turn(s, [12, 13], [-1.0, -2.0], True, 3, text="done")
+    return s
+
+
+def test_full_trajectories_for_a_bounded_choice_and_every_failure(tmp_path):
+    from verst.trainer.dashboard.trajectories import read_trajectories, turns
+    from verst.trainer.run.trajectories import StepDetail, TokenDetail
+
+    statuses = {1: Status.FAILED, 6: Status.ABORTED, 8: Status.FAILED}
+    samples = [_episode(i, statuses.get(i, Status.COMPLETED), reward=float(i)) for i in range(10)]
+    samples[0].reward = float("nan")
+    detail = StepDetail(
+        advantages={(0, 0): 0.5, (0, 2): -0.25},
+        tokens={(0, 2): TokenDetail([0.1] * 7, [-0.4, -0.3, 0.0, 0.0, 0.0, -1.1, -2.2])},
+    )
+    rec = RunRecorder(
+        tmp_path, total_steps=2, trajectories_per_step=3, decode=lambda ids: [f"<{i}>" for i in ids]
+    )
+    rec.record_rollout(0, RolloutResult(groups=[samples[:4], samples[4:8], samples[8:]]), detail)
+    rec.record_eval(1, RolloutResult(eval={"heldout": [[_episode(0)]]}))
+    rec.close()
+    got = {(t["split"], t["sample_index"]): t for t in read_trajectories(tmp_path)}
+    assert {k: t["reason"] for k, t in got.items()} == {
+        ("train", 0): "sampled", ("train", 2): "sampled", ("train", 3): "sampled",  # 3 lowest others
+        ("train", 1): "failed", ("train", 6): "aborted", ("train", 8): "failed",  # every failure
+        ("eval/heldout", 0): "sampled",
+    }  # fmt: skip
+    t = got[("train", 2)]
+    s = samples[2]
+    assert t["tokens"] == s.tokens and t["loss_mask"] == s.loss_mask == [1, 1, 0, 0, 0, 1, 1]
+    assert t["rollout_logprobs"] == s.rollout_logprobs and t["token_versions"] == s.token_versions
+    assert t["advantages"] == [0.1] * 7 and t["trainer_logprobs"][5] == -1.1
+    assert t["token_text"] == [f"<{i}>" for i in s.tokens] and t["segments"] == s.metadata["segments"]
+    assert [(p["source"], p["ids"], p["text"]) for p in turns(t)] == [
+        ("model", [10, 11], "<10><11>"), ("env", [20, 21, 22], "<20><21><22>"), ("model", [12, 13], "<12><13>"),
+    ]  # fmt: skip
+    assert got[("train", 3)]["advantages"] is None and got[("train", 3)]["trainer_logprobs"] is None
+    assert got[("train", 0)]["reward"] is None  # NaN is not JSON
+    rows = {
+        r["sample_index"]: r
+        for r in map(json.loads, (tmp_path / recording.SAMPLES_FILE).read_text().splitlines())
+        if r["split"] == "train"
+    }
+    assert rows[0]["advantage"] == 0.5 and rows[2]["advantage"] == -0.25 and rows[5]["advantage"] is None
+    assert rec.trajectories_written == 7 and rec.status()["trajectories_written"] == 7
+
+
+def test_trajectories_are_cut_at_max_tokens_and_carry_moe_routing(tmp_path):
+    from verst.trainer.dashboard.trajectories import read_trajectories
+
+    class Routing:  # the shape of verst.rollout.moe.RoutedExperts: [len(tokens) - 1 rows, width]
+        width, tokens = 2, 9
+
+        def to_ints(self):
+            return [r * 10 + k for r in range(9) for k in range(2)]
+
+    s = _episode(0)
+    s.routed_experts = Routing()
+    rec = RunRecorder(tmp_path, total_steps=1, max_tokens=8, trajectories_per_step=1)
+    rec.record_rollout(0, RolloutResult(groups=[[s]]))
+    rec.close()
+    (t,) = read_trajectories(tmp_path)
+    assert t["tokens"] == s.tokens[:8] and t["truncated_tokens"] == 2 and len(t["loss_mask"]) == 5
+    # response token i is produced by the forward at position prompt_length - 1 + i
+    assert t["routed_experts"] == {
+        "width": 2,
+        "per_token": [[20, 21], [30, 31], [40, 41], [50, 51], [60, 61]],
+    }
+    rec = RunRecorder(tmp_path / "none", total_steps=1, trajectories_per_step=0, failed_trajectories=False)
+    rec.record_rollout(0, RolloutResult(groups=[[_episode(0, Status.FAILED)]]))
+    rec.close()
+    assert list(read_trajectories(tmp_path / "none")) == []

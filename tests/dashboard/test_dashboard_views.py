@@ -6,7 +6,7 @@ chart panels group by prefix, and their CSV / PNG exports equal the data.
 
 The runs are synthetic (`verst.trainer.dashboard.synthetic`, written through the run's own
 writers: `sample_record`, `trajectory_record`, `append_turn`), so the module needs no training
-and shares one browser.
+and uses the folder's one browser (`conftest.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,37 +23,9 @@ from verst.trainer.dashboard.server import BackgroundServer
 from verst.trainer.dashboard.synthetic import write_synthetic_run
 from verst.trainer.dashboard.trajectories import read_trajectories, turns
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-HOW_TO = "no chromium for the dashboard's browser tests: install one with `apt-get install -y chromium`"
-
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    import os
-
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        exe = next((w for n in ("chromium", "google-chrome") if (w := shutil.which(n))), None)
-        if exe is None:
-            if os.environ.get("VERST_REQUIRE_BROWSER", "").strip() not in ("", "0"):
-                pytest.fail(f"VERST_REQUIRE_BROWSER=1 but {HOW_TO}", pytrace=False)
-            pytest.skip(HOW_TO)
-        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_FLAGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

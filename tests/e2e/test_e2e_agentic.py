@@ -79,6 +79,40 @@ def test_tool_math_trains_on_multi_turn_tool_trajectories(tmp_path, capsys):
     assert any(r["rollout/env/tool_calls"] > 0 for r in train_rows)
     assert any("eval/heldout/termination/stop" in r for r in rows)
     _check_lifecycle(run, tools=True)
+    _check_trajectories(run)
+
+
+def _check_trajectories(run: Path) -> None:
+    """The full trajectories the run recorded: the default bound of each step, with the token text,
+    the segments, and the per-token values the train step used."""
+    from verst.trainer.dashboard.trajectories import read_trajectories, turns
+
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    samples = [s for s in samples if s["split"] == "train"]
+    recorded = list(read_trajectories(run, split="train"))
+    for step in (1, 2):
+        mine = [t for t in recorded if t["step"] == step]
+        failed = {
+            s["sample_index"] for s in samples if s["step"] == step and s["status"] in ("failed", "aborted")
+        }
+        others = sorted(
+            s["sample_index"] for s in samples if s["step"] == step and s["sample_index"] not in failed
+        )
+        assert {t["sample_index"] for t in mine if t["reason"] == "sampled"} == set(others[:8])  # the default
+        assert {t["sample_index"] for t in mine if t["reason"] != "sampled"} == failed
+    tool_episodes = [t for t in recorded if any(s["source"] == "env" for s in t["segments"])]
+    assert tool_episodes, "no recorded episode called the tool"
+    for t in recorded:
+        r = t["response_length"]
+        assert len(t["tokens"]) == t["prompt_length"] + r and len(t["token_text"]) == len(t["tokens"])
+        assert "".join(p["text"] for p in turns(t) if p["source"] == "env").count("<tool_response>") == sum(
+            1 for s in t["segments"] if s["source"] == "env"
+        )
+        trained = [i for i, m in enumerate(t["loss_mask"]) if m]
+        assert len(t["advantages"]) == len(t["trainer_logprobs"]) == r
+        assert max(abs(t["trainer_logprobs"][i] - t["rollout_logprobs"][i]) for i in trained) < 1e-3
+        row = next(s for s in samples if s["step"] == t["step"] and s["sample_index"] == t["sample_index"])
+        assert row["advantage"] == pytest.approx(sum(t["advantages"][i] for i in trained) / len(trained))
 
 
 @pytest.mark.timeout(300)

@@ -128,6 +128,29 @@ def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, t
 
     ray_samples = {sample_key(s) for s in lines(run_dir, "samples.jsonl")}
     assert ray_samples == {sample_key(s) for s in lines(tmp_path / "local", "samples.jsonl")}
+
+    # the advantages and full trajectories the driver recorded come from rank 0 of the train actors
+    def advantages(root):
+        return {
+            (s["step"], s["split"], s["sample_index"]): s["advantage"] for s in lines(root, "samples.jsonl")
+        }
+
+    ray_adv, local_adv = advantages(run_dir), advantages(tmp_path / "local")
+    assert ray_adv.keys() == local_adv.keys() and any(v is not None for v in ray_adv.values())
+    for k, v in ray_adv.items():
+        assert (v is None) == (local_adv[k] is None) and (v is None or abs(v - local_adv[k]) < 1e-4), k
+    from verst.trainer.dashboard.trajectories import read_trajectories
+
+    ray_traj = {(t["step"], t["split"], t["sample_index"]): t for t in read_trajectories(run_dir)}
+    local_traj = {
+        (t["step"], t["split"], t["sample_index"]): t for t in read_trajectories(tmp_path / "local")
+    }
+    assert ray_traj.keys() == local_traj.keys() and ray_traj
+    for k, t in ray_traj.items():
+        assert t["tokens"] == local_traj[k]["tokens"] and t["loss_mask"] == local_traj[k]["loss_mask"]
+        if k[1] == "train":
+            assert t["advantages"] == pytest.approx(local_traj[k]["advantages"], abs=1e-4)
+    assert any(t["trainer_logprobs"] is not None for t in ray_traj.values())  # rank 0's rows
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     for name in ("train-0", "train-1", "rollout"):
         assert f"{name} started" in (run_dir / "logs" / "actors" / f"{name}.log").read_text()

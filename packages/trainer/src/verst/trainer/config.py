@@ -169,6 +169,23 @@ class TrainConfig(Section):
         return "packed" if self.packing else "padded"
 
 
+class RecordSection(Section):
+    """What the run records for `verst dashboard` besides metrics and events (`trajectories.jsonl`)."""
+
+    trajectories_per_step: int = Field(
+        8,
+        ge=0,
+        description="Full trajectories (every token, mask, log-probs, advantages, segments) recorded per "
+        "step and split: the lowest sample indices (0 = none besides failures).",
+    )
+    failed_trajectories: bool = Field(
+        True, description="Also record the full trajectory of every failed or aborted sample."
+    )
+    max_tokens: int = Field(
+        16384, ge=1, description="Token ids kept per recorded trajectory (the rest are counted, not written)."
+    )
+
+
 class RunSection(Section):
     """The run as a whole."""
 
@@ -195,6 +212,9 @@ class RunSection(Section):
     )
     ray: RaySection = Field(
         default_factory=RaySection, description="placement='ray': layout, train actors, resources."
+    )
+    record: RecordSection = Field(
+        default_factory=RecordSection, description="Full trajectories recorded for the dashboard."
     )
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 from verst.rollout.agentic.trajectory import append_turn
 from verst.rollout.lifecycle import JsonlSink, LifecycleEvent
 from verst.rollout.sample import Sample, Status
-from verst.trainer.dashboard.trajectories import (
+from verst.trainer.run.recording import SAMPLES_FILE, STATUS_FILE, sample_record
+from verst.trainer.run.trajectories import (
     TRAJECTORIES_FILE,
     TokenDetail,
     trajectory_record,
     write_lines,
 )
-from verst.trainer.run.recording import SAMPLES_FILE, STATUS_FILE, sample_record
 
 _STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
 

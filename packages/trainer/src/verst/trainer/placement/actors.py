@@ -191,6 +191,9 @@ class TrainActor(ActorBase):
         )
         return metrics
 
+    def step_detail(self) -> Any:
+        return self.side.step_detail()
+
     def state_dict_for_sync(self) -> dict:
         return self.side.state_dict_for_sync()
 

@@ -394,6 +394,10 @@ class TrainProxy:
         ref = require_ray().put(batch)
         return self._p.call(self._p.train_actors, "train_step", ref)[0]
 
+    def step_detail(self) -> Any:
+        """Rank 0's per-sample values of the last step (`TrainSide.step_detail`)."""
+        return self._p.call(self._p.train_actors[:1], "step_detail")[0]
+
     def state_dict_for_sync(self) -> RemoteStateDict:
         """Gather the full weights (a collective over the ranks); they stay in the object store."""
         refs = self._p.call(self._p.train_actors, "state_dict_for_sync", fetch=False)

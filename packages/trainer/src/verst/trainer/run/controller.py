@@ -38,11 +38,11 @@ from verst.trainer.run.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from verst.trainer.run.recording import RunRecorder
+from verst.trainer.run.recording import RunRecorder, keyed_detail, lazy_decoder
 from verst.trainer.run.rollout_side import RolloutInterrupted, RolloutSide
 from verst.trainer.run.signals import StopRequest
 from verst.trainer.sync.weight_sync import WeightSync
-from verst.trainer.train.batch import build_train_batch
+from verst.trainer.train.batch import TrainBatch, build_train_batch
 from verst.trainer.train.fsdp import DistInfo, broadcast_object, collective_device
 from verst.trainer.train.side import TrainSide
 
@@ -142,10 +142,8 @@ class Trainer:
             (self.run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
         torch.manual_seed(config.run.seed)
         self.sink = JsonlSink(self.run_dir / "lifecycle.jsonl") if self.dist.is_main else NoopSink()
-        self.recorder = (
-            RunRecorder(self.run_dir, total_steps=config.run.num_steps) if self.dist.is_main else None
-        )
-        """samples.jsonl and status.json for `verst dashboard` (main rank only)."""
+        self.recorder = self._recorder() if self.dist.is_main else None
+        """samples.jsonl, trajectories.jsonl and status.json for `verst dashboard` (main rank only)."""
         self.placement = None
         """The Ray actors and their proxies when run.placement='ray' (verst.trainer.placement)."""
         if config.run.placement == "ray":
@@ -214,13 +212,10 @@ class Trainer:
                 except RolloutError:
                     summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
                     raise
-                if self.recorder is not None and result is not None:
-                    self.recorder.record_rollout(step, result)
                 t1 = time.perf_counter()
                 self._phase("train")
-                batch = build_train_batch(groups, reward_key=cfg.rollout.reward.key)
+                metrics, batch = self._train_and_record(step, result, groups)
                 summary.prompts.append(batch.prompts)
-                metrics = self.train.train_step(batch)
                 t2 = time.perf_counter()
                 self._phase("sync")
                 self.sync.push()
@@ -272,6 +267,47 @@ class Trainer:
         self.train.close()
 
     # ------------------------------------------------------------ pieces
+
+    def _recorder(self) -> RunRecorder:
+        record = self.config.run.record
+
+        def tokenizer() -> Any:  # loaded when the first trajectory is written
+            local = getattr(self.rollout, "tokenizer", None)
+            if local is not None:
+                return local
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.model_path)
+
+        return RunRecorder(
+            self.run_dir,
+            total_steps=self.config.run.num_steps,
+            trajectories_per_step=record.trajectories_per_step,
+            failed_trajectories=record.failed_trajectories,
+            max_tokens=record.max_tokens,
+            decode=lazy_decoder(tokenizer),
+        )
+
+    def _train_and_record(
+        self, step: int, result: RolloutResult | None, groups: Any
+    ) -> tuple[dict[str, float], TrainBatch]:
+        """Build the batch and train on it; the main rank then records the step's samples with the
+        advantages and log-probs the step used (without them when the step failed)."""
+        recorder = self.recorder if result is not None else None
+        try:
+            batch = build_train_batch(groups, reward_key=self.config.rollout.reward.key)
+            if recorder is not None:
+                chosen = recorder.choose(s for g in result.groups for s in g)  # type: ignore[union-attr]
+                batch.record_rows = [i for i, key in enumerate(batch.sample_keys) if key in chosen]
+            metrics = self.train.train_step(batch)
+        except BaseException:
+            if recorder is not None:
+                recorder.record_rollout(step, result)  # type: ignore[arg-type]
+            raise
+        if recorder is not None:
+            detail = keyed_detail(self.train.step_detail(), batch)
+            recorder.record_rollout(step, result, detail)  # type: ignore[arg-type]
+        return metrics, batch
 
     def _rollout(self, step: int) -> RolloutResult | None:
         """This rank's rollout (rank 0 only); a local rollout side is cancelled by a stop request."""

@@ -7,6 +7,11 @@
   the reward (a dict reward keeps at most `MAX_REWARD_KEYS` entries), status, lengths, weight
   versions. At most `MAX_SAMPLES_PER_STEP` samples per step and split are written, so a line is
   a few KiB at most and a step's lines are bounded whatever the response lengths.
+* `trajectories.jsonl` — the full trajectory (every token id and its text, loss mask, engine
+  and trainer log-probs, advantages, weight versions, segments, MoE routing) of the
+  `trajectories_per_step` lowest sample indices of each step and split and of every failed or
+  aborted sample (`verst.trainer.run.trajectories` holds the format,
+  `verst.trainer.dashboard.trajectories` the reader).
 * `status.json` — replaced atomically on every phase change: state (`running`, `finished`,
   `stopped_early`, `failed` with the error), the current phase and step, seconds per phase,
   the ETA, the pid and host (so a reader can tell a live run from one that died).
@@ -23,19 +28,35 @@ logs it under); samples carry both.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verst.rollout.lifecycle import LifecycleEvent
 from verst.rollout.logging_utils import sample_text_preview
 from verst.rollout.protocols import RolloutResult
 from verst.rollout.sample import Sample
+from verst.trainer.run.trajectories import (
+    TRAJECTORIES_FILE,
+    Decode,
+    StepDetail,
+    TokenDetail,
+    choose_trajectories,
+    trajectory_record,
+    write_lines,
+)
+
+if TYPE_CHECKING:  # torch-free at run time: `verst dashboard` imports this module
+    from verst.trainer.train.batch import TrainBatch
+    from verst.trainer.train.step_detail import StepRowDetail
+
+logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
 """Per-sample previews and outcomes, in the run directory."""
@@ -86,8 +107,11 @@ def _scalar(value: Any) -> Any:
         return sample_text_preview(repr(value), 64)
 
 
-def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: str) -> dict[str, Any]:
-    """The bounded `samples.jsonl` line of one sample (`step` first, so readers can index cheaply)."""
+def sample_record(
+    sample: Sample, *, step: int, rollout_id: int | None, split: str, advantage: float | None = None
+) -> dict[str, Any]:
+    """The bounded `samples.jsonl` line of one sample (`step` first, so readers can index cheaply);
+    `advantage`: the mean advantage over its trained tokens (None: not trained on)."""
     error = sample.metadata.get("error")
     return {
         "step": step,
@@ -97,6 +121,7 @@ def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: s
         "sample_index": sample.sample_index,
         "status": sample.status.value,
         "reward": _reward(sample.reward),
+        "advantage": _scalar(advantage) if advantage is not None else None,
         "prompt": sample_text_preview(_prompt_text(sample.prompt), PROMPT_PREVIEW),
         "response": sample_text_preview(sample.response, RESPONSE_PREVIEW),
         "label": None if sample.label is None else sample_text_preview(str(sample.label), TEXT_PREVIEW),
@@ -108,13 +133,67 @@ def sample_record(sample: Sample, *, step: int, rollout_id: int | None, split: s
     }
 
 
-class RunRecorder:
-    """Writes `samples.jsonl` and `status.json` for one run (create it on the main rank only)."""
+def lazy_decoder(load_tokenizer: Callable[[], Any]) -> Decode:
+    """Token ids -> the text of each id alone, with the tokenizer `load_tokenizer` gives on first
+    use (a tokenizer that cannot be loaded leaves `token_text` null, with one warning)."""
+    held: list[Any] = []
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int = 0) -> None:
+    def decode(ids: Sequence[int]) -> list[str] | None:
+        if not held:
+            try:
+                held.append(load_tokenizer())
+            except Exception as exc:  # the recording must never stop the run
+                logger.warning("trajectories are recorded without token text: no tokenizer (%s)", exc)
+                held.append(None)
+        if held[0] is None:
+            return None
+        return held[0].batch_decode([[int(i)] for i in ids], clean_up_tokenization_spaces=False)
+
+    return decode
+
+
+def keyed_detail(rows: StepRowDetail | None, batch: TrainBatch) -> StepDetail:
+    """A train step's per-row values keyed by (group_index, sample_index) instead of batch row."""
+    if rows is None:
+        return StepDetail()
+    keys = batch.sample_keys
+    return StepDetail(
+        advantages={keys[r]: v for r, v in enumerate(rows.sample_advantages) if r < len(keys)},
+        tokens={
+            keys[r]: TokenDetail(rows.advantages.get(r), rows.trainer_logprobs.get(r))
+            for r in set(rows.advantages) | set(rows.trainer_logprobs)
+            if r < len(keys)
+        },
+    )
+
+
+class RunRecorder:
+    """Writes `samples.jsonl`, `trajectories.jsonl` and `status.json` for one run (create it on the
+    main rank only).
+
+    `trajectories_per_step`, `failed_trajectories`, `max_tokens`: which samples get their full
+    trajectory recorded (`run.record`); `decode`: token ids -> one string each (None: no text)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        trajectories_per_step: int = 8,
+        failed_trajectories: bool = True,
+        max_tokens: int = 16384,
+        decode: Decode | None = None,
+    ) -> None:
         self.root = Path(run_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self._samples = (self.root / SAMPLES_FILE).open("a", encoding="utf-8")
+        self._trajectories = (self.root / TRAJECTORIES_FILE).open("a", encoding="utf-8")
+        self.trajectories_per_step = trajectories_per_step
+        self.failed_trajectories = failed_trajectories
+        self.max_tokens = max_tokens
+        self.decode = decode
+        self.trajectories_written = 0
         self._lock = threading.Lock()
         self.total_steps = total_steps
         self.step = start_step
@@ -133,30 +212,63 @@ class RunRecorder:
 
     # ---- samples
 
-    def record_rollout(self, rollout_id: int, result: RolloutResult) -> None:
-        """The training samples of rollout `rollout_id` (step `rollout_id + 1`)."""
-        self._write_samples((s for g in result.groups for s in g), rollout_id + 1, rollout_id, "train")
+    def choose(self, samples: Iterable[Sample]) -> dict[tuple[Any, Any], str]:
+        """(group_index, sample_index) -> reason of the samples whose full trajectory is recorded."""
+        chosen = choose_trajectories(samples, self.trajectories_per_step)
+        if not self.failed_trajectories:
+            chosen = {k: r for k, r in chosen.items() if r == "sampled"}
+        return chosen
+
+    def record_rollout(
+        self, rollout_id: int, result: RolloutResult, detail: StepDetail | None = None
+    ) -> None:
+        """The training samples of rollout `rollout_id` (step `rollout_id + 1`), with what the
+        train step measured for them (`detail`; None when it did not run)."""
+        samples = [s for g in result.groups for s in g]
+        self._write_samples(samples, rollout_id + 1, rollout_id, "train", detail or StepDetail())
 
     def record_eval(self, step: int, result: RolloutResult) -> None:
         """The samples of an evaluation at `step`, split `eval/<dataset>`."""
         for name, groups in result.eval.items():
-            self._write_samples((s for g in groups for s in g), step, None, f"eval/{name}")
+            samples = [s for g in groups for s in g]
+            self._write_samples(samples, step, None, f"eval/{name}", StepDetail())
 
     def _write_samples(
-        self, samples: Iterable[Sample], step: int, rollout_id: int | None, split: str
+        self, samples: list[Sample], step: int, rollout_id: int | None, split: str, detail: StepDetail
     ) -> None:
         lines, dropped = [], 0
         for sample in samples:
             if len(lines) >= MAX_SAMPLES_PER_STEP:
                 dropped += 1
                 continue
-            record = sample_record(sample, step=step, rollout_id=rollout_id, split=split)
+            key = (sample.group_index, sample.sample_index)
+            record = sample_record(
+                sample, step=step, rollout_id=rollout_id, split=split, advantage=detail.advantages.get(key)
+            )
             lines.append(json.dumps(record, default=str, ensure_ascii=False) + "\n")
+        chosen = self.choose(samples)
+        full = []
+        for s in samples:
+            key = (s.group_index, s.sample_index)
+            if key in chosen:
+                full.append(
+                    trajectory_record(
+                        s,
+                        step=step,
+                        rollout_id=rollout_id,
+                        split=split,
+                        reason=chosen[key],
+                        decode=self.decode,
+                        detail=detail.tokens.get(key),
+                        max_tokens=self.max_tokens,
+                    )
+                )
         with self._lock:
             if self._samples.closed:
                 return
             self._samples.write("".join(lines))
             self._samples.flush()
+            self.trajectories_written += write_lines(self._trajectories, full)
         self.samples_written += len(lines)
         self.samples_dropped += dropped
 
@@ -220,6 +332,7 @@ class RunRecorder:
             "error": self.error,
             "samples_written": self.samples_written,
             "samples_dropped": self.samples_dropped,
+            "trajectories_written": self.trajectories_written,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started_at": self.started_at,
@@ -238,6 +351,7 @@ class RunRecorder:
     def close(self) -> None:
         with self._lock:
             self._samples.close()
+            self._trajectories.close()
 
 
 class BufferedSink:

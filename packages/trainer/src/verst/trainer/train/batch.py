@@ -52,6 +52,11 @@ class TrainBatch:
     """Batch statistics (dropped groups, lengths, rewards)."""
     opd: OpdBatch | None = None
     """Teacher data for on-policy distillation (None when no sample was distilled)."""
+    sample_keys: list[tuple[int | None, int | None]] = field(default_factory=list)
+    """(group_index, sample_index) of each row: which sample a row is."""
+    record_rows: list[int] = field(default_factory=list)
+    """Rows whose per-token values (advantages, the trainer's log-probs) the train step keeps for
+    the run's trajectory recording (`TrainSide.step_detail`); empty = none."""
 
     @property
     def num_samples(self) -> int:
@@ -152,6 +157,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         prompts=[str(g[0].prompt) for g in kept],
         metrics=metrics,
         opd=collate_opd(samples, width),
+        sample_keys=[(s.group_index, s.sample_index) for s in samples],
     )
 
 

@@ -32,6 +32,7 @@ from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatt
 from verst.trainer.train.lora import LoraState
 from verst.trainer.train.model import build_policy, build_reference, resolve_attn_implementation
 from verst.trainer.train.state import TrainStateMixin
+from verst.trainer.train.step_detail import StepDetailCollector, StepRowDetail
 
 _SUMMED = frozenset({"loss", "pg_loss", "kl_loss"})
 """Algorithm metrics already normalised by the mini-batch's LossNorm: summed over its micro-batches
@@ -140,6 +141,8 @@ class TrainSide(TrainStateMixin):
         self.lora = LoraState(self.bundle, cfg.lora) if cfg.lora is not None else None
         """Adapter-only sync, checkpoints and the adapter-disabled reference (`[train.lora]`)."""
         self.optimizer_steps = 0
+        self._detail: StepDetailCollector | None = None
+        """The last step's per-sample values, for the run's trajectory recording."""
         attn = resolve_attn_implementation(cfg.attn_implementation, cuda=torch.cuda.is_available())
         layout = cfg.effective_layout
         self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
@@ -305,6 +308,7 @@ class TrainSide(TrainStateMixin):
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
         step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
+        self._detail = StepDetailCollector(advantages, mask, batch.response_lengths, batch.record_rows)
 
         self.bundle.module.train()
         sums = _MetricSums()
@@ -336,6 +340,10 @@ class TrainSide(TrainStateMixin):
             out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
         out.update(batch.metrics)
         return out
+
+    def step_detail(self) -> StepRowDetail | None:
+        """Per-sample values of the last train step (`verst.trainer.train.step_detail`); None before one."""
+        return None if self._detail is None else self._detail.detail
 
     def _forward_for_loss(
         self, batch: TrainBatch, rows: list[int]
@@ -395,6 +403,8 @@ class TrainSide(TrainStateMixin):
         metrics = {**out.metrics, **to_floats(extra_metrics)}
         self._backward(loss * self.dist.world_size)
         ntok = float(m.sum())
+        if at_old_weights and self._detail is not None:
+            self._detail.add_logprobs(rows, old)
         metrics.pop("logprob_mismatch", None)  # measured here, against the step's old weights
         if rl is not None and at_old_weights:  # the trainer's log-probs before this step's updates
             diff = (old.detach() - rl).abs() * m

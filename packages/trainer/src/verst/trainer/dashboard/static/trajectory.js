@@ -23,7 +23,8 @@ function tokenValues(t) {
     const rl = at(t.rollout_logprobs, i), tl = at(t.trainer_logprobs, i);
     out.push({
       i, id: t.tokens[t.prompt_length + i], text: t.token_text ? t.token_text[t.prompt_length + i] : String(t.tokens[t.prompt_length + i]),
-      mask: at(t.loss_mask, i), rollout: rl, trainer: tl, mismatch: rl != null && tl != null ? Math.abs(tl - rl) : null,
+      // the mismatch only where the token is trained (observations carry no engine log-prob)
+      mask: at(t.loss_mask, i), rollout: rl, trainer: tl, mismatch: rl != null && tl != null && at(t.loss_mask, i) !== 0 ? Math.abs(tl - rl) : null,
       advantage: at(t.advantages, i), version: at(t.token_versions, i),
       experts: t.routed_experts ? at(t.routed_experts.per_token, i) : null,
     });
@@ -77,8 +78,8 @@ function trajectoryHeader(t) {
 function drawTrajectoryChart(el, t, values) {
   const x = values.map((v) => v.i);
   const traces = [
-    { x, y: values.map((v) => v.rollout), name: "engine log-prob", mode: "lines+markers", marker: { size: 3 } },
-    { x, y: values.map((v) => v.trainer), name: "trainer log-prob", mode: "lines+markers", marker: { size: 3 } },
+    { x, y: values.map((v) => (v.mask === 0 ? null : v.rollout)), name: "engine log-prob", mode: "lines+markers", marker: { size: 3 } },
+    { x, y: values.map((v) => (v.mask === 0 ? null : v.trainer)), name: "trainer log-prob", mode: "lines+markers", marker: { size: 3, symbol: "x" }, line: { dash: "dash" } },
     { x, y: values.map((v) => v.mismatch), name: "|mismatch|", type: "bar", yaxis: "y2", marker: { color: "#ff7f0e" }, opacity: 0.5 },
     { x, y: values.map((v) => v.advantage), name: "advantage", mode: "lines", line: { dash: "dot", color: "#2ca02c" }, yaxis: "y2" },
   ].filter((tr) => tr.y.some((y) => y != null));
@@ -87,7 +88,7 @@ function drawTrajectoryChart(el, t, values) {
   })).concat((t.segments || []).slice(1).map((s) => ({ type: "line", xref: "x", yref: "paper", x0: s.start - 0.5, x1: s.start - 0.5, y0: 0, y1: 1, line: { color: "#555", dash: "dot", width: 1 } })));
   Plotly.react(el, traces, {
     height: 240, margin: { l: 50, r: 50, t: 10, b: 35 }, hovermode: "x unified", shapes, legend: { orientation: "h", y: -0.3 },
-    xaxis: { title: { text: "response token (grey: loss-masked observation; dotted: segment boundary)" }, tickformat: "d" },
+    xaxis: { title: { text: "response token (grey: loss-masked observation, not plotted; dotted: segment boundary)" }, tickformat: "d" },
     yaxis: { title: { text: "log-prob" } }, yaxis2: { overlaying: "y", side: "right", title: { text: "mismatch / advantage" }, showgrid: false },
   }, { displaylogo: false, responsive: true });
 }
