@@ -23,6 +23,7 @@ from typing import Any
 
 from verst.rollout.errors import MissingOptionalDependency
 from verst.rollout.selection import LEGACY_FLAG
+from verst.trainer.placement.ray_join import LOOPBACK, LOOPBACK_ENV
 
 RAY_INSTALL_HINT = "`uv sync` (ray is a dependency of verst-trainer) or `pip install 'ray>=2.40'`"
 """How to install Ray."""
@@ -61,18 +62,6 @@ MACHINE_LOCAL_VARS = frozenset(
 """Ambient variables never forwarded to actors: they belong to one machine or one process."""
 MACHINE_LOCAL_PREFIXES = ("RAY_", "TORCHELASTIC_", "SLURM_", "PYTEST_", "UV_", "SSH_", "XDG_")
 """Prefixes of ambient variables never forwarded (Ray's own settings, launchers, test runners)."""
-
-
-LOOPBACK = "127.0.0.1"
-"""The one address a local cluster's node and GCS use."""
-
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""Set before Ray is imported, this makes a local cluster's node IP 127.0.0.1. Without it Ray
-(2.60) resolves the node IP — even an explicit `_node_ip_address="127.0.0.1"` or `ray start
---node-ip-address 127.0.0.1` — to the machine's interface address and registers the node and
-the GCS there; with it the node IP is the loopback address and Ray's servers listen on it
-(Ray's constant `ENABLE_RAY_CLUSTER`, read once when `ray` is imported; it only decides how the
-local node IP is found, and that a `ray start` worker node may not join this cluster)."""
 
 
 def require_ray(

@@ -23,6 +23,17 @@ import time
 
 from verst.rollout.errors import ConfigError, Problem
 
+LOOPBACK = "127.0.0.1"
+"""The one address a local cluster's node and GCS use."""
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Set before Ray is imported, this makes a local cluster's node IP 127.0.0.1. Without it Ray
+(2.60) resolves the node IP — even an explicit `_node_ip_address="127.0.0.1"` or `ray start
+--node-ip-address 127.0.0.1` — to the machine's interface address and registers the node and
+the GCS there; with it the node IP is the loopback address and Ray's servers listen on it
+(Ray's constant `ENABLE_RAY_CLUSTER`, read once when `ray` is imported; it only decides how the
+local node IP is found, and that a `ray start` worker node may not join this cluster)."""
+
 JOIN_PROBE_S = 60.0
 """How long a join waits for something to accept connections at `run.ray_address`."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -76,8 +87,6 @@ def join_settings(
     address: str, *, probe_s: float = JOIN_PROBE_S, ray_imported: bool = False
 ) -> dict[str, str]:
     """Probe `address` (see the module doc); the environment settings Ray needs to reach it."""
-    from verst.trainer.placement.ray_cluster import LOOPBACK, LOOPBACK_ENV
-
     parsed = split_address(address)
     if parsed is None:
         return {}

@@ -79,12 +79,10 @@ def _usable(group: list[Sample], reward_key: str | None) -> bool:
     return True
 
 
-def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None = None) -> TrainBatch:
-    """Collate usable groups (see module doc) into a `TrainBatch`, in `group_index` order.
-
-    Strategies return groups in completion order; sorting by the index they were submitted
-    with makes the batch (and so the float summation order) independent of engine timing.
-    """
+def _keep_groups(
+    groups: Sequence[list[Sample]], reward_key: str | None
+) -> tuple[list[list[Sample]], Counter[str]]:
+    """The usable groups of the common size, in `group_index` order, and why the others were dropped."""
     reasons: Counter[str] = Counter()
     kept = []
     for g in groups:
@@ -112,25 +110,34 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
             len(odd[0]),
         )
         kept = [g for g in kept if len(g) == common]
-    dropped = len(groups) - len(kept)
     if not kept:
         raise ValueError(
             f"no trainable groups in this rollout ({len(groups)} groups, all failed, unscored or empty); "
             "check the engine and reward function logs"
         )
-    samples = [s for g in kept for s in g]
-    for s in samples:
-        s.validate()
-    width = max(1, max(s.response_length for s in samples))
+    return kept, reasons
+
+
+def _response_tensors(samples: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss mask and rollout log-probs `[B, width]` (zero past each response and where unknown)."""
     mask = torch.zeros((len(samples), width))
     old = torch.zeros((len(samples), width))
-    has_lp = all(s.rollout_logprobs is not None for s in samples)
     for i, s in enumerate(samples):
         r = s.response_length
         mask[i, :r] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
         if s.rollout_logprobs is not None:
             old[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    rewards = torch.tensor([[s.scalar_reward(reward_key) for s in g] for g in kept], dtype=torch.float32)
+    return mask, old
+
+
+def _batch_metrics(
+    kept: list[list[Sample]],
+    samples: list[Sample],
+    rewards: torch.Tensor,
+    dropped: int,
+    reasons: Counter[str],
+) -> dict[str, float]:
+    """Dropped groups (by reason), response lengths, rewards, truncation and weight versions."""
     lengths = [s.response_length for s in samples]
     metrics = {
         "train/groups": float(len(kept)),
@@ -145,17 +152,33 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
     if versions:
         metrics["train/sample_weight_version_min"] = float(min(versions))
         metrics["train/sample_weight_version_max"] = float(max(versions))
+    return metrics
+
+
+def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None = None) -> TrainBatch:
+    """Collate usable groups (see module doc) into a `TrainBatch`, in `group_index` order.
+
+    Strategies return groups in completion order; sorting by the index they were submitted
+    with makes the batch (and so the float summation order) independent of engine timing.
+    """
+    kept, reasons = _keep_groups(groups, reward_key)
+    samples = [s for g in kept for s in g]
+    for s in samples:
+        s.validate()
+    width = max(1, max(s.response_length for s in samples))
+    mask, old = _response_tensors(samples, width)
+    rewards = torch.tensor([[s.scalar_reward(reward_key) for s in g] for g in kept], dtype=torch.float32)
     return TrainBatch(
         tokens=[list(s.tokens) for s in samples],
-        response_lengths=lengths,
+        response_lengths=[s.response_length for s in samples],
         loss_mask=mask,
         rollout_logprobs=old,
-        has_rollout_logprobs=has_lp,
+        has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
         rewards=rewards,
         group_size=len(kept[0]),
         weight_versions=[list(s.weight_versions) for s in samples],
         prompts=[str(g[0].prompt) for g in kept],
-        metrics=metrics,
+        metrics=_batch_metrics(kept, samples, rewards, len(groups) - len(kept), reasons),
         opd=collate_opd(samples, width),
         sample_keys=[(s.group_index, s.sample_index) for s in samples],
     )

@@ -123,7 +123,12 @@ class Layout(Protocol):
     name: ClassVar[str]
 
     def build(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        *,
+        pad_id: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs: ...
 
     def cost(
@@ -132,6 +137,7 @@ class Layout(Protocol):
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> float: ...
 
 
@@ -141,7 +147,12 @@ class PaddedLayout:
     name: ClassVar[str] = "padded"
 
     def build(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        *,
+        pad_id: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         width = max(len(t) for t in tokens)
@@ -170,6 +181,7 @@ class PaddedLayout:
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> float:
         lengths = [len(t) for t in tokens]
         width = max(lengths)
@@ -188,7 +200,12 @@ class PackedLayout:
     name: ClassVar[str] = "packed"
 
     def build(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        *,
+        pad_id: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         ids, pos, gather, targets, offset = [], [], [], [], 0
@@ -215,6 +232,7 @@ class PackedLayout:
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> float:
         lengths = [len(t) for t in tokens]
         total = sum(lengths)
@@ -234,10 +252,15 @@ class SharedPromptLayout:
     per_row: int | None = None
     """Most responses in one row (None = the whole group)."""
 
-    def rows(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[list[int]]:
-        """The sequences of each row: `prompt_groups`, split by `per_row`."""
+    def rows(
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> list[list[int]]:
+        """The sequences of each row: `groups` (default: `prompt_groups`), split by `per_row`."""
         out = []
-        for g in prompt_groups(tokens, response_lengths):
+        for g in prompt_groups(tokens, response_lengths) if groups is None else map(list, groups):
             parts = 1 if self.per_row is None else -(-len(g) // self.per_row)
             size, extra, start = len(g) // parts, len(g) % parts, 0
             for p in range(parts):
@@ -246,19 +269,25 @@ class SharedPromptLayout:
                 start = end
         return out
 
-    def row_widths(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
-        """Length of each row (prompt + its responses), in `rows` order."""
+    def row_widths(
+        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], rows: list[list[int]]
+    ) -> list[int]:
+        """Length of each of `rows` (prompt + its responses)."""
         return [
-            len(tokens[g[0]]) - response_lengths[g[0]] + sum(response_lengths[i] for i in g)
-            for g in self.rows(tokens, response_lengths)
+            len(tokens[g[0]]) - response_lengths[g[0]] + sum(response_lengths[i] for i in g) for g in rows
         ]
 
     def build(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        *,
+        pad_id: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs:
         _check(tokens, response_lengths)
-        groups = self.rows(tokens, response_lengths)
-        width = max(self.row_widths(tokens, response_lengths))
+        groups = self.rows(tokens, response_lengths, groups)
+        width = max(self.row_widths(tokens, response_lengths, groups))
         ids = torch.full((len(groups), width), pad_id, dtype=torch.long)  # [rows, width]
         pos = torch.zeros((len(groups), width), dtype=torch.long)  # [rows, width]
         # segment of each position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
@@ -303,8 +332,9 @@ class SharedPromptLayout:
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> float:
-        widths = self.row_widths(tokens, response_lengths)
+        widths = self.row_widths(tokens, response_lengths, self.rows(tokens, response_lengths, groups))
         width = max(widths)
         return _cost(shape, len(widths) * width, len(widths) * width * width)
 
@@ -457,21 +487,29 @@ class LayoutChooser:
         names += ("shared_prompt",) if reason is None else ()
         return cls(names, shape, attn)
 
-    def pick(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> Layout:
+    def pick(
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> Layout:
         """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
-        prompts also weigh splitting a group into rows of 2, 4, 8, ... responses."""
+        prompts also weigh splitting a group into rows of 2, 4, 8, ... responses. `groups`: the
+        sequences' prompt groups when the caller has them (else computed here, once)."""
         options: list[Layout] = []
         for name in self.candidates:
             options.append(LAYOUTS[name])
             if name == "shared_prompt":
-                largest = max(map(len, prompt_groups(tokens, response_lengths)))
+                if groups is None:
+                    groups = prompt_groups(tokens, response_lengths)
+                largest = max(map(len, groups))
                 k = 2
                 while k < largest:
                     options.append(SharedPromptLayout(per_row=k))
                     k *= 2
         if len(options) == 1:
             return options[0]
-        costs = [o.cost(tokens, response_lengths, self.shape, self.attn) for o in options]
+        costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
         return options[costs.index(min(costs))]
 
     def choose(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> str:
@@ -479,7 +517,13 @@ class LayoutChooser:
         return self.pick(tokens, response_lengths).name
 
     def lay_out(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], *, pad_id: int = 0
+        self,
+        tokens: Sequence[Sequence[int]],
+        response_lengths: Sequence[int],
+        *,
+        pad_id: int = 0,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs:
         """`tokens` in the chosen layout."""
-        return self.pick(tokens, response_lengths).build(tokens, response_lengths, pad_id=pad_id)
+        layout = self.pick(tokens, response_lengths, groups=groups)
+        return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)

@@ -121,19 +121,32 @@ def lora_problems(cfg: RunConfig, model_path: str | None) -> list[Problem]:
             )
         )
     out += engine_lora_problems(cfg)
-    if model_path is not None:
-        names = linear_module_names(model_path)
-        if names is not None:
-            short = {n.rsplit(".", 1)[-1] for n in names}
-            missing = [t for t in lora.target_modules if t not in short]
-            if missing:
-                out.append(
-                    Problem(
-                        "train.lora.target_modules",
-                        f"{missing} are not linear layers of {model_path}",
-                        f"choose among {sorted(short)}",
-                    )
-                )
+    out += _target_problems(lora, model_path)
+    out += _served_adapter_problems(lora)
+    return out
+
+
+def _target_problems(lora: LoraSection, model_path: str | None) -> list[Problem]:
+    """`train.lora.target_modules` that are not linear layers of the model (when it can be read)."""
+    names = linear_module_names(model_path) if model_path is not None else None
+    if names is None:
+        return []
+    short = {n.rsplit(".", 1)[-1] for n in names}
+    missing = [t for t in lora.target_modules if t not in short]
+    if not missing:
+        return []
+    return [
+        Problem(
+            "train.lora.target_modules",
+            f"{missing} are not linear layers of {model_path}",
+            f"choose among {sorted(short)}",
+        )
+    ]
+
+
+def _served_adapter_problems(lora: LoraSection) -> list[Problem]:
+    """Extra adapters (`train.lora.serve`): a name clash with the trained one, or not a PEFT folder."""
+    out = []
     if lora.adapter_name in lora.serve:
         out.append(
             Problem(

@@ -24,13 +24,14 @@ from verst.trainer.algorithms.terms import LossTerm, compose, to_floats
 from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
-from verst.trainer.train.batch import TrainBatch, micro_batches, split_even
+from verst.trainer.train.batch import TrainBatch
 from verst.trainer.train.critic import Critic
 from verst.trainer.train.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
-from verst.trainer.train.layout import LayoutChooser, PackedInputs, prompt_keys
+from verst.trainer.train.layout import LayoutChooser, PackedInputs
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.train.lora import LoraState
 from verst.trainer.train.model import build_policy, build_reference, resolve_attn_implementation
+from verst.trainer.train.plan import MicroBatch, StepPlan
 from verst.trainer.train.state import TrainStateMixin
 from verst.trainer.train.step_detail import StepDetailCollector, StepRowDetail
 
@@ -215,41 +216,59 @@ class TrainSide(TrainStateMixin):
 
     # ------------------------------------------------------------ log-probs
 
+    def _plan(self, batch: TrainBatch) -> StepPlan:
+        """The step's split of `batch` (prompt groups, mini-batches, micro-batches), made once."""
+        return StepPlan.build(
+            batch,
+            micro_batch_size=self.cfg.micro_batch_size,
+            num_updates=self.cfg.num_updates_per_rollout,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+
     def _forward(
-        self, module: torch.nn.Module, batch: TrainBatch, rows: list[int], *, entropy: bool
+        self,
+        module: torch.nn.Module,
+        batch: TrainBatch,
+        rows: Sequence[int] | MicroBatch,
+        *,
+        entropy: bool,
+        plan: StepPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) `[len(rows), R]` of `rows`; a 1-token dummy for empty rows.
 
-        An empty micro-batch still runs a forward (FSDP collectives must line up across ranks);
-        the caller multiplies its loss by 0.
+        `rows` is a planned `MicroBatch` (its layout comes from `plan`, picked once per step) or
+        plain sample indices (laid out here). An empty micro-batch still runs a forward (FSDP
+        collectives must line up across ranks); the caller multiplies its loss by 0.
         """
         width = batch.max_response_len
-        if not rows:
+        if not (rows.rows if isinstance(rows, MicroBatch) else rows):
             seq = batch.tokens[0][:2]
             inputs = pack_sequences([seq], [1], packing=True)
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
-        inputs = chooser.lay_out([batch.tokens[i] for i in rows], [batch.response_lengths[i] for i in rows])
+        if isinstance(rows, MicroBatch) and plan is not None:
+            inputs = plan.inputs(chooser, batch, rows)
+        else:
+            idx = rows.rows if isinstance(rows, MicroBatch) else rows
+            inputs = chooser.lay_out([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
         self.layout_counts[inputs.layout] += 1
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
         lp = unflatten(lp, inputs.response_lengths, width)
         return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
 
     @torch.no_grad()
-    def _all_logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def _all_logprobs(
+        self, module: torch.nn.Module, batch: TrainBatch, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """Log-probs `[B, R]` of every sample (no grad), gathered from all ranks."""
+        plan = plan or self._plan(batch)
         out = torch.zeros(batch.loss_mask.shape)
-        for mb in micro_batches(
-            range(batch.num_samples),
-            self.cfg.micro_batch_size,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            keys=prompt_keys(batch.tokens, batch.response_lengths),
-        ):
-            lp, _ = self._forward(module, batch, mb, entropy=False)
-            if mb:
-                out[mb] = lp.float().cpu()
+        for mb in plan.all_micro_batches:
+            lp, _ = self._forward(module, batch, mb, entropy=False, plan=plan)
+            if mb.rows:
+                out[list(mb.rows)] = lp.float().cpu()
         if self.dist.distributed:
             import torch.distributed as dist
 
@@ -258,16 +277,16 @@ class TrainSide(TrainStateMixin):
             out = reduced.cpu()
         return out
 
-    def compute_old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_old_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor:
         """The current policy's log-probs `[B, R]` of the batch (before any update)."""
         was_training = self.bundle.module.training
         self.bundle.module.eval()
         try:
-            return self._all_logprobs(self.bundle.module, batch)
+            return self._all_logprobs(self.bundle.module, batch, plan)
         finally:
             self.bundle.module.train(was_training)
 
-    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+    def compute_ref_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor | None:
         """The frozen reference's log-probs `[B, R]`, or None when no reference is needed.
 
         With LoRA the reference is the policy with its adapter disabled (the frozen base)."""
@@ -277,10 +296,10 @@ class TrainSide(TrainStateMixin):
             module.eval()
             try:
                 with self.lora.adapter_disabled():
-                    return self._all_logprobs(module, batch)
+                    return self._all_logprobs(module, batch, plan)
             finally:
                 module.train(was_training)
-        return None if self.ref is None else self._all_logprobs(self.ref, batch)
+        return None if self.ref is None else self._all_logprobs(self.ref, batch, plan)
 
     # ------------------------------------------------------------ the step
 
@@ -294,15 +313,16 @@ class TrainSide(TrainStateMixin):
                 "the algorithm needs rollout log-probs (tis / use_rollout_logprobs_as_old) but the "
                 "engine returned none; request log-probs from the engine"
             )
-        ref_lp = self.compute_ref_logprobs(batch)
+        plan = self._plan(batch)  # prompt groups, mini- and micro-batches: once per step
+        ref_lp = self.compute_ref_logprobs(batch, plan)
         precompute_old = algo.needs_old_logprobs and (
             cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward
         )
-        old_all = self.compute_old_logprobs(batch) if precompute_old else None
+        old_all = self.compute_old_logprobs(batch, plan) if precompute_old else None
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
-        keys = prompt_keys(batch.tokens, batch.response_lengths)  # samples of a group: same micro-batch
+        keys = plan.keys  # the step's prompt groups (the critic splits by them too)
         values = self.critic.values(batch, keys) if self.critic is not None else None  # [B, R]
         advantages, returns = algo.compute_advantages_and_returns(batch.rewards, mask, kl=kl, values=values)
         for ext in self.extensions:
@@ -313,14 +333,15 @@ class TrainSide(TrainStateMixin):
         self.bundle.module.train()
         sums = _MetricSums()
         step_metrics: list[dict[str, float]] = []
-        updates = split_even(list(range(batch.num_samples)), cfg.num_updates_per_rollout)
+        updates = plan.updates
         policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
-        for u, rows in enumerate([] if policy_waits else updates):
+        planned = [] if policy_waits else list(zip(updates, plan.update_micro_batches, strict=True))
+        for u, (rows, mbs) in enumerate(planned):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
-            for mb in micro_batches(
-                rows, cfg.micro_batch_size, rank=self.dist.rank, world_size=self.dist.world_size, keys=keys
-            ):
-                self._micro_step(batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0)
+            for mb in mbs:
+                self._micro_step(
+                    batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0, plan=plan
+                )
             step_metrics.append(self._optimizer_step())
         metrics = reduce_metrics(sums.sums, sums.weights, _SUMMED, self.dist)
         n_updates = max(1, sum(1 for rows in updates if rows))
@@ -346,26 +367,27 @@ class TrainSide(TrainStateMixin):
         return None if self._detail is None else self._detail.detail
 
     def _forward_for_loss(
-        self, batch: TrainBatch, rows: list[int]
+        self, batch: TrainBatch, mb: MicroBatch, plan: StepPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """The micro-step forward: an extension's own (e.g. top-k OPD), else the default."""
         module = self.bundle.module
-        for ext in self.extensions if rows else ():
-            own = ext.forward(module, batch, rows)
+        for ext in self.extensions if mb.rows else ():
+            own = ext.forward(module, batch, list(mb.rows))
             if own is not None:
                 return own
-        lp, ent = self._forward(module, batch, rows, entropy=True)
+        lp, ent = self._forward(module, batch, mb, entropy=True, plan=plan)
         return lp, ent, {}
 
     def _micro_step(
         self,
         batch: TrainBatch,
-        rows: list[int],
+        mb: MicroBatch,
         norm: LossNorm,
         step: _StepTensors,
         sums: _MetricSums,
         *,
         at_old_weights: bool = True,
+        plan: StepPlan | None = None,
     ) -> None:
         """One micro-batch's forward, loss and backward; metrics accumulate into `sums`.
 
@@ -373,7 +395,8 @@ class TrainSide(TrainStateMixin):
         step's first update, before any optimizer step) — only then is `logprob_mismatch`
         (|old − rollout|) measured.
         """
-        lp, ent, extras = self._forward_for_loss(batch, rows)
+        rows = list(mb.rows)
+        lp, ent, extras = self._forward_for_loss(batch, mb, plan)
         if not rows:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
             self._backward(loss)
@@ -386,7 +409,7 @@ class TrainSide(TrainStateMixin):
         m = batch.loss_mask[rows].to(device)
         rl = rows_of(step.rollout)
         old = rows_of(step.old) if step.old is not None else lp.detach()
-        mb, pre = self.algo.micro_batch(
+        terms, pre = self.algo.micro_batch(
             lp,
             old if self.algo.needs_old_logprobs else None,
             rows_of(step.advantages),  # type: ignore[arg-type]
@@ -397,8 +420,8 @@ class TrainSide(TrainStateMixin):
             norm=norm,
             extras=extras,
         )
-        out = self.algo.loss_of(mb, pre)
-        extra_loss, extra_metrics = compose(self.extra_terms, mb)
+        out = self.algo.loss_of(terms, pre)
+        extra_loss, extra_metrics = compose(self.extra_terms, terms)
         loss = out.loss if extra_loss is None else out.loss + extra_loss
         metrics = {**out.metrics, **to_floats(extra_metrics)}
         self._backward(loss * self.dist.world_size)

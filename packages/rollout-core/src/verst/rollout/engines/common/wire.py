@@ -131,20 +131,8 @@ def _check_bounds(
             )
 
 
-def parse_generate(
-    body: Any,
-    tokenizer: Any,
-    *,
-    max_request_tokens: int | None = None,
-    max_request_sequences: int | None = None,
-) -> tuple[list[WireItem], bool, bool]:
-    """A /generate body → (items, is_batch, stream).
-
-    A call with more sequences (prompts × n) than `max_request_sequences`, or more tokens (each
-    sequence's prompt plus max_new_tokens) than `max_request_tokens`, is refused
-    (`RequestTooLarge`) before any request is built or queued.
-    """
-    _schema(isinstance(body, dict), "the request body must be a JSON object")
+def _prompts(body: dict[str, Any], tokenizer: Any) -> tuple[list[Any], bool]:
+    """The prompts' token ids (from `input_ids`, or `text` encoded) and whether it is a batch."""
     _check(("text" in body) != ("input_ids" in body), "give exactly one of 'text' and 'input_ids'")
     if "input_ids" in body:
         ids = body["input_ids"]
@@ -161,19 +149,29 @@ def parse_generate(
         _check(tokenizer is not None, "this server has no tokenizer; send input_ids")
         prompts = [tokenizer.encode(t) for t in texts]
     _check(bool(prompts), "empty batch")
+    return prompts, batch
+
+
+def _per_prompt(body: dict[str, Any], count: int, batch: bool) -> tuple[list[Any], list[str]]:
+    """Sampling params and rids, one per prompt (a single value applies to all)."""
     raw_sp = body.get("sampling_params") or {}
-    sps = raw_sp if isinstance(raw_sp, list) else [raw_sp] * len(prompts)
-    _check(len(sps) == len(prompts), "sampling_params list must match the batch size")
+    sps = raw_sp if isinstance(raw_sp, list) else [raw_sp] * count
+    _check(len(sps) == count, "sampling_params list must match the batch size")
     rids = body.get("rid")
     if rids is None:
-        rids = [new_rid() for _ in prompts]
+        rids = [new_rid() for _ in range(count)]
     elif isinstance(rids, str):
         _check(not batch, "rid must be a list of strings for a batch")
         rids = [rids]
     _check(
-        isinstance(rids, list) and len(rids) == len(prompts) and all(isinstance(r, str) for r in rids),
+        isinstance(rids, list) and len(rids) == count and all(isinstance(r, str) for r in rids),
         "rid must be a string (or a list of strings matching the batch)",
     )
+    return sps, rids
+
+
+def _logprob_options(body: dict[str, Any]) -> tuple[bool, bool, int, int, Any]:
+    """`(return_logprob, stream, logprob_start_len, top_logprobs_num, token_ids_logprob)`, checked."""
     flags = {"return_logprob": False, "stream": False}
     for key, default in flags.items():
         flags[key] = body.get(key, default)
@@ -184,14 +182,40 @@ def parse_generate(
     _check(start in (-1, 0), f"logprob_start_len must be -1 or 0 in verst serve, got {start}")
     token_ids = body.get("token_ids_logprob")
     _schema(token_ids is None or _int_list(token_ids), "token_ids_logprob must be a list of ints")
-    parsed = [_sampling(sp) for sp in sps]
-    _check_bounds(prompts, parsed, max_request_tokens, max_request_sequences)
+    return flags["return_logprob"], flags["stream"], start, top_n, token_ids
+
+
+def _loras(body: dict[str, Any], count: int) -> list[Any]:
+    """The LoRA adapter of each prompt (a single name or null applies to all)."""
     loras = body.get("lora_path")
-    loras = loras if isinstance(loras, list) else [loras] * len(prompts)
+    loras = loras if isinstance(loras, list) else [loras] * count
     _check(
-        len(loras) == len(prompts) and all(x is None or isinstance(x, str) for x in loras),
+        len(loras) == count and all(x is None or isinstance(x, str) for x in loras),
         "lora_path must be an adapter name (or a list of names / nulls matching the batch)",
     )
+    return loras
+
+
+def parse_generate(
+    body: Any,
+    tokenizer: Any,
+    *,
+    max_request_tokens: int | None = None,
+    max_request_sequences: int | None = None,
+) -> tuple[list[WireItem], bool, bool]:
+    """A /generate body → (items, is_batch, stream).
+
+    A call with more sequences (prompts × n) than `max_request_sequences`, or more tokens (each
+    sequence's prompt plus max_new_tokens) than `max_request_tokens`, is refused
+    (`RequestTooLarge`) before any request is built or queued.
+    """
+    _schema(isinstance(body, dict), "the request body must be a JSON object")
+    prompts, batch = _prompts(body, tokenizer)
+    sps, rids = _per_prompt(body, len(prompts), batch)
+    return_logprob, stream, start, top_n, token_ids = _logprob_options(body)
+    parsed = [_sampling(sp) for sp in sps]
+    _check_bounds(prompts, parsed, max_request_tokens, max_request_sequences)
+    loras = _loras(body, len(prompts))
     items: list[WireItem] = []
     for prompt, (params, n, skip, no_trim), rid, lora in zip(prompts, parsed, rids, loras, strict=True):
         for j in range(n):
@@ -199,14 +223,14 @@ def parse_generate(
                 input_ids=list(prompt),
                 sampling=params,
                 rid=rid if n == 1 else f"{rid}-{j}",
-                return_logprob=flags["return_logprob"],
+                return_logprob=return_logprob,
                 top_logprobs_num=top_n,
                 logprob_start_len=start,
                 token_ids_logprob=token_ids,
                 lora_path=lora or None,
             )
             items.append(WireItem(req, skip, no_trim))
-    return items, batch or len(items) > 1, flags["stream"]
+    return items, batch or len(items) > 1, stream
 
 
 def _pairs(rows: list[list[tuple[float, int]] | None] | None) -> list[Any] | None:

@@ -85,6 +85,33 @@ def growing_cache(config: Any) -> Any:
     return cache
 
 
+def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
+    """A `[batch, heads, cap, head_dim]` buffer holding `x` in its first columns."""
+    buf = x.new_empty((*x.shape[:2], cap, x.shape[-1]))
+    buf[:, :, : x.shape[2]] = x
+    return buf
+
+
+def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
+    """The column of buffers `kb`/`vb` where `k`/`v` start, when they are column views of them
+    (else None: the tensors were replaced, e.g. by a merge, and must be re-adopted)."""
+    if kb is None or vb is None or k is None or v is None:
+        return None
+    if k.shape[:2] != kb.shape[:2] or v.shape[:2] != vb.shape[:2]:
+        return None
+    if k.stride() != kb.stride() or v.stride() != vb.stride():
+        return None
+    # a view's offset into a buffer we still hold can only come from slicing that buffer
+    dk = (k.data_ptr() - kb.data_ptr()) // k.element_size()
+    dv = (v.data_ptr() - vb.data_ptr()) // v.element_size()
+    if dk < 0 or dk % kb.stride(2) or dv < 0 or dv % vb.stride(2):
+        return None
+    start = dk // kb.stride(2)
+    if start != dv // vb.stride(2) or start + k.shape[2] > kb.shape[2]:
+        return None
+    return start
+
+
 @functools.cache
 def _growing_layer_class() -> type:
     """`DynamicLayer` that writes each step's keys/values into spare capacity.
@@ -102,35 +129,18 @@ def _growing_layer_class() -> type:
         CHUNK = 64
         spare = CHUNK
         """Spare columns allocated past the current length (the batch lowers it to what it needs)."""
+        _kbuf: torch.Tensor | None = None
+        _vbuf: torch.Tensor | None = None
 
         def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
-            b, h, t, d = keys.shape
+            t = keys.shape[2]
             cap = t + extra + max(1, min(self.spare, self.CHUNK))
-            self._kbuf = keys.new_empty((b, h, cap, d))  # [batch, heads, capacity, head_dim]
-            self._vbuf = values.new_empty((b, h, cap, values.shape[-1]))
-            self._kbuf[:, :, :t] = keys
-            self._vbuf[:, :, :t] = values
+            self._kbuf, self._vbuf = _with_capacity(keys, cap), _with_capacity(values, cap)
             self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
 
         def _start(self) -> int | None:
             """The buffer column where `keys`/`values` start when they are views of the buffers."""
-            kb, vb = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
-            k, v = self.keys, self.values
-            if kb is None or vb is None or k is None or v is None:
-                return None
-            if k.shape[:2] != kb.shape[:2] or v.shape[:2] != vb.shape[:2]:
-                return None
-            if k.stride() != kb.stride() or v.stride() != vb.stride():
-                return None
-            # a view's offset into a buffer we still hold can only come from slicing that buffer
-            dk = (k.data_ptr() - kb.data_ptr()) // k.element_size()
-            dv = (v.data_ptr() - vb.data_ptr()) // v.element_size()
-            if dk < 0 or dk % kb.stride(2) or dv < 0 or dv % vb.stride(2):
-                return None
-            start = dk // kb.stride(2)
-            if start != dv // vb.stride(2) or start + k.shape[2] > kb.shape[2]:
-                return None
-            return start
+            return _view_start(self.keys, self.values, self._kbuf, self._vbuf)
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
