@@ -84,6 +84,9 @@ class GenerateRequest:
     """Also return the log-probs of these token ids at every position."""
     lora_path: str | None = None
     """The LoRA adapter to generate with, by its loaded name (SGLang's field name); None = base."""
+    images: tuple[Any, ...] = ()
+    """One `verst.rollout.multimodal.PromptImage` per image in `input_ids` (already expanded;
+    offsets index `input_ids`), in order. Empty = a text-only prompt."""
 
 
 @dataclass(slots=True)

@@ -55,6 +55,15 @@ __all__ = [
 ]
 
 
+class VisionSection(Section):
+    """Vision-language models (docs/vlm.md)."""
+
+    freeze: bool = Field(
+        True,
+        description="Freeze the vision tower (its projector and the language model train); false = train it too.",
+    )
+
+
 class TrainConfig(Section):
     """The policy model, its optimizer and how a step is computed."""
 
@@ -142,6 +151,9 @@ class TrainConfig(Section):
     )
     lora: LoraSection | None = Field(
         None, description="Train a LoRA adapter on the frozen model instead of every weight (None = full)."
+    )
+    vision: VisionSection = Field(
+        default_factory=VisionSection, description="Vision-language models: what of the vision side trains."
     )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(

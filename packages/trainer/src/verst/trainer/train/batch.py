@@ -57,6 +57,8 @@ class TrainBatch:
     record_rows: list[int] = field(default_factory=list)
     """Rows whose per-token values (advantages, the trainer's log-probs) the train step keeps for
     the run's trajectory recording (`TrainSide.step_detail`); empty = none."""
+    images: list[list[dict]] | None = None
+    """Per sample its `Sample.images` recipes (vision-language models; None when no sample has one)."""
 
     @property
     def num_samples(self) -> int:
@@ -181,6 +183,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         metrics=_batch_metrics(kept, samples, rewards, len(groups) - len(kept), reasons),
         opd=collate_opd(samples, width),
         sample_keys=[(s.group_index, s.sample_index) for s in samples],
+        images=[list(s.images or []) for s in samples] if any(s.images for s in samples) else None,
     )
 
 

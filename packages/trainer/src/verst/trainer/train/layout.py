@@ -61,6 +61,8 @@ class PackedInputs:
     """Response length of each sequence, in order (to unflatten the result)."""
     layout: str = "padded"
     """The layout's name (one of `LAYOUT_NAMES`)."""
+    vision: Any = None
+    """`verst.trainer.train.vision.VisionBatch` when the sequences hold images (None: text only)."""
 
 
 # ---------------------------------------------------------------- shapes and cost

@@ -168,6 +168,8 @@ class TrainSide(TrainStateMixin):
             self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
         )
         """The same for the separate reference (its own model may share prompts or not)."""
+        self.vision: Any = None
+        """The `MultimodalProcessor` of a vision-language model, built by the first batch with images."""
         self.layout_counts: Counter[str] = Counter()
         """Micro-batches run in each layout so far (all forwards)."""
         self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
@@ -248,10 +250,18 @@ class TrainSide(TrainStateMixin):
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
-        if isinstance(rows, MicroBatch) and plan is not None:
+        idx = rows.rows if isinstance(rows, MicroBatch) else rows
+        if batch.images is not None:  # vision-language: the same layouts, through the bank (docs/vlm.md)
+            from verst.trainer.train.vision import lay_out_batch, processor_for
+
+            tokens, resp = [batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx]
+            planned = isinstance(rows, MicroBatch) and plan is not None
+            layout = plan.layout(chooser, batch, rows) if planned else chooser.pick(tokens, resp)
+            self.vision = self.vision or processor_for(self.model_path)
+            inputs = lay_out_batch(layout, self.vision, tokens, resp, [batch.images[i] for i in idx])
+        elif isinstance(rows, MicroBatch) and plan is not None:
             inputs = plan.inputs(chooser, batch, rows)
         else:
-            idx = rows.rows if isinstance(rows, MicroBatch) else rows
             inputs = chooser.lay_out([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
         self.layout_counts[inputs.layout] += 1
         lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
