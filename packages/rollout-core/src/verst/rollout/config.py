@@ -58,6 +58,13 @@ class DataConfig(Section):
         "metadata", description="Row key holding a dict copied into sample.metadata."
     )
     apply_chat_template: bool = Field(False, description="Render prompts with the tokenizer's chat template.")
+    image_key: str = Field(
+        "images",
+        description="Row key holding the prompt's images (paths, base64 or data URLs; docs/vlm.md).",
+    )
+    image_dir: str | None = path_field(
+        None, description="Folder base64 images are written to (None = '<data file>.images/' beside it)."
+    )
     shuffle: bool = Field(True, description="Shuffle prompts every epoch.")
     seed: int = Field(0, description="Seed of the per-epoch shuffle.")
 

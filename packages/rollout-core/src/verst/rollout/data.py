@@ -41,10 +41,57 @@ def _check_messages(prompt: list[Any]) -> str | None:
     return None
 
 
+def _row_images(prompt: Any, row: dict[str, Any], config: DataConfig, where: str, path: Path | None) -> Any:
+    """The row's images (chat image parts, then `image_key`): (prompt with placeholders, images)."""
+    from verst.rollout.multimodal.rows import image_store_for, message_images, row_images
+
+    store = image_store_for(path, config.image_dir) if path is not None else None
+    base = path.parent if path is not None else None
+    images = []
+    if isinstance(prompt, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in prompt
+    ):
+        prompt, images = message_images(prompt, where=where, store=store, base_dir=base)
+    prompt, more = row_images(
+        prompt, row.get(config.image_key), where=where, key=config.image_key, store=store, base_dir=base
+    )
+    return prompt, images + more
+
+
+def _expand(
+    prompt: Any,
+    images: list[Any],
+    config: DataConfig,
+    where: str,
+    tokenizer: Any,
+    vision: Any,
+    limit: int | None,
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """A prompt with images → its model ids (image tokens expanded once, here) and recipes."""
+    from verst.rollout.multimodal.rows import tokenize_with_images
+
+    return tokenize_with_images(
+        prompt,
+        images,
+        where=where,
+        tokenizer=tokenizer,
+        vision=vision,
+        apply_chat_template=config.apply_chat_template,
+        max_prompt_tokens=limit,
+    )
+
+
 def _row_to_sample(
-    row: Any, config: DataConfig, where: str, tokenizer: Any, max_prompt_tokens: int | None = None
+    row: Any,
+    config: DataConfig,
+    where: str,
+    tokenizer: Any,
+    max_prompt_tokens: int | None = None,
+    vision: Any = None,
+    path: Path | None = None,
 ) -> Sample:
-    """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors."""
+    """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors. A row with
+    images is tokenized here, its image tokens expanded by `vision` (docs/vlm.md)."""
     if not isinstance(row, dict):
         raise DataError(
             f"{where}: the row is a JSON {type(row).__name__}, not an object; "
@@ -55,7 +102,7 @@ def _row_to_sample(
             f"{where}: the row has no {config.input_key!r} key (it has {sorted(row)}); "
             f"fix: add it to the row, or set data.input_key to the key that holds the prompt"
         )
-    prompt = row[config.input_key]
+    prompt, images = _row_images(row[config.input_key], row, config, where, path)
     if isinstance(prompt, list):
         bad = _check_messages(prompt)
         if bad:
@@ -82,6 +129,9 @@ def _row_to_sample(
                 f"fix: make it an object (it is copied into sample.metadata), or set data.metadata_key"
             )
     label = row.get(config.label_key) if config.label_key is not None else None
+    if images:
+        ids, recipes = _expand(prompt, images, config, where, tokenizer, vision, max_prompt_tokens)
+        return Sample(prompt=prompt, label=label, tokens=ids, images=recipes, metadata=dict(metadata))
     if config.apply_chat_template and tokenizer is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -103,7 +153,9 @@ def _row_to_sample(
     return Sample(prompt=prompt, label=label, metadata=dict(metadata), status=Status.PENDING)
 
 
-def _read_jsonl(path: Path, config: DataConfig, tokenizer: Any, limit: int | None) -> list[Sample]:
+def _read_jsonl(
+    path: Path, config: DataConfig, tokenizer: Any, limit: int | None, vision: Any = None
+) -> list[Sample]:
     samples = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -124,11 +176,13 @@ def _read_jsonl(path: Path, config: DataConfig, tokenizer: Any, limit: int | Non
                     f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
                     f"fix: write one complete JSON object per line"
                 ) from None
-            samples.append(_row_to_sample(row, config, where, tokenizer, limit))
+            samples.append(_row_to_sample(row, config, where, tokenizer, limit, vision, path))
     return samples
 
 
-def _read_parquet(path: Path, config: DataConfig, tokenizer: Any, limit: int | None) -> list[Sample]:
+def _read_parquet(
+    path: Path, config: DataConfig, tokenizer: Any, limit: int | None, vision: Any = None
+) -> list[Sample]:
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as exc:
@@ -142,11 +196,14 @@ def _read_parquet(path: Path, config: DataConfig, tokenizer: Any, limit: int | N
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc}); fix: rewrite it with pyarrow") from exc
-    return [_row_to_sample(row, config, f"{path}:row {i}", tokenizer, limit) for i, row in enumerate(rows, 1)]
+    return [
+        _row_to_sample(row, config, f"{path}:row {i}", tokenizer, limit, vision, path)
+        for i, row in enumerate(rows, 1)
+    ]
 
 
 def load_prompt_samples(
-    config: DataConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+    config: DataConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None, vision: Any = None
 ) -> list[Sample]:
     """Every prompt of a dataset as PENDING samples, in file order (or shuffled with `seed`).
 
@@ -162,9 +219,9 @@ def load_prompt_samples(
         raise DataError(f"{path}: no such file; fix: check data.path (relative paths are from the cwd)")
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        samples = _read_jsonl(path, config, tokenizer, max_prompt_tokens)
+        samples = _read_jsonl(path, config, tokenizer, max_prompt_tokens, vision)
     elif suffix in PARQUET_SUFFIXES:
-        samples = _read_parquet(path, config, tokenizer, max_prompt_tokens)
+        samples = _read_parquet(path, config, tokenizer, max_prompt_tokens, vision)
     else:
         raise DataError(
             f"{path}: unknown file type {suffix!r}; fix: use one of {[*JSONL_SUFFIXES, *PARQUET_SUFFIXES]}"
@@ -175,7 +232,11 @@ def load_prompt_samples(
 
 
 def build_eval_datasets(
-    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+    eval_config: EvalConfig,
+    *,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    vision: Any = None,
 ) -> dict[str, list[Sample]]:
     """Named eval sets (one PENDING sample per prompt; the strategy makes the groups).
 
@@ -183,7 +244,9 @@ def build_eval_datasets(
     """
     out = {}
     for name, ds in eval_config.datasets.items():
-        out[name] = load_prompt_samples(ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens)
+        out[name] = load_prompt_samples(
+            ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
+        )
         if not out[name]:
             raise DataError(
                 f"{ds.path}: eval dataset {name!r} has no rows; fix: add prompts to it, or remove "
@@ -206,7 +269,9 @@ class PromptDataSource:
         *,
         tokenizer: Any = None,
         max_prompt_tokens: int | None = None,
+        vision: Any = None,
     ) -> None:
+        """`vision`: the model's `MultimodalProcessor`, for rows with images (docs/vlm.md)."""
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         self.config = config
@@ -215,7 +280,7 @@ class PromptDataSource:
         """Samples per group."""
         file_config = config.model_copy(update={"shuffle": False})
         self._prompts = load_prompt_samples(
-            file_config, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens
+            file_config, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
         )
         if not self._prompts:
             raise DataError(f"{config.path}: the dataset has no rows; fix: add prompts to it")

@@ -115,11 +115,17 @@ def build_data_source(
     *,
     tokenizer: Any = None,
     max_prompt_tokens: int | None = None,
+    vision: Any = None,
 ) -> Any:
-    """The training `DataSource` of `rollout.data` (`max_prompt_tokens` bounds file prompts)."""
+    """The training `DataSource` of `rollout.data` (`max_prompt_tokens` bounds file prompts;
+    `vision` is the model's `MultimodalProcessor`, which rows with images need)."""
     if config.source == FILE:
         return PromptDataSource(
-            config, n_samples_per_prompt, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens
+            config,
+            n_samples_per_prompt,
+            tokenizer=tokenizer,
+            max_prompt_tokens=max_prompt_tokens,
+            vision=vision,
         )
     cls, options = _build(config, "rollout.data")
     return cls(
@@ -128,14 +134,22 @@ def build_data_source(
 
 
 def build_eval_sets(
-    eval_config: EvalConfig, *, tokenizer: Any = None, max_prompt_tokens: int | None = None
+    eval_config: EvalConfig,
+    *,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    vision: Any = None,
 ) -> dict[str, list[Sample]]:
     """Named eval sets (one PENDING sample per prompt), from files or finite generated sources."""
     out: dict[str, list[Sample]] = {}
     for name, ds in eval_config.datasets.items():
         if ds.source == FILE:
             one = EvalConfig(datasets={name: ds})
-            out.update(build_eval_datasets(one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens))
+            out.update(
+                build_eval_datasets(
+                    one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
+                )
+            )
             continue
         cls, options = _build(ds, f"rollout.eval.datasets.{name}")
         out[name] = cls(options, 1, tokenizer=tokenizer, apply_chat_template=ds.apply_chat_template).samples()

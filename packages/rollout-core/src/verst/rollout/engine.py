@@ -92,6 +92,9 @@ class GenerateRequest:
     with the `routing_replay` capability)."""
     routed_experts_start_len: int = 0
     """First position whose routing is returned (SGLang's; 0 = the whole sequence)."""
+    images: tuple[Any, ...] = ()
+    """One `verst.rollout.multimodal.PromptImage` per image in `input_ids` (already expanded;
+    offsets index `input_ids`), in order. Empty = a text-only prompt."""
 
 
 @dataclass(slots=True)

@@ -123,6 +123,8 @@ def reset_sample(sample: Sample, *, keep_attempt: bool = False) -> Sample:
     sample.status = Status.PENDING
     sample.weight_versions = []
     sample.token_versions = None
+    if sample.images:  # an image a multi-turn episode appended after the prompt goes with it
+        sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
     for key in _RUN_METADATA_KEYS:
         if not (keep_attempt and key == "attempt"):
             sample.metadata.pop(key, None)
@@ -138,6 +140,15 @@ def sample_adapter(sample: Sample, key: str) -> str | None:
     """The LoRA adapter a sample names in `metadata[key]` (multi-LoRA), or None (the default)."""
     name = sample.metadata.get(key)
     return None if name is None or name == "" else str(name)
+
+
+def request_images(sample: Sample) -> tuple[Any, ...]:
+    """The sample's images as the engine takes them (`PromptImage` recipes; empty for text)."""
+    if not sample.images:
+        return ()
+    from verst.rollout.multimodal.processor import PromptImage
+
+    return tuple(PromptImage.from_dict(d) for d in sample.images)
 
 
 def prompt_token_ids(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -204,6 +215,7 @@ class SingleTurnGenerate:
             rid=f"{request_prefix(state)}-{sample.sample_index}-{attempt}",
             lora_path=sample_adapter(sample, config.lora_key),
             return_routed_experts=config.return_routed_experts,
+            images=request_images(sample),
         )
         output = await state.engine.generate(request)
         return self.apply_output(state, sample, output, previous_len)

@@ -105,6 +105,9 @@ class RolloutContext:
     """Named eval sets: prompt samples (PENDING, one per prompt)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """The effective environment (`resolve_extra_env_vars`); never read `os.environ` instead."""
+    vision: Any = None
+    """The model's `verst.rollout.multimodal.MultimodalProcessor` (vision-language models; None =
+    text only): expands the image tokens of images in environment observations."""
     v1_args: Mapping[str, Any] = field(default_factory=dict)
     """Extra settings for v1 functions' `args` (e.g. `hf_checkpoint`, `sglang_router_ip`,
     `sglang_router_port`); see `verst.rollout.v1_args.build_v1_args`."""

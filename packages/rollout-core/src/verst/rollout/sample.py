@@ -85,6 +85,10 @@ class Sample:
     """Index of this sample's group (prompt) within its rollout."""
     sample_index: int | None = None
     """Index of this sample within all samples of its rollout (unique, stable)."""
+    images: list[dict[str, Any]] | None = None
+    """Images in `tokens` (vision-language models): per image its file `path`, `sha256`, token
+    `offset` and `length`, and the processor's output `shapes` — the recipe the engine and the
+    trainer rebuild the pixels from (`verst.rollout.multimodal.PromptImage`), never the pixels."""
 
     # ---- slime / miles names (the v1 ABI): the same data under the names their functions use
     Status: ClassVar[type[Status]] = Status

@@ -30,7 +30,7 @@ from verst.rollout.logging_utils import log_first_sample, log_rollout_finish, sa
 from verst.rollout.protocols import DataSource, GenerateState
 from verst.rollout.sample import Sample, Status
 from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
-from verst.rollout.strategies.inference import max_waves, sample_metrics
+from verst.rollout.strategies.inference import RolloutStalledError, max_waves, sample_metrics
 from verst.rollout.v1_args import V1Args, build_v1_args
 from verst.rollout_legacy.runtime import LegacyRuntime, runtime_of
 
@@ -160,6 +160,8 @@ async def _train_rollout(
                     unused.append(group)
                 else:
                     _classify(group, filters, args.reward_key, kept, unused, tally)
+        if not kept and tally["wave_limit_hit"]:
+            raise _stall_error(rollout_id, target, tally, max_waves(rt.config))
     except RolloutFailedError:
         unused.extend(failed_groups)  # handed back as fresh prompts: none is lost
         raise
@@ -173,6 +175,19 @@ async def _train_rollout(
         log_first_sample(logger, kept[0][0], label=f"v1 rollout {rollout_id}")
     log_rollout_finish(logger, rollout_id, metrics)
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+def _stall_error(rollout_id: int, target: int, tally: Counter[str], wave_limit: int) -> RolloutStalledError:
+    """The default strategy's error when the wave bound is hit with nothing kept."""
+    reasons = ", ".join(
+        f"{k[len('dropped/') :]}={v}" for k, v in sorted(tally.items()) if k.startswith("dropped/")
+    )
+    return RolloutStalledError(
+        f"v1 rollout {rollout_id}: pulled {tally['waves']} waves ({tally['finished_groups']} groups finished) "
+        f"and kept 0 of {target} groups — the others were dropped ({reasons or 'none'}). With nonzero_std "
+        "this means the task is solved (all rewards in a group equal); fix: stop training, remove the "
+        f"filter from rollout.dynamic_filters, or raise rollout.max_waves_per_rollout (now {wave_limit})"
+    )
 
 
 def _classify(

@@ -56,6 +56,15 @@ __all__ = [
 ]
 
 
+class VisionSection(Section):
+    """Vision-language models (docs/vlm.md)."""
+
+    freeze: bool = Field(
+        True,
+        description="Freeze the vision tower (its projector and the language model train); false = train it too.",
+    )
+
+
 class TrainConfig(Section):
     """The policy model, its optimizer and how a step is computed."""
 
@@ -147,6 +156,9 @@ class TrainConfig(Section):
     moe: MoeSection = Field(
         default_factory=MoeSection,
         description="Mixture-of-experts models: routing replay (R3/R2), load-balancing loss (docs/moe.md).",
+    )
+    vision: VisionSection = Field(
+        default_factory=VisionSection, description="Vision-language models: what of the vision side trains."
     )
     seed: int = Field(0, description="Seed of torch/numpy/python RNGs on the train side.")
     num_threads: int | None = Field(

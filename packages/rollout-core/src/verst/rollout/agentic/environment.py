@@ -76,6 +76,10 @@ class Observation:
     tools: tuple[dict[str, Any], ...] = ()
     """JSON schemas of the tools, passed as the chat template's `tools=` when a first
     observation (from `reset`) is rendered from messages."""
+    images: tuple[Any, ...] = ()
+    """Images (`PIL.Image`, path or base64) for the `<image>` placeholders of the observation, in
+    order; a vision-language model sees them, and their tokens are masked out of the loss like
+    the rest of the observation (docs/vlm.md)."""
 
     @property
     def is_empty(self) -> bool:

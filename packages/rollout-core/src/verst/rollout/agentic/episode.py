@@ -38,6 +38,7 @@ from verst.rollout.agentic.environment import (
     StepResult,
     TerminationReason,
 )
+from verst.rollout.agentic.images import expand_observation
 from verst.rollout.agentic.render import as_observation, observation_ids, prompt_ids
 from verst.rollout.agentic.tracing import EpisodeTrace, episode_trace
 from verst.rollout.agentic.trajectory import append_turn, mask_turns_before, segments_of
@@ -197,8 +198,13 @@ class AgenticGenerate:
                 )
             else:
                 sample.tokens = sample.tokens[: sample.prompt_length]
+            if sample.images:  # the prompt's own images stay; earlier observations' go
+                sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
         else:
-            sample.tokens = prompt_ids(state.tokenizer, obs)
+            ids, images = expand_observation(
+                state.context.vision, obs, prompt_ids(state.tokenizer, obs), offset=0
+            )
+            sample.tokens, sample.images = ids, images or None
         sample.response_length = 0
         sample.response = ""
         sample.loss_mask = None
@@ -284,6 +290,9 @@ class AgenticGenerate:
                 obs_ids = (
                     observation_ids(state.tokenizer, obs) if obs is not None and not obs.is_empty else []
                 )
+                obs_ids, obs_images = expand_observation(
+                    state.context.vision, obs, obs_ids, offset=len(sample.tokens)
+                )
                 if budget is not None and len(sample.tokens) + len(obs_ids) > budget:
                     detail["status"] = "max_tokens"
                     return TerminationReason.MAX_TOKENS
@@ -294,6 +303,8 @@ class AgenticGenerate:
                     if text is None and state.tokenizer is not None:
                         text = state.tokenizer.decode(obs_ids)
                     append_turn(sample, obs_ids, None, False, text=text, turn=turn)
+                    if obs_images:
+                        sample.images = [*(sample.images or []), *obs_images]
                 detail["obs_tokens"] = len(obs_ids)
                 detail["status"] = "continue"
             except BaseException as exc:
@@ -315,6 +326,8 @@ class AgenticGenerate:
         meta = sample.metadata[STATE_KEY]
         k = meta["requests"]
         meta["requests"] = k + 1
+        from verst.rollout.generate import request_images
+
         request = GenerateRequest(
             input_ids=list(sample.tokens),
             sampling=sampling,
@@ -322,6 +335,7 @@ class AgenticGenerate:
             return_routed_experts=state.config.return_routed_experts,
             # only the positions this call adds (the earlier ones are recorded already)
             routed_experts_start_len=sample.routed_experts.tokens if sample.routed_experts is not None else 0,
+            images=request_images(sample),
         )
         waited = time.perf_counter()
         if self.semaphore_scope == "episode":
@@ -398,6 +412,8 @@ def _model_turns(sample: Sample) -> int:
 def _reset_episode(sample: Sample) -> None:
     """Back to the prompt: no turns, no episode state."""
     sample.tokens = sample.tokens[: sample.prompt_length]
+    if sample.images:
+        sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
     sample.response_length = 0
     sample.response = ""
     sample.loss_mask = None

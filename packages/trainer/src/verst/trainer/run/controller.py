@@ -205,14 +205,13 @@ class Trainer:
                 t0 = time.perf_counter()
                 self._phase("rollout")
                 try:
-                    result = self._rollout(step)
+                    result, groups = self._shared_rollout(step)
                 except RolloutInterrupted:
-                    summary.checkpoint = self._checkpoint(step)
+                    summary.checkpoint = self._checkpoint(step)  # every rank: the same collectives
                     break
                 except RolloutError:
                     summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
                     raise
-                groups = broadcast_object(result.groups if result else None, self.dist)
                 t1 = time.perf_counter()
                 self._phase("train")
                 metrics, batch = self._train_and_record(step, result, groups)
@@ -317,6 +316,33 @@ class Trainer:
         if isinstance(self.rollout, RolloutSide):
             return self.rollout.rollout(step, self.sync.weight_version, stop=lambda: self.stop.requested)
         return self.rollout.rollout(step, self.sync.weight_version)
+
+    def _shared_rollout(self, step: int) -> tuple[RolloutResult | None, Any]:
+        """Rank 0's rollout and its groups on every rank. A rollout that fails or is stopped on
+        rank 0 fails or stops every rank the same way, at once: the outcome travels in the same
+        broadcast as the groups would, so no rank is left waiting for groups that never come."""
+        result, error = None, None
+        try:
+            result = self._rollout(step)
+        except (RolloutInterrupted, RolloutError) as exc:
+            error = exc
+        if not self.dist.distributed:
+            if error is not None:
+                raise error
+            return result, result.groups if result else None
+        if error is None:
+            mine: tuple[str, Any] = ("ok", result.groups if result else None)
+        else:
+            kind = "stopped" if isinstance(error, RolloutInterrupted) else "failed"
+            mine = (kind, f"{type(error).__name__}: {error}")
+        kind, payload = broadcast_object(mine, self.dist)
+        if error is not None:
+            raise error
+        if kind == "stopped":
+            raise RolloutInterrupted(f"rank 0's rollout was stopped: {payload}")
+        if kind == "failed":
+            raise RolloutError(f"rank 0's rollout failed, so this rank stops too: {payload}")
+        return result, payload
 
     def _phase(self, name: str) -> None:
         if self.dist.is_main:

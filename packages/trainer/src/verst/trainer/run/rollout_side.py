@@ -143,8 +143,9 @@ class RolloutSide:
 
             strategy_engine = DefaultAdapterEngine(self.engine, config.train.lora.adapter_name)  # type: ignore[assignment]
         limit = rc.max_context_len or model_context_length(model_path)
+        vision = vision_processor(model_path, self.tokenizer, config.run.output_dir)
         self.data_source = build_data_source(
-            rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit
+            rc.data, rc.n_samples_per_prompt, tokenizer=self.tokenizer, max_prompt_tokens=limit, vision=vision
         )
         reward_fn, group_reward_fn = build_reward_fns(rc)
         self.strategy_path = resolve_strategy_path(rc, env)
@@ -156,8 +157,11 @@ class RolloutSide:
             reward_fn=reward_fn,
             group_reward_fn=group_reward_fn,
             sink=sink or NoopSink(),
-            eval_datasets=build_eval_sets(rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit),
+            eval_datasets=build_eval_sets(
+                rc.eval, tokenizer=self.tokenizer, max_prompt_tokens=limit, vision=vision
+            ),
             env=dict(env),
+            vision=vision,
             v1_args=v1_args_for(config, model_path),
         )
         self.has_eval = bool(context.eval_datasets)
@@ -313,6 +317,28 @@ def _describe_engine(config: RunConfig, engine: InferenceEngine) -> str:
     return repr(engine)
 
 
+def vision_processor(model_path: str, tokenizer: Any, output_dir: str) -> Any:
+    """The `MultimodalProcessor` of a vision-language model (None for a text-only one); images
+    that arrive without a file (base64, rendered by an environment) go to `<output_dir>/images`."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from verst.rollout.multimodal.families import is_vision_config
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+    if not is_vision_config(config):
+        return None
+    from verst.rollout.multimodal.images import ImageStore
+    from verst.rollout.multimodal.processor import MultimodalProcessor
+
+    store = ImageStore(Path(output_dir) / "images")
+    return MultimodalProcessor.from_pretrained(model_path, tokenizer, config, store=store)
+
+
 def model_context_length(model_path: str) -> int | None:
     """`max_position_embeddings` of a local model's config.json (None when unknown)."""
     import json
@@ -320,7 +346,10 @@ def model_context_length(model_path: str) -> int | None:
 
     config = Path(model_path) / "config.json"
     try:
-        value = json.loads(config.read_text()).get("max_position_embeddings")
+        data = json.loads(config.read_text())
+        value = data.get("max_position_embeddings") or (data.get("text_config") or {}).get(
+            "max_position_embeddings"
+        )
     except (OSError, ValueError):
         return None
     return int(value) if isinstance(value, int) and value > 0 else None

@@ -61,6 +61,8 @@ class TrainBatch:
     routed_experts: list[Any] = field(default_factory=list)
     """Per sample, the engine's recorded MoE routing (`RoutedExperts`, or None), for
     `train.moe.routing_replay = 'rollout'`; empty when no sample carried any."""
+    images: list[list[dict]] | None = None
+    """Per sample its `Sample.images` recipes (vision-language models; None when no sample has one)."""
 
     @property
     def num_samples(self) -> int:
@@ -188,6 +190,7 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         routed_experts=[s.routed_experts for s in samples]
         if any(s.routed_experts is not None for s in samples)
         else [],
+        images=[list(s.images or []) for s in samples] if any(s.images for s in samples) else None,
     )
 
 

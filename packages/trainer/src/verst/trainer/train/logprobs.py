@@ -152,8 +152,14 @@ class PolicyLogprobs(nn.Module):
         if mask is not None and mask.dim() == 4:  # shared prompt: bool -> additive (SDPA and eager)
             mask = additive_mask(mask, param.dtype if param.dtype.is_floating_point else torch.float32)
         decoder = self.policy.get_decoder()
+        ids = inputs.input_ids.to(device)
+        tokens = (
+            {"input_ids": ids}
+            if inputs.vision is None
+            else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
+        )
         out = decoder(
-            input_ids=inputs.input_ids.to(device),
+            **tokens,
             position_ids=inputs.position_ids.to(device),
             attention_mask=mask,
             use_cache=False,

@@ -190,6 +190,16 @@ def engine_lora_problems(cfg: RunConfig) -> list[Problem]:
 # ---------------------------------------------------------------- the model
 
 
+def _vision_exclude(hf: Any) -> str | None:
+    """A vision-language model's adapters go on its language model only: the vision tower and
+    projector modules are excluded (PEFT's `exclude_modules`, a regex over module names)."""
+    from verst.rollout.multimodal.families import is_vision_config
+
+    if not is_vision_config(hf.config):
+        return None
+    return r".*(vision_tower|vision_model|multi_modal_projector|connector)\b.*"
+
+
 def apply_lora(hf: Any, lora: LoraSection) -> Any:
     """Wrap a Hugging Face model with a fresh PEFT adapter; only adapter params require grad."""
     peft = require_peft()
@@ -198,6 +208,7 @@ def apply_lora(hf: Any, lora: LoraSection) -> Any:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
+        exclude_modules=_vision_exclude(hf),
         bias="none",
         task_type="CAUSAL_LM",
     )

@@ -59,10 +59,11 @@ def load_hf_model(
     refused instead of trained on log-probs that disagree with the engine's.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+
+    from verst.rollout.multimodal.families import auto_model_class
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_model_class(path).from_pretrained(
             path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
         )
     except (OSError, ValueError, SafetensorError) as exc:  # not on the Hub, offline, unknown, corrupt
@@ -189,6 +190,7 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
         # non-reentrant: recomputes correctly when the frozen embeddings' output needs no grad (LoRA)
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.config.use_cache = False
+    _freeze_vision(hf, cfg, model_path)
     if cfg.lora is not None:
         from verst.trainer.train.lora import apply_lora
 
@@ -247,6 +249,19 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     inner = accelerator.unwrap_model(prepared)
     sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
     return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding, peft_model)
+
+
+def _freeze_vision(hf: nn.Module, cfg: TrainConfig, model_path: str) -> None:
+    """`train.vision.freeze`: a vision-language model's vision tower gets no gradients."""
+    from verst.rollout.multimodal.families import FAMILIES
+
+    kind = FAMILIES.get(getattr(hf.config, "model_type", ""))
+    if kind is None or not cfg.vision.freeze:
+        return
+    from verst.rollout.multimodal.families import LlavaFamily
+
+    tower = hf.model.vision_tower if kind == LlavaFamily.name else hf.model.vision_model
+    tower.requires_grad_(False)
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:

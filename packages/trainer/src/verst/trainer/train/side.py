@@ -171,6 +171,8 @@ class TrainSide(TrainStateMixin):
             self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
         )
         """The same for the separate reference (its own model may share prompts or not)."""
+        self.vision: Any = None
+        """The `MultimodalProcessor` of a vision-language model, built by the first batch with images."""
         self.layout_counts: Counter[str] = Counter()
         """Micro-batches run in each layout so far (all forwards)."""
         self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
@@ -274,13 +276,20 @@ class TrainSide(TrainStateMixin):
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
         chooser = self.ref_layout if module is self.ref else self.layout
         idx = list(rows.rows) if isinstance(rows, MicroBatch) else list(rows)
-        toks, lens = [batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx]
         groups = rows.groups if isinstance(rows, MicroBatch) else None
-        if isinstance(rows, MicroBatch) and plan is not None:
-            layout = plan.layout(chooser, batch, rows)
+        tokens, resp = [batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx]
+        planned = isinstance(rows, MicroBatch) and plan is not None
+        if batch.images is not None:  # vision-language: the same layouts, through the bank (docs/vlm.md)
+            from verst.trainer.train.vision import lay_out_batch, processor_for
+
+            layout = plan.layout(chooser, batch, rows) if planned else chooser.pick(tokens, resp)
+            self.vision = self.vision or processor_for(self.model_path)
+            inputs = lay_out_batch(layout, self.vision, tokens, resp, [batch.images[i] for i in idx])
         else:
-            layout = chooser.pick(toks, lens, groups=groups)
-        inputs = layout.build(toks, lens, groups=groups)
+            layout = (
+                plan.layout(chooser, batch, rows) if planned else chooser.pick(tokens, resp, groups=groups)
+            )
+            inputs = layout.build(tokens, resp, groups=groups)
         self.layout_counts[inputs.layout] += 1
         with self._moe(layout, idx, phase, module, groups):
             lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)

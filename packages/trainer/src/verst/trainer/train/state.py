@@ -51,7 +51,10 @@ class TrainStateMixin:
         self.bundle.hf_model.save_pretrained(path, state_dict=sd)
         source = Path(self.model_path)
         for name in source.iterdir() if source.is_dir() else ():
-            wanted = "token" in name.name or name.name == "generation_config.json"
+            wanted = "token" in name.name or name.name in (
+                "generation_config.json",
+                "preprocessor_config.json",
+            )
             if name.is_file() and wanted and not (path / name.name).exists():
                 shutil.copy2(name, path / name.name)
 

@@ -213,6 +213,7 @@ def parse_generate(
     *,
     max_request_tokens: int | None = None,
     max_request_sequences: int | None = None,
+    vision: Any = None,
 ) -> tuple[list[WireItem], bool, bool]:
     """A /generate body → (items, is_batch, stream).
 
@@ -222,6 +223,7 @@ def parse_generate(
     """
     _schema(isinstance(body, dict), "the request body must be a JSON object")
     prompts, batch = _prompts(body, tokenizer)
+    prompts, images = _expand_images(body, prompts, batch, vision)
     sps, rids = _per_prompt(body, len(prompts), batch)
     return_logprob, stream, start, top_n, token_ids = _logprob_options(body)
     parsed = [_sampling(sp) for sp in sps]
@@ -229,9 +231,12 @@ def parse_generate(
     loras = _loras(body, len(prompts))
     routed, routed_start = _routing_options(body, prompts)
     items: list[WireItem] = []
-    for prompt, (params, n, skip, no_trim), rid, lora in zip(prompts, parsed, rids, loras, strict=True):
+    for prompt, (params, n, skip, no_trim), rid, lora, imgs in zip(
+        prompts, parsed, rids, loras, images, strict=True
+    ):
         for j in range(n):
             req = GenerateRequest(
+                images=imgs,
                 input_ids=list(prompt),
                 sampling=params,
                 rid=rid if n == 1 else f"{rid}-{j}",
@@ -245,6 +250,33 @@ def parse_generate(
             )
             items.append(WireItem(req, skip, no_trim))
     return items, batch or len(items) > 1, stream
+
+
+def _expand_images(
+    body: dict[str, Any], prompts: list[list[int]], batch: bool, vision: Any
+) -> tuple[list[list[int]], list[tuple[Any, ...]]]:
+    """sglang's `image_data` beside placeholder ids → expanded ids and recipes per prompt."""
+    if body.get("image_data") in (None, []):
+        return prompts, [() for _ in prompts]
+    from verst.rollout.multimodal.images import ImageError
+    from verst.rollout.multimodal.wire import images_of
+
+    try:
+        per_prompt = images_of(body, len(prompts), batch=batch)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if vision is None:
+        raise InvalidRequest("image_data was given to a text-only model; serve a vision-language checkpoint")
+    ids_out, images_out = [], []
+    for k, (prompt, raw) in enumerate(zip(prompts, per_prompt, strict=True)):
+        try:
+            resolved = [vision.resolve(x, what=f"image_data[{k}][{j}]") for j, x in enumerate(raw)]
+            expanded = vision.expand(prompt, resolved)
+        except ImageError as exc:
+            raise InvalidRequest(str(exc)) from None
+        ids_out.append(expanded.input_ids)
+        images_out.append(tuple(expanded.images))
+    return ids_out, images_out
 
 
 def _pairs(rows: list[list[tuple[float, int]] | None] | None) -> list[Any] | None:
@@ -319,6 +351,11 @@ def request_json(req: GenerateRequest) -> dict[str, Any]:
     if req.return_routed_experts:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = req.routed_experts_start_len
+    if req.images:  # sglang's form: placeholders in the ids, the images beside them
+        from verst.rollout.multimodal.wire import collapse_ids, image_data
+
+        body["input_ids"] = collapse_ids(req.input_ids, req.images)
+        body["image_data"] = image_data(req.images)
     return body
 
 

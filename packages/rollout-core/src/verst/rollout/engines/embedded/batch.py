@@ -28,7 +28,9 @@ from verst.rollout.engines.embedded.sampling import (
     sample,
     top_logprobs,
 )
+from verst.rollout.engines.embedded.vision import prefill_kwargs
 from verst.rollout.moe import RouterHooks
+from verst.rollout.multimodal.processor import image_key
 
 
 @dataclass(slots=True)
@@ -200,16 +202,16 @@ def _inv_temp(row: Row) -> float:
 
 
 def share_groups(rows: list[Row]) -> tuple[list[int], list[int]]:
-    """Rows with the same prompt and adapter share one prefill.
+    """Rows with the same prompt, adapter and images (hash and place) share one prefill.
 
     Returns (`unique`: index in `rows` of the first row of each distinct (prompt, adapter), in
     order; `source`: for every row, the position in `unique` of the row it shares with).
     """
-    first: dict[tuple[tuple[int, ...], str | None], int] = {}
+    first: dict[tuple[Any, ...], int] = {}
     unique: list[int] = []
     source: list[int] = []
     for i, r in enumerate(rows):
-        key = (tuple(r.request.input_ids), r.request.lora_path)
+        key = (tuple(r.request.input_ids), r.request.lora_path, image_key(r.request.images))
         if key not in first:
             first[key] = len(unique)
             unique.append(i)
@@ -253,9 +255,12 @@ class DecodeBatch:
         self.last: torch.Tensor | None = None  # [batch] long; sampled, not yet fed
         self.sampling: BatchSampling | None = None
         self.device = next(model.parameters()).device
-        self.vocab = int(model.config.vocab_size)
+        cfg = model.config
+        self.vocab = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).vocab_size)
         self.adapters: Any = None
         """LoRA adapters (`verst.rollout.engines.embedded.lora.EngineAdapters`), told each forward's rows."""
+        self.vision: Any = None
+        """The `MultimodalProcessor` of a vision-language model (None: text only)."""
         self.share_prefix = True
         """Prefill rows with the same prompt and adapter once (see `admit`)."""
         self.prefill_rows = 0
@@ -281,7 +286,8 @@ class DecodeBatch:
         """`max_new_tokens = 0`: one forward over the prompt, no padding; fills prompt scores."""
         ids = torch.tensor([row.request.input_ids], device=self.device)  # [1, prompt]
         self._route([row])
-        logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [prompt, vocab]
+        inputs = prefill_kwargs(self.vision, self.model, ids, [row])
+        logits = self.model(**inputs, use_cache=False).logits[0]  # [prompt, vocab]
         if self.routers is not None:
             row.routing = [self.routers.take_rows()]
         if _wants_input(row) or row.request.top_logprobs_num or row.request.token_ids_logprob:
@@ -313,7 +319,7 @@ class DecodeBatch:
         full = any(_wants_input(r) for r in rows)
         self._route(firsts)
         out = self.model(
-            input_ids=ids,
+            **prefill_kwargs(self.vision, self.model, ids, firsts),
             attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,

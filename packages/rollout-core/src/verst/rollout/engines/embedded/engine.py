@@ -57,6 +57,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         model_path: str | None = None,
         weight_version: int = 0,
         prefix_sharing: bool = True,
+        vision: Any = None,
     ) -> None:
         """Serve `model` (a transformers causal LM, put in eval mode here).
 
@@ -64,7 +65,9 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         decoded together (more requests wait in the queue); `batch_wait_s` is how long an idle
         engine waits for companions of a first request before prefilling (restarted by each new
         arrival, at most `BATCH_WAIT_CAP` times in total); `prefix_sharing` prefills the requests
-        of one admission that have the same prompt (and adapter) once, copying the result to each.
+        of one admission that have the same prompt (and adapter, and images) once, copying the
+        result to each; `vision` is the `MultimodalProcessor` of a vision-language model (requests
+        with `images` need it).
         """
         require("torch", extra="local", feature=LOCAL_FEATURE)
         from verst.rollout.engines.embedded.batch import DecodeBatch
@@ -76,7 +79,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
-        cfg = model.config
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_len = int(context_len or getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(cfg.vocab_size)
         self._eos = self._eos_ids()
@@ -84,6 +87,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         pad = pad if pad is not None else getattr(cfg, "pad_token_id", None)
         self._batch = DecodeBatch(model, int(pad or 0), tokenizer)
         self._batch.share_prefix = prefix_sharing
+        self.vision = self._batch.vision = vision
         self._weight_version = weight_version
         self._cond = threading.Condition()
         self._pending: list[Any] = []
@@ -131,14 +135,23 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         transformers = require("transformers", extra="local", feature=LOCAL_FEATURE)
         if num_threads:
             torch.set_num_threads(num_threads)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype)
-        ).to(_resolve_device(device))
+        from verst.rollout.multimodal.families import auto_model_class, is_vision_config
+
+        model = (
+            auto_model_class(str(path))
+            .from_pretrained(str(path), dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+            .to(_resolve_device(device))
+        )
         from verst.rollout.engines.embedded.attention import use_grouped_sdpa
 
-        use_grouped_sdpa(model)  # the engine owns this model: grouped KV heads without copies
         if tokenizer is None or isinstance(tokenizer, str | Path):
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer or path))
+        if is_vision_config(model.config):
+            from verst.rollout.multimodal.processor import MultimodalProcessor
+
+            kwargs.setdefault("vision", MultimodalProcessor.from_pretrained(path, tokenizer, model.config))
+        else:
+            use_grouped_sdpa(model)  # the engine owns this model: grouped KV heads without copies
         return cls(model, tokenizer, model_path=str(path), **kwargs)
 
     # ---- the protocol ------------------------------------------------------------------------
@@ -321,6 +334,12 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
             problems.append(
                 f"the prompt has {len(ids)} tokens, more than the context length {self.context_len}"
             )
+        if ids and request.images:
+            from verst.rollout.engines.embedded.vision import image_problem
+
+            bad_image = image_problem(self.vision, ids, request.images)
+            if bad_image:
+                problems.append(bad_image)
         if s.max_new_tokens < 0:
             problems.append(f"max_new_tokens must be >= 0, got {s.max_new_tokens}")
         if not (math.isfinite(s.temperature) and s.temperature >= 0):  # NaN fails every comparison
@@ -389,10 +408,12 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         return fut
 
     def _read_checkpoint(self, path: str) -> dict[str, Any]:
-        transformers = require("transformers", extra="local", feature=LOCAL_FEATURE)
+        require("transformers", extra="local", feature=LOCAL_FEATURE)
         dtype = next(self.model.parameters()).dtype
         try:
-            fresh = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            from verst.rollout.multimodal.families import auto_model_class
+
+            fresh = auto_model_class(path).from_pretrained(path, dtype=dtype)
         except Exception as exc:
             raise InvalidRequest(f"update_weights_from_disk: cannot load {path!r}: {exc}") from exc
         return fresh.state_dict()

@@ -51,6 +51,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             state.engine.tokenizer,
             max_request_tokens=request.app[MAX_REQUEST_TOKENS],
             max_request_sequences=request.app[MAX_REQUEST_SEQUENCES],
+            vision=getattr(state.engine, "vision", None),
         )
         state.refuse_if_released("generate")
     except InvalidRequest as exc:

@@ -125,12 +125,16 @@ class OpenAIFrontend:
     async def chat(self, body: Any) -> dict[str, Any]:
         """`/v1/chat/completions` → a `chat.completion` object."""
         req: ChatRequest = parse_request(ChatRequest, body)
+        req, images = self._chat_images(req)
         prompt = self.render_chat(req)
+        if images:  # image_url parts: expanded once, by the model's processor (docs/vlm.md)
+            expanded = self.engine.vision.expand(prompt, images)
+            prompt, images = expanded.input_ids, tuple(expanded.images)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.context_len - len(prompt)) if self.context_len else 256
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        outs = await self._generate(req, [prompt] * req.n, max_tokens, top, "chat.completions")
+        outs = await self._generate(req, [prompt] * req.n, max_tokens, top, "chat.completions", images)
         parse_tools = self.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
         choices = []
         for idx, out in enumerate(outs):
@@ -174,6 +178,25 @@ class OpenAIFrontend:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
+    def _chat_images(self, req: ChatRequest) -> tuple[ChatRequest, list[Any]]:
+        """Messages with `image_url` parts → `<image>` placeholders in their text, and the images."""
+        if not any(
+            isinstance(m.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in m["content"])
+            for m in req.messages
+        ):
+            return req, []
+        if getattr(self.engine, "vision", None) is None:
+            raise OpenAIError("image_url parts were given to a text-only model", param="messages")
+        from verst.rollout.multimodal.images import ImageError
+        from verst.rollout.multimodal.rows import message_images
+
+        try:
+            messages, images = message_images(list(req.messages), where="messages", store=None, base_dir=None)
+        except ImageError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
+        return req.model_copy(update={"messages": messages}), images
+
     def render_chat(self, req: ChatRequest) -> list[int]:
         """The prompt ids of a chat request: the tokenizer's chat template over the messages."""
         tok = self._need_tokenizer()
@@ -200,7 +223,13 @@ class OpenAIFrontend:
         return [int(i) for i in ids]
 
     async def _generate(
-        self, req: BaseRequest, prompts: list[list[int]], max_tokens: int, top: int, endpoint: Any
+        self,
+        req: BaseRequest,
+        prompts: list[list[int]],
+        max_tokens: int,
+        top: int,
+        endpoint: Any,
+        images: tuple[Any, ...] = (),
     ) -> list[GenerateOutput]:
         limit = self.context_len
         for p in prompts:
@@ -232,6 +261,7 @@ class OpenAIFrontend:
                     rid=f"{rid}-{i}",
                     return_logprob=True,
                     top_logprobs_num=top,
+                    images=images,
                 )
             )
         try:
