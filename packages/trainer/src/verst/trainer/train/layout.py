@@ -39,6 +39,10 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 LAYOUT_NAMES = ("padded", "packed", "shared_prompt")
+Seqs = Sequence[Sequence[int]]
+"""Token ids of several sequences."""
+Groups = Sequence[Sequence[int]] | None
+"""Prompt groups (positions sharing a prompt), when the caller has them; None = compute."""
 """The concrete layouts; `train.layout` also takes 'auto'."""
 
 
@@ -90,7 +94,7 @@ class DecoderShape:
         return cls(layer_params=attn + 3 * h * inter, attn_width=heads * head_dim)
 
 
-def prompt_groups(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[list[int]]:
+def prompt_groups(tokens: Seqs, response_lengths: Sequence[int]) -> list[list[int]]:
     """Indices of the sequences, grouped by identical prompt, in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
@@ -98,7 +102,7 @@ def prompt_groups(tokens: Sequence[Sequence[int]], response_lengths: Sequence[in
     return list(groups.values())
 
 
-def prompt_keys(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
+def prompt_keys(tokens: Seqs, response_lengths: Sequence[int]) -> list[int]:
     """A group id per sequence: equal ids = identical prompts (for `batch.micro_batches`)."""
     keys = [0] * len(tokens)
     for gid, members in enumerate(prompt_groups(tokens, response_lengths)):
@@ -107,7 +111,7 @@ def prompt_keys(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]
     return keys
 
 
-def _check(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> None:
+def _check(tokens: Seqs, response_lengths: Sequence[int]) -> None:
     if len(tokens) != len(response_lengths):
         raise ValueError(f"{len(tokens)} sequences but {len(response_lengths)} response lengths")
     if any(r > 0 and r >= len(t) for t, r in zip(tokens, response_lengths, strict=True)):
@@ -125,21 +129,16 @@ class Layout(Protocol):
     name: ClassVar[str]
 
     def build(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        *,
-        pad_id: int = 0,
-        groups: Sequence[Sequence[int]] | None = None,
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
     ) -> PackedInputs: ...
 
     def cost(
         self,
-        tokens: Sequence[Sequence[int]],
+        tokens: Seqs,
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
-        groups: Sequence[Sequence[int]] | None = None,
+        groups: Groups = None,
     ) -> float: ...
 
 
@@ -149,12 +148,7 @@ class PaddedLayout:
     name: ClassVar[str] = "padded"
 
     def build(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        *,
-        pad_id: int = 0,
-        groups: Sequence[Sequence[int]] | None = None,
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         width = max(len(t) for t in tokens)
@@ -179,11 +173,11 @@ class PaddedLayout:
 
     def cost(
         self,
-        tokens: Sequence[Sequence[int]],
+        tokens: Seqs,
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
-        groups: Sequence[Sequence[int]] | None = None,
+        groups: Groups = None,
     ) -> float:
         lengths = [len(t) for t in tokens]
         width = max(lengths)
@@ -202,12 +196,7 @@ class PackedLayout:
     name: ClassVar[str] = "packed"
 
     def build(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        *,
-        pad_id: int = 0,
-        groups: Sequence[Sequence[int]] | None = None,
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         ids, pos, gather, targets, offset = [], [], [], [], 0
@@ -230,11 +219,11 @@ class PackedLayout:
 
     def cost(
         self,
-        tokens: Sequence[Sequence[int]],
+        tokens: Seqs,
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
-        groups: Sequence[Sequence[int]] | None = None,
+        groups: Groups = None,
     ) -> float:
         lengths = [len(t) for t in tokens]
         total = sum(lengths)
@@ -254,12 +243,7 @@ class SharedPromptLayout:
     per_row: int | None = None
     """Most responses in one row (None = the whole group)."""
 
-    def rows(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        groups: Sequence[Sequence[int]] | None = None,
-    ) -> list[list[int]]:
+    def rows(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> list[list[int]]:
         """The sequences of each row: `groups` (default: `prompt_groups`), split by `per_row`."""
         out = []
         for g in prompt_groups(tokens, response_lengths) if groups is None else map(list, groups):
@@ -271,21 +255,14 @@ class SharedPromptLayout:
                 start = end
         return out
 
-    def row_widths(
-        self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], rows: list[list[int]]
-    ) -> list[int]:
+    def row_widths(self, tokens: Seqs, response_lengths: Sequence[int], rows: list[list[int]]) -> list[int]:
         """Length of each of `rows` (prompt + its responses)."""
         return [
             len(tokens[g[0]]) - response_lengths[g[0]] + sum(response_lengths[i] for i in g) for g in rows
         ]
 
     def build(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        *,
-        pad_id: int = 0,
-        groups: Sequence[Sequence[int]] | None = None,
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         groups = self.rows(tokens, response_lengths, groups)
@@ -330,11 +307,11 @@ class SharedPromptLayout:
 
     def cost(
         self,
-        tokens: Sequence[Sequence[int]],
+        tokens: Seqs,
         response_lengths: Sequence[int],
         shape: DecoderShape,
         attn: str,
-        groups: Sequence[Sequence[int]] | None = None,
+        groups: Groups = None,
     ) -> float:
         widths = self.row_widths(tokens, response_lengths, self.rows(tokens, response_lengths, groups))
         width = max(widths)
@@ -489,12 +466,7 @@ class LayoutChooser:
         names += ("shared_prompt",) if reason is None else ()
         return cls(names, shape, attn)
 
-    def pick(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        groups: Sequence[Sequence[int]] | None = None,
-    ) -> Layout:
+    def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
         """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
         prompts also weigh splitting a group into rows of 2, 4, 8, ... responses. `groups`: the
         sequences' prompt groups when the caller has them (else computed here, once)."""
@@ -514,17 +486,12 @@ class LayoutChooser:
         costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
         return options[costs.index(min(costs))]
 
-    def choose(self, tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> str:
+    def choose(self, tokens: Seqs, response_lengths: Sequence[int]) -> str:
         """The name of the layout `pick` takes."""
         return self.pick(tokens, response_lengths).name
 
     def lay_out(
-        self,
-        tokens: Sequence[Sequence[int]],
-        response_lengths: Sequence[int],
-        *,
-        pad_id: int = 0,
-        groups: Sequence[Sequence[int]] | None = None,
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
     ) -> PackedInputs:
         """`tokens` in the chosen layout."""
         layout = self.pick(tokens, response_lengths, groups=groups)

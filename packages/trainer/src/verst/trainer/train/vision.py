@@ -1,4 +1,4 @@
-"""Vision inputs in the trainer: any layout of `verst.trainer.layout`, with images.
+"""Vision inputs in the trainer: any layout of `verst.trainer.train.layout`, with images.
 
 A layout moves tokens around (one packed row, padded rows, one row per shared prompt), so the
 image-feature positions move too. Rather than teach every layout about images, the sequences
