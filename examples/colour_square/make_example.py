@@ -5,7 +5,7 @@ Why: a vision-language RL task that learns on CPU in minutes, with everything ma
 coloured square (red, green, blue or yellow; random size, place and background); the prompt is
 `<image>colour?` and the answer the square's colour.
 
-    uv run python examples/colour_square/make_example.py      # ~2-4 min on 2 cores
+    uv run python examples/colour_square/make_example.py      # 200 SFT steps; ~55 min at load 15-20 here
 
 Writes `data/images/*.png`, `data/train.jsonl`, `data/eval.jsonl` (held-out images),
 `model/init/` (random init) and `model/warm_start/`: a *mixed-rule* SFT in which each target is

@@ -113,6 +113,32 @@ def _encode(tokenizer: Any, cfg: SftConfig, prompt: str, response: str) -> tuple
     return [*prompt_ids, *response_ids, tokenizer.eos_token_id], len(prompt_ids)
 
 
+def _draw(encoded: list[Any], order: list[int], rng: random.Random, size: int) -> list[Any]:
+    """The next `size` examples of shuffled passes over `encoded` (`order`: what this pass has left)."""
+    batch = []
+    for _ in range(size):
+        if not order:
+            order.extend(range(len(encoded)))
+            rng.shuffle(order)
+        batch.append(encoded[order.pop()])
+    return batch
+
+
+def _collate(batch: list[tuple[list[int], int]], pad: int) -> tuple[Any, Any, Any]:
+    """Right-padded `(input_ids, attention_mask, labels)` `[batch, seq]`; labels -100 on prompts and padding."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)  # [batch, seq]
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)  # [batch, seq]
+    attention = torch.zeros((len(batch), width), dtype=torch.long)  # [batch, seq]
+    for i, (ids, n_prompt) in enumerate(batch):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        attention[i, : len(ids)] = 1
+    return input_ids, attention, labels
+
+
 def run_sft(cfg: SftConfig, *, log: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
     """Fine-tune `cfg.model_path` on `cfg.data_path`, save to `cfg.output_dir`; return a summary.
     Bad paths are one `ConfigError` (`sft_problems`) before the model loads."""
@@ -138,20 +164,7 @@ def run_sft(cfg: SftConfig, *, log: Callable[[int, dict[str, float]], None] | No
     start = time.perf_counter()
     losses: list[float] = []
     for step in range(1, cfg.steps + 1):
-        batch = []
-        for _ in range(cfg.batch_size):
-            if not order:
-                order = list(range(len(encoded)))
-                rng.shuffle(order)
-            batch.append(encoded[order.pop()])
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)  # [batch, seq]
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)  # [batch, seq]
-        attention = torch.zeros((len(batch), width), dtype=torch.long)  # [batch, seq]
-        for i, (ids, n_prompt) in enumerate(batch):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-            attention[i, : len(ids)] = 1
+        input_ids, attention, labels = _collate(_draw(encoded, order, rng, cfg.batch_size), pad)
         out = model(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)
         )
