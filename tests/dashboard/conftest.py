@@ -1,5 +1,6 @@
-"""One headless browser for every browser test of this folder (a session fixture: starting
-chromium costs seconds). Found, skipped or failed as `browser_testlib` says; launched with the
+"""One headless browser per browser test module (a module fixture: starting chromium costs
+seconds; Playwright's sync API keeps an event loop running on the main thread while it is open,
+so it must be closed before the next module's asyncio tests run). Found, skipped or failed as `browser_testlib` says; launched with the
 flags that keep chromium off the network (this machine's network is closed)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ CHROMIUM_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 
