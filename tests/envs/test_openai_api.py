@@ -131,7 +131,7 @@ def test_chat_tool_call_round_trip_with_exact_ids_and_logprobs(client, hf):
         ("chat", {"messages": []}, "messages"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text-only model"),
         ("completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ("completions", {"prompt": "x" * 300}, "maximum context length"),
         ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
