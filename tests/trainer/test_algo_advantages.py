@@ -18,6 +18,8 @@ from verst.trainer.algorithms import ADVANTAGE_ESTIMATORS, AlgorithmConfig, buil
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=60, deadline=None)
+# the estimators that work from rewards alone (GAE needs a critic's values: tests/trainer/test_algo_gae.py)
+GROUP_ESTIMATORS = [name for name, cls in ADVANTAGE_ESTIMATORS.items() if not cls.needs_values]
 
 
 # ----------------------------------------------------------------------------- references
@@ -183,7 +185,7 @@ def test_reinforce_pp_matches_reference(b, gamma, est):
     close(got, ref_reinforce_pp(rewards, mask, kl, 0.05, est, gamma), tol=1e-4)
 
 
-@pytest.mark.parametrize("kind", list(ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("kind", GROUP_ESTIMATORS)
 @SETTINGS
 @given(
     G=st.integers(1, 4),
@@ -218,7 +220,7 @@ def test_reinforce_pp_single_sample_groups_still_learn():
 
 
 def test_empty_mask_rows_and_fully_empty_batch():
-    for kind in ADVANTAGE_ESTIMATORS:
+    for kind in GROUP_ESTIMATORS:
         algo = build_algorithm(AlgorithmConfig(advantage=kind))
         out = algo.compute_advantages(torch.tensor([[1.0, 0.0]]), torch.zeros(2, 3))
         assert torch.equal(out, torch.zeros(2, 3)), kind

@@ -177,7 +177,7 @@ def test_its_fields_are_validated_like_any_section(tmp_path, tiny_checkpoint):
     assert "float64" in got["engine.compute_dtype"].why
     assert "engine.label" in got["engine.labl"].fix  # the closest of the engine's own keys
     with pytest.raises(ConfigError) as err:
-        load_run_config(path, ['engine.type="vllm"'])
+        load_run_config(path, ['engine.type="trtllm"'])
     (problem,) = err.value.problems
     assert problem.key == "engine.type" and "sglang_launch" in problem.why and "import path" in problem.why
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):

@@ -184,12 +184,18 @@ def extend_routing(
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"})
+"""Router classes whose forward returns `(router_logits, top_k_weights, top_k_index)`, the shape
+the hooks read. Other families' routers return other tuples (GraniteMoE: index first), so their
+models are treated as not recordable rather than misread."""
+
+
 def find_routers(model: Any) -> list[tuple[int, Any]]:
-    """`(decoder layer index, router module)` of every MoE router (a `*TopKRouter` with `top_k`
-    and a `weight`); empty for a dense model."""
+    """`(decoder layer index, router module)` of every supported MoE router (`ROUTER_CLASSES`);
+    empty for a dense model or an unsupported MoE family."""
     out = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
+        if type(module).__name__ in ROUTER_CLASSES and hasattr(module, "top_k"):
             found = _LAYER.search(name + ".")
             if found is not None:
                 out.append((int(found.group(1)), module))
