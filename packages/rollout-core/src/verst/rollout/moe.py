@@ -184,7 +184,9 @@ def extend_routing(
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"})
+ROUTER_CLASSES = frozenset(
+    {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"}
+)
 """Router classes whose forward returns `(router_logits, top_k_weights, top_k_index)`, the shape
 the hooks read. Other families' routers return other tuples (GraniteMoE: index first), so their
 models are treated as not recordable rather than misread."""
