@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from fair_floor import FairFloor, Rollout, check_against_hf  # noqa: E402
+from fair_floor import FairFloor, Rollout, check_against_hf
 
 
 def _llama(heads: int, kv_heads: int):
