@@ -131,7 +131,9 @@ def test_dashboard_numbers_equal_the_run_files(browser, finished_run):
                 if e["rollout_id"] == step - 1 and e["kind"] == "attempt_start"
             }
             assert page.locator("#timeline-count").get_attribute("data-attempts") == str(len(attempts))
-        assert page.locator("#timeline-chart .bars path").count() >= len(attempts)
+        # one queued bar per attempt row, and each attempt's generating span drawn
+        assert page.locator("#timeline-chart rect.queued").count() == len(attempts)
+        assert page.locator("#timeline-chart rect.gen").count() >= len(attempts)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         shot = ARTIFACTS / "dashboard_timeline.png"
         page.screenshot(path=str(shot))
