@@ -84,6 +84,9 @@ function embedded(path, params) {
 
 const runPath = (id, view) => `/api/runs/${id}/${view}`;
 
+// the latest time of each milestone (read by benchmarks/dashboard_load.py; one entry per name)
+const mark = (name) => { performance.clearMarks(`verst:${name}`); performance.mark(`verst:${name}`); };
+
 let plotlyLoad = null;
 function plotly() {
   // plotly.js, loaded once on first use (a report has it inline already)
@@ -99,7 +102,8 @@ function plotly() {
   plotlyLoad ||= new Promise((resolve, reject) => {
     const s = document.createElement("script");
     s.src = "static/plotly.min.js";
-    s.onload = () => resolve(window.Plotly);
+    mark("plotly-start");
+    s.onload = () => { mark("plotly-ready"); resolve(window.Plotly); };
     s.onerror = () => { plotlyLoad = null; reject(new Error("could not load static/plotly.min.js")); };
     document.head.appendChild(s);
   });
@@ -344,8 +348,6 @@ async function poll() {
 }
 
 // ------------------------------------------------------------------ start
-
-const mark = (name) => performance.mark(`verst:${name}`);  // read by benchmarks/dashboard_load.py
 
 async function main() {
   mark("start");

@@ -45,10 +45,12 @@ function ticks(lo, hi, target) {
 }
 
 function tooltip(svg, text) {
-  // one tooltip per chart; `text(target)` gives the HTML for the element under the pointer (or null)
+  // one tooltip per chart; `text(target, x, y)` gives the HTML for the element / point (in the
+  // chart's coordinates) under the pointer, or null
   const tip = svg.parentElement.querySelector(".chart-tip") || svg.parentElement.appendChild(Object.assign(document.createElement("div"), { className: "chart-tip" }));
   svg.addEventListener("mousemove", (e) => {
-    const html = text(e.target);
+    const at = svg.getBoundingClientRect();
+    const html = text(e.target, e.clientX - at.left, e.clientY - at.top);
     if (html == null) { tip.hidden = true; return; }
     const box = svg.parentElement.getBoundingClientRect();
     tip.innerHTML = html; tip.hidden = false;
@@ -58,37 +60,59 @@ function tooltip(svg, text) {
   svg.addEventListener("mouseleave", () => (tip.hidden = true));
 }
 
-function timelineSvg(t, width) {
-  // the SVG text of a step's rows; every element carries its row (data-r) for the tooltip
+function timelineGeometry(t, width) {
+  // the x / y mapping of a step's rows (shared by the drawing and the hover lookup)
   const rows = t.rows, rowH = rows.length > 200 ? 8 : 18, left = 110, top = 40, right = 20;
-  const height = top + rowH * rows.length + 10;
   const xMax = Math.max(1e-3, ...rows.map((r) => Math.max(r.end, ...r.sub.map((s) => s.end))));
   const w = Math.max(100, width - left - right);
-  const X = (v) => (left + (Math.max(0, v) / xMax) * w).toFixed(1);
-  const W = (s, e) => Math.max(0.5, ((e - s) / xMax) * w).toFixed(1);
+  return { rows, rowH, left, top, w, xMax, height: top + rowH * rows.length + 10, X: (v) => left + (Math.max(0, v) / xMax) * w };
+}
+
+function timelineSvg(t, g) {
+  // one <path> per colour (a subpath per bar): a step's thousands of bars are a handful of
+  // elements, so drawing and style recalculation stay cheap; `timelineHit` finds what is hovered
+  const { rows, rowH, left, top, w, xMax, height, X } = g;
   const kinds = [...new Set(rows.flatMap((r) => r.sub.map((s) => s.kind)))];
   const statuses = [...new Set(rows.map((r) => r.status))];  // scoring is hatched in the status colour
   const defs = `<defs>${statuses.map((st, k) => hatch(`tl-hatch-${k}`, STATUS_COLORS[st] || "#444")).join("")}</defs>`;
-  const parts = [];
-  const bar = (cls, i, s, e, h, dy, style) => parts.push(`<rect class="${cls}" data-r="${i}" x="${X(s)}" y="${(top + i * rowH + dy).toFixed(1)}" width="${W(s, e)}" height="${h.toFixed(1)}" ${style}/>`);
+  const paths = new Map();  // key -> [attributes, subpaths]
+  const bar = (key, attrs, s, e, y, h) => {
+    if (!paths.has(key)) paths.set(key, [attrs, []]);
+    const x0 = X(s), bw = Math.max(0.5, X(e) - x0);
+    paths.get(key)[1].push(`M${x0.toFixed(1)} ${y.toFixed(1)}h${bw.toFixed(1)}v${h.toFixed(1)}h${(-bw).toFixed(1)}z`);
+  };
+  const links = [];
   rows.forEach((r, i) => {
-    const color = STATUS_COLORS[r.status] || "#444", h = rowH * 0.8, dy = rowH * 0.1;
-    bar("queued", i, r.start, r.queued_end, h, dy, `fill="${QUEUED_COLOR}"`);
-    r.gen.forEach(([s, e]) => bar("gen", i, s, e, h, dy, `fill="${color}"`));
-    if (r.score_start != null) bar("score", i, r.score_start, r.end, h, dy, `fill="url(#tl-hatch-${statuses.indexOf(r.status)})"`);
-    r.sub.forEach((s, k) => {
+    const k = statuses.indexOf(r.status), y = top + i * rowH + rowH * 0.1, h = rowH * 0.8;
+    bar("queued", `fill="${QUEUED_COLOR}"`, r.start, r.queued_end, y, h);
+    r.gen.forEach(([s, e]) => bar(`gen s${k}`, `fill="${STATUS_COLORS[r.status] || "#444"}"`, s, e, y, h));
+    if (r.score_start != null) bar(`score s${k}`, `fill="url(#tl-hatch-${k})"`, r.score_start, r.end, y, h);
+    r.sub.forEach((s) => {
       const c = kinds.indexOf(s.kind);
-      parts.push(`<rect class="sub" data-r="${i}" data-k="${k}" x="${X(s.start)}" y="${(top + i * rowH + rowH * (c % 2 ? 0.55 : 0.15)).toFixed(1)}" width="${W(s.start, s.end)}" height="${(rowH * 0.3).toFixed(1)}" fill="${SUB_COLORS[c % SUB_COLORS.length]}"/>`);
+      bar(`sub k${c}`, `fill="${SUB_COLORS[c % SUB_COLORS.length]}"`, s.start, s.end, top + i * rowH + rowH * (c % 2 ? 0.55 : 0.15), rowH * 0.3);
     });
     const j = r.retry_of == null ? -1 : r.retry_of - t.offset;
-    if (j >= 0 && j < rows.length) parts.push(`<line class="retry" x1="${X(rows[j].end)}" y1="${top + (j + 0.5) * rowH}" x2="${X(r.start)}" y2="${top + (i + 0.5) * rowH}" stroke="#333" stroke-dasharray="2 2"/>`);
+    if (j >= 0 && j < rows.length) links.push(`M${X(rows[j].end).toFixed(1)} ${top + (j + 0.5) * rowH}L${X(r.start).toFixed(1)} ${top + (i + 0.5) * rowH}`);
   });
   const every = Math.ceil(rows.length / MAX_ROW_LABELS);
   const labels = rows.map((r, i) => (i % every ? "" : `<text x="${left - 6}" y="${top + (i + 0.5) * rowH + 3}" text-anchor="end">${esc(rowLabel(r))}</text>`)).join("");
   const xt = ticks(0, xMax, 8).map((v) => `<line x1="${X(v)}" x2="${X(v)}" y1="${top - 4}" y2="${height}" stroke="#eceff3"/><text x="${X(v)}" y="${top - 8}" text-anchor="middle">${v}</text>`).join("");
-  return { kinds, svg: `<svg ${SVG_NS} class="tl" width="${width}" height="${height}" font-size="10">${defs}${xt}
+  const bars = [...paths].map(([key, [attrs, d]]) => `<path class="${key}" ${attrs} d="${d.join("")}"/>`).join("");
+  const retry = links.length ? `<path class="retry" stroke="#333" stroke-dasharray="2 2" fill="none" d="${links.join("")}"/>` : "";
+  return { kinds, svg: `<svg ${SVG_NS} class="tl" width="${left + w + 20}" height="${height}" font-size="10">${defs}${xt}
     <text x="${left + w / 2}" y="12" text-anchor="middle" font-size="12">seconds since the step's first attempt_start</text>
-    <g class="labels">${labels}</g><g class="bars">${parts.join("")}</g></svg>` };
+    <g class="labels">${labels}</g><g class="bars">${bars}${retry}</g></svg>` };
+}
+
+function timelineHit(g, x, y) {
+  // the row (and sub-span) under the point (x, y) of the chart, or null
+  const i = Math.floor((y - g.top) / g.rowH);
+  const r = g.rows[i];
+  if (!r) return null;
+  const v = ((x - g.left) / g.w) * g.xMax, frac = (y - g.top) / g.rowH - i;
+  const sub = r.sub.find((s) => v >= s.start && v <= s.end && frac >= 0.15 && frac <= 0.85);
+  if (sub) return subText(r, sub);
+  return v >= r.start && v <= r.end ? hoverText(r) : null;
 }
 
 function timelineLegend(rows, kinds) {
@@ -114,15 +138,11 @@ async function renderTimeline() {
   if (step !== state.step) return;  // a newer selection superseded this one
   mark("timeline-data");
   const el = $("#timeline-chart");
-  const { kinds, svg } = timelineSvg(t, el.clientWidth || 1200);
+  const g = timelineGeometry(t, el.clientWidth || 1200);
+  const { kinds, svg } = timelineSvg(t, g);
   el.innerHTML = svg;
   const rows = t.rows;
-  tooltip(el.querySelector("svg"), (target) => {
-    const i = target.dataset ? target.dataset.r : undefined;
-    if (i == null) return null;
-    const r = rows[Number(i)];
-    return target.dataset.k != null ? subText(r, r.sub[Number(target.dataset.k)]) : hoverText(r);
-  });
+  tooltip(el.querySelector("svg"), (_, x, y) => timelineHit(g, x, y));
   $("#timeline-legend").innerHTML = timelineLegend(rows, kinds);
   const counts = Object.entries(t.summary.status_counts).map(([k, v]) => `${v} ${k}`).join(", ");
   $("#timeline-count").textContent = `${t.total} attempts`;
@@ -148,7 +168,7 @@ function drawStepsChart() {
   const steps = rows.map((r) => r.step);
   const lo = Math.min(...steps, 1) - 0.5, hi = Math.max(...steps, 1) + 0.5;
   const X = (s) => left + ((s - lo) / (hi - lo)) * (width - left - 10);
-  const bw = Math.max(1, ((width - left - 10) / Math.max(1, hi - lo)) * 0.8);
+  const bw = Math.min(48, Math.max(1, ((width - left - 10) / Math.max(1, hi - lo)) * 0.8));
   const Y = (v) => top + h - (v / yMax) * h;
   const bars = rows.map((r, i) => {
     let acc = 0;
