@@ -26,7 +26,13 @@ from typing import Any
 
 from verst.trainer.dashboard.compare import flatten
 from verst.trainer.dashboard.samples_view import SampleQuery, query_samples, scalar_reward
-from verst.trainer.dashboard.status_view import last_rewards, metric_phases, pid_alive, wall_seconds
+from verst.trainer.dashboard.status_view import (
+    CONFIG_SUMMARY_KEYS,
+    last_rewards,
+    metric_phases,
+    pid_alive,
+    wall_seconds,
+)
 from verst.trainer.dashboard.tail import JsonlTail
 from verst.trainer.dashboard.timeline import (
     Attempt,
@@ -50,27 +56,6 @@ _ATTEMPT_CACHE_STEPS = 16
 _ROLLOUT_KEY = b'"rollout_id": '
 SUMMARY_BUDGET_S = 0.3
 """Seconds one `steps()` call may spend summarising steps not yet summarised."""
-_CONFIG_KEYS = (
-    "run.name",
-    "run.num_steps",
-    "run.placement",
-    "train.model_path",
-    "train.lr",
-    "train.micro_batch_size",
-    "train.fsdp",
-    "algorithm.advantage",
-    "algorithm.policy_loss",
-    "algorithm.loss_agg",
-    "algorithm.kl_coef",
-    "rollout.batch_size",
-    "rollout.n_samples_per_prompt",
-    "rollout.max_response_len",
-    "rollout.temperature",
-    "rollout.strategy",
-    "engine.type",
-    "engine.model_path",
-)
-"""Config fields shown first in the overview (those present; the whole config is there too)."""
 
 
 def _head_rollout(line: bytes) -> int | None:
@@ -320,7 +305,7 @@ class RunData:
             "name": self.name,
             "path": str(self.root),
             "status": self.status(),
-            "config_summary": {k: flat[k] for k in _CONFIG_KEYS if k in flat},
+            "config_summary": {k: flat[k] for k in CONFIG_SUMMARY_KEYS if k in flat},
             "config": flat,
             "config_error": self.config_error,
             "eval": evals,
