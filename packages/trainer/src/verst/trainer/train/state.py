@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from verst.trainer.train.model import with_run_flags
+from verst.trainer.train.optim import with_run_flags
 
 
 class TrainStateMixin:
