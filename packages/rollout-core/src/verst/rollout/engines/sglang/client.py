@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Unpack
 
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.http import RetryingHttp, error_message
+from verst.rollout.engines.common.http import HttpOptions, HttpSettings, RetryingHttp, error_message
 from verst.rollout.engines.common.wire import parse_output, request_json, worker_urls
 from verst.rollout.engines.sglang.lora import SGLangLoraMixin
 from verst.rollout.engines.sglang.refit import (
@@ -58,31 +58,22 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
         self,
         base_url: str,
         *,
-        max_connections: int = 64,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
         router: bool = False,
         pause_mode: str = "retract",
         tp_size: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         abort_resend_s: float = 0.5,
+        **http: Unpack[HttpOptions],
     ) -> None:
-        """`max_connections` should equal the rollout's max concurrency; `timeout_s` bounds one
-        request; a failed retryable call is retried `max_retries` times, sleeping
-        `backoff_s * 2**attempt` between tries; `router=True` lists workers through the router
+        """`http`: the `HttpSettings` fields (`max_connections` should equal the rollout's max
+        concurrency; retries only for retryable failures); `router=True` lists workers through the router
         for aborts and weight updates; `pause_mode` is sent to /pause_generation during a refit;
         `tp_size` is each worker's GPU count when its /server_info does not say; `bucket_bytes`
         bounds one refit call; `abort_resend_s`: exact aborts are re-sent after this delay (then
         after 2x and 4x it) for requests still in flight (a request may reach the server just
         after its abort)."""
         self.base_url = base_url.rstrip("/")
-        self.max_connections = max_connections
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.http_settings = HttpSettings(**http)
         self.router = router
         self.pause_mode = pause_mode
         self.tp_size = tp_size
@@ -94,13 +85,7 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
         """Memory is released: refits leave generation paused until it is resumed."""
         self._resends: set[asyncio.Task[None]] = set()
         """Background re-sends of exact aborts (cancelled on close)."""
-        self._http = RetryingHttp(
-            max_connections=max_connections,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self._http = RetryingHttp(self.http_settings)
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r}, router={self.router})"

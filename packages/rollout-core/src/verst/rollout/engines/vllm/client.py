@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engines.common.http import HttpOptions, HttpSettings
 from verst.rollout.engines.vllm.checks import ServerFacts, check_server
 from verst.rollout.engines.vllm.http import HttpCaller
 from verst.rollout.engines.vllm.lora import VllmLoraMixin
@@ -56,29 +57,18 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         self,
         base_url: str,
         *,
-        max_connections: int = 64,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
         pause_mode: PauseMode = "keep",
         abort_resend_s: float = 0.5,
         capabilities: EngineCapabilities | None = None,
+        **http: Unpack[HttpOptions],
     ) -> None:
-        """`max_connections` should equal the rollout's concurrency; `timeout_s` bounds one
-        request; retryable failures are retried `max_retries` times, sleeping
-        `backoff_s * 2**attempt`; `pause_mode` is the `/pause` mode of a refit (keep: in-flight
+        """`http`: the `HttpSettings` fields (`max_connections` should equal the rollout's
+        concurrency; retries only for retryable failures); `pause_mode` is the `/pause` mode of a refit (keep: in-flight
         requests continue afterwards with the new weights; abort: they end with their partial
         output; wait: the refit waits for them); `abort_resend_s`: exact aborts are re-sent
         after this delay (then 2x and 4x) for requests still in flight."""
-        self.http = HttpCaller(
-            base_url,
-            max_connections=max_connections,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self.http_settings = HttpSettings(**http)
+        self.http = HttpCaller(base_url, self.http_settings)
         self.base_url = self.http.base_url
         self.pause_mode: PauseMode = pause_mode
         self.abort_resend_s = abort_resend_s
