@@ -82,35 +82,16 @@ def save_with_char_tokenizer(path: str | Path, build: Callable[..., Any]) -> Pat
 
 
 def build_tiny_llama(
-    vocab_size: int,
-    *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 256,
-    seed: int = 0,
-    pad_token_id: int = 0,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
+    vocab_size: int, *, intermediate_size: int | None = None, seed: int = 0, **decoder: Any
 ) -> Any:
-    """A randomly initialised Llama-architecture causal LM (float32)."""
+    """A randomly initialised Llama-architecture causal LM (float32); `decoder`: the keywords of
+    `decoder_fields` (`hidden_size`, `num_layers`, `num_heads`, token ids, ...)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fields = decoder_fields(
-        vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    config = LlamaConfig(
-        **fields, intermediate_size=intermediate_size or 2 * hidden_size, torch_dtype="float32"
-    )
+    fields = decoder_fields(vocab_size, **decoder)
+    ffn = intermediate_size or 2 * fields["hidden_size"]
+    config = LlamaConfig(**fields, intermediate_size=ffn, torch_dtype="float32")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
