@@ -23,7 +23,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.lora import jsonable_config
+from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource, jsonable_config
 from verst.rollout.engines.common.wire import model_info_version
 
 
@@ -41,7 +41,7 @@ def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
     return base64.b64encode(pickle.dumps({n: t.detach().cpu() for n, t in tensors.items()})).decode()
 
 
-class SGLangLoraMixin:
+class SGLangLoraMixin(AdapterLoading):
     """`load_lora_adapter`, `load_lora_adapter_from_tensors`, `unload_lora_adapter` over HTTP."""
 
     _call: Callable[..., Awaitable[Any]]
@@ -50,26 +50,16 @@ class SGLangLoraMixin:
     pause_mode: str
     tp_size: int
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
-    ) -> int:
-        """Load (or replace) an adapter from a directory every worker can read."""
-        body = {"lora_name": lora_name, "lora_path": lora_path}
-        return await self._adapter_refit(lora_name, "/load_lora_adapter", body, weight_version)
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        tensors: dict[str, Any],
-        config_dict: dict[str, Any],
-        *,
-        weight_version: int | None = None,
-    ) -> int:
-        """Load (or replace) an adapter from PEFT-named tensors (one serialized copy per TP rank)."""
-        blob = serialize_tensor_dict(tensors)
+    async def _load_adapter(self, lora_name: str, source: AdapterSource, weight_version: int | None) -> int:
+        """On every worker: from a directory every worker can read (`/load_lora_adapter`), or from
+        PEFT-named tensors, one serialized copy per TP rank (`/load_lora_adapter_from_tensors`)."""
+        if isinstance(source, AdapterFiles):
+            body: dict[str, Any] = {"lora_name": lora_name, "lora_path": source.path}
+            return await self._adapter_refit(lora_name, "/load_lora_adapter", body, weight_version)
+        blob = serialize_tensor_dict(source.tensors)
         body = {
             "lora_name": lora_name,
-            "config_dict": jsonable_config(config_dict),
+            "config_dict": jsonable_config(source.config),
             "serialized_named_tensors": [blob] * self.tp_size,
         }
         return await self._adapter_refit(lora_name, "/load_lora_adapter_from_tensors", body, weight_version)
