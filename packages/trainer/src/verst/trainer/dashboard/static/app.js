@@ -363,6 +363,8 @@ async function main() {
   $$(".step-next").forEach((b) => b.addEventListener("click", () => stepBy(1)));
   bindSampleControls();
   bindCurveControls();
+  let resized = null;  // the timeline's SVG is drawn to the window's width: redraw when it changes
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(() => state.tab === "timeline" && renderTimeline(), 200); });
   window.addEventListener("hashchange", () => { const t = location.hash.slice(1); if (t !== state.tab && $(`#tab-${t}`)) showTab(t); });
   if (state.runs.length > 1) state.runs.forEach((r) => state.overlay.add(r.id));
   await loadSteps();
