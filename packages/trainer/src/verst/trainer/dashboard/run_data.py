@@ -156,8 +156,9 @@ class RunData:
             self.config_error = f"{path.name}: {exc}"
 
     def _read_events(self) -> None:
-        tail = self.events_tail
-        for offset, line in tail.raw_lines():
+        tail, lines, last, spans = self.events_tail, self.event_lines, None, []
+        n = 0
+        for offset, line in tail.raw_lines():  # 200k lines: the loop body is kept minimal
             rid = _head_rollout(line)
             if rid is None:
                 record = tail.parse(line)  # counts a bad line; a parseable one still lacks rollout_id
@@ -166,9 +167,13 @@ class RunData:
                     if record is not None:
                         tail.count_malformed()
                     continue
-            self.event_lines.setdefault(rid, []).append((offset, len(line)))
-            self.n_events += 1
-            self._dirty.add(rid)
+            if rid != last:
+                spans = lines.setdefault(rid, [])
+                last = rid
+                self._dirty.add(rid)
+            spans.append((offset, len(line)))
+            n += 1
+        self.n_events += n
 
     def _parse_events(self, rid: int) -> list[Event]:
         """The lifecycle events of rollout `rid`, parsed from their lines (bad lines counted)."""

@@ -21,10 +21,8 @@ import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource, jsonable_config
-from verst.rollout.engines.common.wire import model_info_version
 
 
 def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
@@ -47,6 +45,7 @@ class SGLangLoraMixin(AdapterLoading):
     _call: Callable[..., Awaitable[Any]]
     _each_worker: Callable[..., Awaitable[list[Any]]]
     _flush: Callable[[str], Awaitable[None]]
+    _worker_version: Callable[..., Awaitable[int]]
     pause_mode: str
     tp_size: int
 
@@ -88,12 +87,7 @@ class SGLangLoraMixin(AdapterLoading):
                 if version is not None:
                     update = {"new_version": str(version), "abort_all_requests": False}
                     await self._call("POST", "/update_weight_version", update, base=url)
-                got = model_info_version(await self._call("GET", "/model_info", base=url), url)
-                if version is not None and got != version:
-                    raise EngineError(
-                        f"{path} on {url}: server reports weight version {got}, expected {version}"
-                    )
-                return got
+                return await self._worker_version(url, version, path)
             finally:
                 await self._call("POST", "/continue_generation", {}, base=url)
 

@@ -210,8 +210,8 @@ async function renderOverview() {
 
 // ------------------------------------------------------------------ steps
 
-async function loadSteps() {
-  const s = await api(runPath(state.run, "steps"));
+async function loadSteps(pending = null) {
+  const s = await (pending || api(runPath(state.run, "steps")));
   const all = [...new Set([...s.timeline_steps.map((r) => r.step), ...s.sample_steps])].sort((a, b) => a - b);
   const latest = all.length ? all[all.length - 1] : null;
   if (state.step == null || (state.followLatest && latest != null)) state.step = latest;
@@ -351,6 +351,8 @@ async function poll() {
 
 async function main() {
   mark("start");
+  const firstSteps = api(runPath(state.run, "steps"));  // asked for alongside the run list
+  firstSteps.catch(() => {});  // (a failure surfaces where it is awaited)
   state.runs = await api("/api/runs");
   $("#run-select").innerHTML = state.runs.map((r) => `<option value="${r.id}">${esc(runLabel(r.id))}</option>`).join("");
   $("#run-select").addEventListener("change", async (e) => {
@@ -363,9 +365,11 @@ async function main() {
   $$(".step-next").forEach((b) => b.addEventListener("click", () => stepBy(1)));
   bindSampleControls();
   bindCurveControls();
+  let resized = null;  // the timeline's SVG is drawn to the window's width: redraw when it changes
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(() => state.tab === "timeline" && renderTimeline(), 200); });
   window.addEventListener("hashchange", () => { const t = location.hash.slice(1); if (t !== state.tab && $(`#tab-${t}`)) showTab(t); });
   if (state.runs.length > 1) state.runs.forEach((r) => state.overlay.add(r.id));
-  await loadSteps();
+  await loadSteps(firstSteps);
   mark("steps");
   const tab = (location.hash || "#overview").slice(1);
   await showTab(["overview", "curves", "timeline", "samples", "compare"].includes(tab) ? tab : "overview");
