@@ -19,8 +19,6 @@ MAX_FUNCTION_LINES = 60
 
 ALLOWED: dict[str, str] = {
     # path under packages/ :: qualified function name -> why it is still allowed (remove when split)
-    "trainer/src/verst/trainer/dashboard/synthetic.py::write_synthetic_run": "dashboard rework in flight (dash30)",
-    "trainer/src/verst/trainer/dashboard/server.py::build_app": "dashboard rework in flight (dash30)",
 }
 
 

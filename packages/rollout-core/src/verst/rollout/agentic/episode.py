@@ -205,27 +205,19 @@ class AgenticGenerate:
     ) -> None:
         obs = as_observation(await self._env_call(env.reset(sample), trace, "env.reset", env))
         if obs is None or obs.is_empty:
-            if not sample.tokens:
+            if not sample.tokens:  # (no response either: the prompt ids are all of it)
                 from verst.rollout.generate import prompt_token_ids
 
                 sample.tokens = prompt_token_ids(
                     state.tokenizer, sample.prompt, state.config.data.apply_chat_template
                 )
-            else:
-                sample.tokens = sample.tokens[: sample.prompt_length]
-            if sample.images:  # the prompt's own images stay; earlier observations' go
-                sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
+            sample.drop_response()  # the prompt's own images stay; earlier observations' go
         else:
+            sample.drop_response()
             ids, images = expand_observation(
                 state.context.vision, obs, prompt_ids(state.tokenizer, obs), offset=0
             )
             sample.tokens, sample.images = ids, images or None
-        sample.response_length = 0
-        sample.response = ""
-        sample.loss_mask = None
-        sample.rollout_logprobs = None
-        sample.weight_versions = []
-        sample.token_versions = None
         sample.metadata[STATE_KEY] = {"episode_id": secrets.token_hex(8), "open_turn": None, "requests": 0}
         sample.metadata["segments"] = []
         sample.metadata["turn_rewards"] = []
@@ -448,15 +440,7 @@ def _model_turns(sample: Sample) -> int:
 
 def _reset_episode(sample: Sample) -> None:
     """Back to the prompt: no turns, no episode state."""
-    sample.tokens = sample.tokens[: sample.prompt_length]
-    if sample.images:
-        sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
-    sample.response_length = 0
-    sample.response = ""
-    sample.loss_mask = None
-    sample.rollout_logprobs = None
-    sample.weight_versions = []
-    sample.token_versions = None
+    sample.drop_response()
     for key in METADATA_KEYS:
         sample.metadata.pop(key, None)
 

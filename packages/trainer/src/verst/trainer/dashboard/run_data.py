@@ -26,8 +26,14 @@ from typing import Any
 
 from verst.trainer.dashboard.compare import flatten
 from verst.trainer.dashboard.samples_view import SampleQuery, query_samples, scalar_reward
-from verst.trainer.dashboard.status_view import last_rewards, metric_phases, pid_alive, wall_seconds
-from verst.trainer.dashboard.tail import JsonlTail
+from verst.trainer.dashboard.status_view import (
+    CONFIG_SUMMARY_KEYS,
+    last_rewards,
+    metric_phases,
+    pid_alive,
+    wall_seconds,
+)
+from verst.trainer.dashboard.tail import JsonlTail, head_int
 from verst.trainer.dashboard.timeline import (
     Attempt,
     Event,
@@ -50,27 +56,6 @@ _ATTEMPT_CACHE_STEPS = 16
 _ROLLOUT_KEY = b'"rollout_id": '
 SUMMARY_BUDGET_S = 0.3
 """Seconds one `steps()` call may spend summarising steps not yet summarised."""
-_CONFIG_KEYS = (
-    "run.name",
-    "run.num_steps",
-    "run.placement",
-    "train.model_path",
-    "train.lr",
-    "train.micro_batch_size",
-    "train.fsdp",
-    "algorithm.advantage",
-    "algorithm.policy_loss",
-    "algorithm.loss_agg",
-    "algorithm.kl_coef",
-    "rollout.batch_size",
-    "rollout.n_samples_per_prompt",
-    "rollout.max_response_len",
-    "rollout.temperature",
-    "rollout.strategy",
-    "engine.type",
-    "engine.model_path",
-)
-"""Config fields shown first in the overview (those present; the whole config is there too)."""
 
 
 class RunData:
@@ -158,17 +143,10 @@ class RunData:
             self.config_error = f"{path.name}: {exc}"
 
     def _read_events(self) -> None:
-        tail = self.events_tail
-        for offset, line in tail.raw_lines():
-            i = line.find(_ROLLOUT_KEY, 0, 160)
-            rid = None
-            if i >= 0:
-                j = i + len(_ROLLOUT_KEY)
-                k = j
-                while k < len(line) and line[k : k + 1] in b"-0123456789":
-                    k += 1
-                if k > j:
-                    rid = int(line[j:k])
+        tail, lines, last, spans = self.events_tail, self.event_lines, None, []
+        n = 0
+        for offset, line in tail.raw_lines():  # 200k lines: the loop body is kept minimal
+            rid = head_int(line, _ROLLOUT_KEY)
             if rid is None:
                 record = tail.parse(line)  # counts a bad line; a parseable one still lacks rollout_id
                 rid = record.get("rollout_id") if record is not None else None
@@ -176,9 +154,13 @@ class RunData:
                     if record is not None:
                         tail.count_malformed()
                     continue
-            self.event_lines.setdefault(rid, []).append((offset, len(line)))
-            self.n_events += 1
-            self._dirty.add(rid)
+            if rid != last:
+                spans = lines.setdefault(rid, [])
+                last = rid
+                self._dirty.add(rid)
+            spans.append((offset, len(line)))
+            n += 1
+        self.n_events += n
 
     def _parse_events(self, rid: int) -> list[Event]:
         """The lifecycle events of rollout `rid`, parsed from their lines (bad lines counted)."""
@@ -194,9 +176,8 @@ class RunData:
         except FileNotFoundError:
             return []
         for offset, length in spans:
-            line = block[offset - lo : offset - lo + length]
             try:
-                record = json.loads(line)
+                record = json.loads(block[offset - lo : offset - lo + length])
             except ValueError:
                 record = None
             event = event_from_record(record) if isinstance(record, dict) else None
@@ -226,15 +207,22 @@ class RunData:
             self._sample_cache.pop((step, split), None)
             self.n_samples += 1
 
-    def _attempts_of(self, rollout_id: int) -> list[Attempt]:
-        if rollout_id in self._dirty or rollout_id not in self._attempts:
-            self._attempts[rollout_id] = build_attempts(self._parse_events(rollout_id))
-            self._summary[rollout_id] = summarize(self._attempts[rollout_id], live=self.live)
+    def _attempts_of(self, rollout_id: int, *, keep: bool = True) -> list[Attempt]:
+        """The step's attempts (and its summary), parsed again when its events changed; `keep`:
+        into the cache of recently viewed steps (the summaries' pass over every step does not)."""
+        attempts = self._attempts.get(rollout_id)
+        if rollout_id in self._dirty or attempts is None:
+            attempts = build_attempts(self._parse_events(rollout_id))
+            self._summary[rollout_id] = summarize(attempts, live=self.live)
             self._dirty.discard(rollout_id)
+            if not keep and rollout_id not in self._attempts:
+                return attempts
+            self._attempts[rollout_id] = attempts
             while len(self._attempts) > _ATTEMPT_CACHE_STEPS:
                 self._attempts.popitem(last=False)
-        self._attempts.move_to_end(rollout_id)
-        return self._attempts[rollout_id]
+        if keep:
+            self._attempts.move_to_end(rollout_id)
+        return attempts
 
     # ------------------------------------------------------------ status
 
@@ -315,7 +303,7 @@ class RunData:
             "name": self.name,
             "path": str(self.root),
             "status": self.status(),
-            "config_summary": {k: flat[k] for k in _CONFIG_KEYS if k in flat},
+            "config_summary": {k: flat[k] for k in CONFIG_SUMMARY_KEYS if k in flat},
             "config": flat,
             "config_error": self.config_error,
             "eval": evals,
@@ -361,19 +349,26 @@ class RunData:
     def steps(self, *, budget_s: float | None = SUMMARY_BUDGET_S) -> dict[str, Any]:
         """Every step with events or samples, and the per-step timeline summary.
 
-        Steps not summarised yet are summarised until `budget_s` is spent (None: all); the rest
-        have `summary_pending` set and are done by the next calls."""
+        Steps not summarised yet are summarised, newest first, until `budget_s` is spent (None:
+        all); the rest have `summary_pending` set and are done by the next calls. The lock is
+        taken per step, so a timeline request never waits for more than one step's summary."""
         deadline = None if budget_s is None else time.monotonic() + budget_s
+        with self._lock:
+            todo = [rid for rid in self.event_lines if rid in self._dirty or rid not in self._summary]
+        for rid in sorted(todo, reverse=True):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            with self._lock:
+                if rid in self._dirty or rid not in self._summary:
+                    self._attempts_of(rid, keep=False)
         with self._lock:
             rows, pending = [], 0
             for rid in sorted(self.event_lines):
                 if rid in self._dirty or rid not in self._summary:
-                    if deadline is not None and time.monotonic() > deadline:
-                        pending += 1
-                        rows.append({"step": rid + 1, "rollout_id": rid, "summary_pending": True})
-                        continue
-                    self._attempts_of(rid)
-                rows.append({"step": rid + 1, "rollout_id": rid, **self._summary[rid]})
+                    pending += 1
+                    rows.append({"step": rid + 1, "rollout_id": rid, "summary_pending": True})
+                else:
+                    rows.append({"step": rid + 1, "rollout_id": rid, **self._summary[rid]})
             sample_steps = sorted(self.sample_index)
             splits = sorted({s for d in self.sample_index.values() for s in d})
         return {

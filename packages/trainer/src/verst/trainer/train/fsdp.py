@@ -81,9 +81,18 @@ def collective_device() -> torch.device:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (the units FSDP shards one by one)."""
+    """The transformer blocks of a Hugging Face causal LM (the units FSDP shards one by one).
+
+    Only the language decoder's (`get_decoder()`): a vision-language model's `_no_split_modules`
+    also names its vision tower's blocks, which stay in the root unit instead — a rank whose
+    micro-batch holds no image skips the tower, and a unit of its own would then miss an
+    all-gather the other ranks make."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    get_decoder = getattr(model, "get_decoder", None)
+    scope = (get_decoder() if callable(get_decoder) else None) or model
+    layers = [m for m in scope.modules() if type(m).__name__ in names]
+    if not layers:  # a model whose decoder holds no named block: shard what the names find
+        layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(
             f"cannot find the transformer layers of {type(model).__name__} (no _no_split_modules); "

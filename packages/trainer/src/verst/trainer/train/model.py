@@ -28,7 +28,7 @@ from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.config import TrainConfig
 from verst.trainer.config_checks import HUB_FIX
 from verst.trainer.train.checks import resolve_attn_implementation
-from verst.trainer.train.fsdp import DistInfo, ensure_process_group, is_sharded, shard_fsdp2
+from verst.trainer.train.fsdp import DistInfo, decoder_layers, ensure_process_group, is_sharded, shard_fsdp2
 from verst.trainer.train.logit_head import check_logit_head
 from verst.trainer.train.logprobs import PolicyLogprobs
 from verst.trainer.train.optim import adamw, trainable
@@ -192,7 +192,8 @@ def _accelerator(cfg: TrainConfig, hf: nn.Module, *, cuda: bool) -> Any:
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=list(getattr(hf, "_no_split_modules", None) or []),
+            # the decoder's blocks only (a VLM's vision blocks stay in the root unit, as on CPU)
+            transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in decoder_layers(hf)}),
             reshard_after_forward=True,
             mixed_precision_policy=mixed_precision_policy(cfg.dtype),
         )

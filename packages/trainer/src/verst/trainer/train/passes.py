@@ -117,6 +117,11 @@ class ForwardPassesMixin:
         if not (rows.rows if isinstance(rows, MicroBatch) else rows):
             seq = batch.tokens[0][:2]
             inputs = pack_sequences([seq], [1], packing=True)
+            if batch.images is not None:  # the vision parameters join the graph as on other ranks
+                from verst.trainer.train.vision import VisionBatch, processor_for
+
+                self.vision = self.vision or processor_for(self.model_path)
+                inputs.vision = VisionBatch.empty(self.vision)
             with self._moe(None, [], phase, module):
                 lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
             return lp[None, :1], (ent[None, :1] if ent is not None else None)
