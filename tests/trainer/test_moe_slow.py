@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_testlib import moe_side, routed_groups
 from safetensors.torch import load_file
 
 from verst.rollout.engines.sglang.launcher import free_port
-from verst.rollout.moe import RoutedExperts
-from verst.rollout.sample import Sample, Status
 from verst.rollout.toy_moe import make_tiny_moe_checkpoint
-from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
-from verst.trainer.train.moe import MoeSection
 from verst.trainer.train.side import TrainSide
 
 pytestmark = pytest.mark.slow
@@ -31,53 +27,16 @@ def moe_model(tmp_path_factory) -> Path:
     return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", num_layers=2, seed=1)
 
 
-def _groups() -> list[list[Sample]]:
-    """Three groups of four; every sample carries a (random, valid) recorded routing."""
-    gen = torch.Generator().manual_seed(3)
-    groups = []
-    for g in range(3):
-        prompt = torch.randint(4, 60, (2 + g,), generator=gen).tolist()
-        group = []
-        for j in range(4):
-            r = 1 + (3 * g + j) % 5
-            tokens = prompt + torch.randint(4, 60, (r,), generator=gen).tolist()
-            ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range((len(tokens) - 1) * 2)])
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g * j) % 3),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    routed_experts=RoutedExperts.from_tensor(ids.reshape(len(tokens) - 1, 2, 2)),
-                    group_index=g,
-                    sample_index=4 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
-
-
 def _side(model: str, mode: str, env: dict[str, str], fsdp: bool) -> TrainSide:
-    cfg = TrainConfig(
-        model_path=model,
+    return moe_side(
+        model,
+        total_steps=STEPS,
+        env=env,
+        moe={"routing_replay": mode, "aux_loss_coef": 0.01},
         fsdp=fsdp,
-        micro_batch_size=2,
         lr=0.5,
         eps=1.0,
-        num_threads=1,
         num_updates_per_rollout=2,
-        moe=MoeSection(routing_replay=mode, aux_loss_coef=0.01),
-    )
-    return TrainSide(
-        cfg,
-        AlgorithmConfig(),
-        model_path=model,
-        total_steps=STEPS,
-        max_response_len=5,
-        temperature=1.0,
-        env=env,
     )
 
 
@@ -93,7 +52,7 @@ def _worker(rank: int, port: int, model: str, mode: str, out: str) -> None:
         "MASTER_PORT": str(port),
     }
     side = _side(model, mode, env, fsdp=True)
-    batch = build_train_batch(_groups())
+    batch = build_train_batch(routed_groups())
     metrics = [side.train_step(batch) for _ in range(STEPS)]
     weights = side.state_dict_for_sync()
     with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
@@ -114,7 +73,7 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
     for p in procs:
         p.start()
     single = _side(str(moe_model), mode, {}, fsdp=False)
-    batch = build_train_batch(_groups())
+    batch = build_train_batch(routed_groups())
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
     for p in procs:
@@ -135,12 +94,6 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
         assert ref_metrics[0]["train/moe/replay_agreement"] == 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: train/state.py compares a checkpoint's keys with the model's state_dict, but "
-    "transformers 5 saves fused MoE experts as per-expert weights (experts.<i>.gate_proj...), so "
-    "resuming an MoE run fails (docs/moe.md, Known gaps)",
-)
 def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:
     from train_testlib import install_reward_module, run_dict, write_prompts
 

@@ -110,7 +110,7 @@ class MoeRuntime:
                     h.replay = None
             yield
             return
-        index = self.rollout.index_for(layout, self._tokens, self._lens, rows, groups)  # [N]
+        index = self.positions(layout, rows, groups)  # [N]
         table = self._replay_table(phase)
         hooks.replay = None if table is None else table.gather(index)  # each router moves its layer
         hooks.clear()
@@ -126,6 +126,12 @@ class MoeRuntime:
         if phase == "current" and not reference and hooks.keep_logits:
             self.aux_loss = load_balancing_loss(hooks.logits, hooks.chosen(), real, self.num_experts)
         hooks.clear()  # the replay stays set: a recomputing backward (checkpointing) sees it
+
+    def positions(self, layout: Any, rows: Sequence[int], groups: Any = None) -> torch.Tensor:
+        """The table row (R3's and R2's tables alike) of every flattened position of `layout`
+        built on `rows` (`[rows * width]`, -1 = padding)."""
+        assert self.rollout is not None, "begin_step first"
+        return self.rollout.index_for(layout, self._tokens, self._lens, rows, groups)
 
     def _measure(self, hooks: RouterHooks, index: torch.Tensor, real: torch.Tensor) -> None:
         assert self.rollout is not None
