@@ -283,10 +283,8 @@ def _print_study(layers: int, threads: int) -> None:
     print("forward study (32 sampled sequences, no training): engine part in bf16 vs the fp32 trainer")
     print("engine         agreement  |log-ratio| free   with replay   free/replay")
     for part, m in study.items():
-        ratio = m["without"] / max(m["with"], 1e-12)
-        print(
-            f"{part:<14} {m['agreement']:.4f}     {m['without']:.3e}        {m['with']:.3e}     {ratio:.2f}"
-        )
+        ratio = f"{m['without'] / m['with']:.2f}" if m["with"] > 0 else "n/a"
+        print(f"{part:<14} {m['agreement']:.4f}     {m['without']:.3e}        {m['with']:.3e}     {ratio}")
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from verst.trainer.train.batch import build_train_batch
 from verst.trainer.train.fsdp import DistInfo
 from verst.trainer.train.side import TrainSide
 
+pytestmark = pytest.mark.slow  # ~18 s of CPU: an engine, a LoRA trainer, two rollouts and a refit
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 

@@ -28,11 +28,15 @@ def moe_model(tmp_path_factory) -> Path:
 
 
 def _side(model: str, mode: str, env: dict[str, str], fsdp: bool) -> TrainSide:
+    """No load-balancing loss: it is computed per micro-batch forward (as transformers' per-forward
+    Switch loss), so it depends on which samples share a micro-batch, and 2 ranks split a step into
+    other micro-batches than 1 process: with `aux_loss_coef = 0.01` the weights then differ by
+    ~2e-4 after 4 updates at lr 0.5 — another objective, not reduction order (docs/moe.md)."""
     return moe_side(
         model,
         total_steps=STEPS,
         env=env,
-        moe={"routing_replay": mode, "aux_loss_coef": 0.01},
+        moe={"routing_replay": mode, "aux_loss_coef": 0.0},
         fsdp=fsdp,
         lr=0.5,
         eps=1.0,
@@ -88,10 +92,18 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):
         assert m_fsdp["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-4, abs=1e-7)
-        for key in ("train/moe/routing_agreement", "train/moe/replay_agreement", "train/moe_aux_loss"):
-            assert m_fsdp[key] == pytest.approx(m_ref[key], rel=1e-4), key
+        assert m_fsdp["train/moe/routing_compared"] == m_ref["train/moe/routing_compared"]
+        # discrete top-k choices: a rank's micro-batch has another padded shape than 1 process's, so
+        # float32 rounding may flip a near-tie of the free routers; allow 2 token-layer pairs
+        pairs = 2 / m_ref["train/moe/routing_compared"]
+        for key in ("train/moe/routing_agreement", "train/moe/replay_agreement"):
+            assert m_fsdp[key] == pytest.approx(m_ref[key], abs=pairs), key
     if mode == "rollout":
-        assert ref_metrics[0]["train/moe/replay_agreement"] == 1.0
+        assert (
+            ref_metrics[0]["train/moe/replay_agreement"]
+            == 1.0
+            == r0["metrics"][0]["train/moe/replay_agreement"]
+        )
 
 
 def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:

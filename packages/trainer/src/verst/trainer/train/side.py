@@ -388,18 +388,21 @@ class TrainSide(TrainStateMixin):
             )
         plan = self._plan(batch)  # prompt groups, mini- and micro-batches: once per step
         moe_metrics: dict[str, float] = {}
-        if self.moe is not None:
-            self.moe.begin_step(
-                batch.tokens, batch.response_lengths, batch.routed_experts or [None] * batch.num_samples
-            )
-            moe_metrics = self._moe_mismatch_without_replay(batch, plan)
         r2 = self.moe is not None and self.moe.mode == "old_policy"
-        if r2:  # the old pass records the old policy's experts before anything replays them
-            old_r2 = self.compute_old_logprobs(batch, plan)
-        ref_lp = self.compute_ref_logprobs(batch, plan)
         precompute_old = algo.needs_old_logprobs and (
             cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
         )
+        if self.moe is not None:
+            self.moe.begin_step(
+                batch.tokens,
+                batch.response_lengths,
+                batch.routed_experts or [None] * batch.num_samples,
+                measure_in="old" if r2 or precompute_old else "current",
+            )
+            moe_metrics = self._moe_mismatch_without_replay(batch, plan)
+        if r2:  # the old pass records the old policy's experts before anything replays them
+            old_r2 = self.compute_old_logprobs(batch, plan)
+        ref_lp = self.compute_ref_logprobs(batch, plan)
         old_all = (old_r2 if r2 else self.compute_old_logprobs(batch, plan)) if precompute_old else None
         kl = None
         if algo.needs_kl_in_reward:
