@@ -1,8 +1,8 @@
-"""verst vs TRL's GRPOTrainer on the reverse-digits example, and both vs the compute floor.
+"""verst vs TRL's GRPOTrainer on the reverse-digits example, and both vs the fair compute floor.
 
 Why: at tiny scale a GRPO step is mostly framework overhead, so this is where an RL framework's
-own cost shows. TRL is close to the floor here; verst should be no slower than TRL, within
-1.1× of the floor, and learn at least as well in the same number of steps.
+own cost shows. verst should be faster than TRL, within 1.1× of the fair floor (issue #29's
+target), and learn at least as well in the same number of steps.
 
 Both sides get the same model (the example's SFT warm start), task and prompts, group size (8),
 batch (8 prompts × 8 completions = 64 sequences, one forward/backward, one optimizer step per
@@ -12,9 +12,14 @@ update per batch, the same reward (partial credit over digits + EOS,
 `examples/reverse_digits/reverse_digits_reward.py`), float32 on CPU, the same torch thread
 count; loss aggregation token-mean over the whole batch (TRL `loss_type="dapo"`, verst
 `loss_agg="token_mean"`) and group-std advantage normalisation (TRL `scale_rewards="group"`,
-verst `normalize_std=true`). The compute floor of one step is measured in the same run: plain
-`model.generate` of the same batch, one forward+backward over it, one fused AdamW step (the
-kernel transformers' Trainer and verst use) — each timed alone, summed. Step times are medians over the steps of each run after `--warmup` steps, then
+verst `normalize_std=true`). Two references are measured in the same run:
+- the **fair floor** (`fair_floor.py`): only the work the job needs — each distinct prompt
+  prefilled once, decode of the live rows on an unrepeated KV cache, a train forward over each
+  prompt once plus every response token once with the LM head on response positions only, the
+  backward, one fused AdamW step. `verst_over_floor` is verst's step over this floor;
+- the **plain HF baseline** (what this benchmark called its floor before): `model.generate` of the
+  left-padded batch, one forward+backward over the padded rows, one fused AdamW step.
+  `verst_over_hf_plain` is verst's step over it. Step times are medians over the steps of each run after `--warmup` steps, then
 the median over `--runs` runs; eval rewards are greedy on the 300 held-out prompts, medians
 over runs.
 
@@ -23,7 +28,8 @@ Run (TRL lives in the `bench` dependency group):
     uv run --group bench python benchmarks/vs_trl.py            # ~5–8 min on 2 cores
     uv run --group bench python benchmarks/vs_trl.py --steps 20 --runs 1   # quick look
 
-Last line: `trl_over_verst_step_time=<r> verst_over_floor=<r> verst_eval_reward=<x> trl_eval_reward=<y>`.
+Last line: `trl_over_verst_step_time=<r> verst_over_floor=<r> verst_eval_reward=<x>
+trl_eval_reward=<y> verst_over_hf_plain=<r>` (one line).
 """
 
 from __future__ import annotations
@@ -213,11 +219,40 @@ def run_trl(seed: int, steps: int, eval_rows: list[dict[str, str]]) -> tuple[lis
         return timer.times, greedy_eval(trainer.model, tok, eval_rows)
 
 
-# ---------------------------------------------------------------- the floor
+# ---------------------------------------------------------------- the references
 
 
-def measure_floor(repeats: int, seed: int) -> dict[str, float]:
-    """Medians of: generate the batch, one forward+backward over it, one AdamW step."""
+def batches(repeats: int, seed: int, tok: Any) -> list[list[list[int]]]:
+    """`repeats` batches of PROMPTS distinct prompts' ids (the floor's draws)."""
+    import random
+
+    train, rng = rows("train.jsonl"), random.Random(seed)
+    return [
+        [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rng.sample(train, PROMPTS)]
+        for _ in range(repeats)
+    ]
+
+
+def measure_fair_floor(repeats: int, seed: int) -> dict[str, float]:
+    """Medians of the fair floor's phases (`fair_floor.py`), after one checked warm-up step."""
+    import torch
+    from fair_floor import FairFloor, check_against_hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    draws = batches(repeats + 1, seed, tok)
+    check_against_hf(model, draws[0][:2], 2, MAX_NEW, tok.eos_token_id, tok.pad_token_id)
+    torch.manual_seed(seed)
+    floor = FairFloor(model, lr=LR)
+    floor.step(draws[0], GROUP, MAX_NEW, tok.eos_token_id)  # warm-up (AdamW state, allocations)
+    steps = [floor.step(b, GROUP, MAX_NEW, tok.eos_token_id) for b in draws[1:]]
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+
+
+def measure_hf_plain(repeats: int, seed: int) -> dict[str, float]:
+    """The plain HF baseline: medians of generate the padded batch, one forward+backward over
+    it, one AdamW step."""
     import random
 
     import torch
@@ -297,16 +332,20 @@ def main() -> None:
         AutoModelForCausalLM.from_pretrained(MODEL), AutoTokenizer.from_pretrained(MODEL), eval_rows
     )
     print(f"warm start greedy eval reward: {start_eval:.3f}", flush=True)
-    verst_steps, trl_steps, floors, verst_evals, trl_evals = [], [], [], [], []
-    for seed in range(args.runs):  # floor, verst, TRL back to back: machine-load drift hits all alike
-        floor = measure_floor(args.floor_repeats, seed=seed)
-        floors.append(sum(floor.values()))
-        print(
-            f"floor run {seed}: "
-            + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in floor.items())
-            + f" total={floors[-1] * 1e3:.1f}ms",
-            flush=True,
-        )
+    verst_steps, trl_steps, floors, plains, verst_evals, trl_evals = [], [], [], [], [], []
+    for seed in range(args.runs):  # references, verst, TRL back to back: load drift hits all alike
+        for name, measure, into in (
+            ("fair floor", measure_fair_floor, floors),
+            ("hf plain", measure_hf_plain, plains),
+        ):
+            parts = measure(args.floor_repeats, seed=seed)
+            into.append(sum(parts.values()))
+            print(
+                f"{name} run {seed}: "
+                + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in parts.items())
+                + f" total={into[-1] * 1e3:.1f}ms",
+                flush=True,
+            )
         times, ev = run_verst(seed, args.steps, args.threads, eval_rows)
         verst_steps.append(statistics.median(times[args.warmup :]))
         verst_evals.append(ev)
@@ -319,14 +358,17 @@ def main() -> None:
     # ratios within each run (same load window), then the median over runs
     trl_over_verst = statistics.median(t / v for t, v in zip(trl_steps, verst_steps, strict=True))
     verst_over_floor = statistics.median(v / f for v, f in zip(verst_steps, floors, strict=True))
+    verst_over_plain = statistics.median(v / f for v, f in zip(verst_steps, plains, strict=True))
     print(
         f"steps={args.steps} runs={args.runs} threads={args.threads} batch={PROMPTS}x{GROUP} max_new={MAX_NEW} "
         f"verst_step={statistics.median(verst_steps) * 1e3:.1f}ms trl_step={statistics.median(trl_steps) * 1e3:.1f}ms "
-        f"floor={statistics.median(floors) * 1e3:.1f}ms warm_start_eval={start_eval:.3f}"
+        f"fair_floor={statistics.median(floors) * 1e3:.1f}ms hf_plain={statistics.median(plains) * 1e3:.1f}ms "
+        f"warm_start_eval={start_eval:.3f}"
     )
     print(
         f"trl_over_verst_step_time={trl_over_verst:.3f} verst_over_floor={verst_over_floor:.3f} "
-        f"verst_eval_reward={statistics.median(verst_evals):.3f} trl_eval_reward={statistics.median(trl_evals):.3f}"
+        f"verst_eval_reward={statistics.median(verst_evals):.3f} trl_eval_reward={statistics.median(trl_evals):.3f} "
+        f"verst_over_hf_plain={verst_over_plain:.3f}"
     )
 
 

@@ -16,11 +16,14 @@ sequences (TRL `per_device_train_batch_size=8`, `gradient_accumulation_steps=8`;
 over the batch (TRL `loss_type="dapo"`, verst `loss_agg="token_mean"`), group-std advantages
 (TRL `scale_rewards="group"`, verst `normalize_std=true`), float32 on CPU, the same torch thread
 count, the same reward (the share of response tokens in the lower half of the vocabulary — a
-random model's answers differ in it, so every group has a spread). The compute floor, measured
-in the same run: generation of the batch (plain `model.generate` and the plainest greedy loop on
-the KV cache — no sampling, no stopping — whichever is faster), one forward+backward over it in the same micro-batches with the LM head
-on the completion positions only, one fused AdamW step (the kernel transformers' Trainer, so
-TRL, and verst use) — each timed alone, summed.
+random model's answers differ in it, so every group has a spread). Two references, measured in
+the same run: the **fair floor** (`fair_floor.py`: each distinct prompt prefilled once, decode
+of the live rows on an unrepeated KV cache, a train forward over each prompt once plus every
+response token once with the LM head on response positions only, in micro-batches of one group,
+the backward, one fused AdamW step; `verst_over_floor`), and the **plain HF baseline** (this
+benchmark's "floor" before: `model.generate` or the plainest greedy loop, whichever is faster,
+over the left-padded batch, forward+backward over the padded micro-batches with the LM head on
+the completion positions, one fused AdamW step; `verst_over_hf_plain`).
 
 Each side runs in a fresh process (so its peak resident memory, `VmHWM`, is its own); steps
 after `--warmup` are timed, medians per run, then medians over `--runs`. `--profile` splits
@@ -30,7 +33,8 @@ optimizer, train framework and weight sync.
     uv run --group bench --group realmodel python benchmarks/vs_trl_scale.py              # ~5 min
     uv run --group bench --group realmodel python benchmarks/vs_trl_scale.py --size 135m --steps 2 --warmup 1
 
-Last line: `trl_over_verst_step_time=<r> verst_over_floor=<r> verst_peak_mem_gib=<x> trl_peak_mem_gib=<y>`.
+Last line: `trl_over_verst_step_time=<r> verst_over_floor=<r> verst_peak_mem_gib=<x> trl_peak_mem_gib=<y>
+verst_over_hf_plain=<r>` (one line).
 """
 
 from __future__ import annotations
@@ -336,7 +340,7 @@ def greedy_loop(model: Any, input_ids: Any, attention: Any, max_new: int) -> Any
 
 
 def child_floor(a: argparse.Namespace) -> dict[str, Any]:
-    """Medians of: generate the batch (plain `generate` or `greedy_loop`, the faster), one
+    """The plain HF baseline (this benchmark's "floor" before the fair floor): medians of: generate the batch (plain `generate` or `greedy_loop`, the faster), one
     forward+backward over it in micro-batches (LM head on the completion positions only), one
     fused AdamW step. A tiny batch warms every path up first (allocations, AdamW state)."""
     import torch
@@ -406,7 +410,35 @@ def child_floor(a: argparse.Namespace) -> dict[str, Any]:
     return {**med, "generate": gen, "total": gen + med["fwd_bwd"] + med["opt"], "peak_gib": peak_rss_gib()}
 
 
-CHILDREN = {"verst": child_verst, "trl": child_trl, "floor": child_floor}
+def child_fair_floor(a: argparse.Namespace) -> dict[str, Any]:
+    """The fair floor (`fair_floor.py`): medians of its phases over the timed repeats, after a
+    check that it computes the model's function and one warm-up step; micro-batches of one group
+    (MICRO sequences, as verst and TRL)."""
+    import torch
+    from fair_floor import FairFloor, check_against_hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = Path(a.work)
+    tok = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(work / "model")
+    rows = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
+    ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    eos = tok.eos_token_id
+    check_against_hf(model, [p[:24] for p in ids[:2]], 2, 6, eos, tok.pad_token_id)
+    torch.manual_seed(a.seed)
+    floor = FairFloor(model, lr=LR)
+    floor.step([p[:48] for p in ids[:2]], GROUP, 4, eos, groups_per_micro=MICRO // GROUP)  # warm-up
+    steps = [
+        floor.step(
+            ids[rep * PROMPTS : (rep + 1) * PROMPTS], GROUP, a.max_new, eos, groups_per_micro=MICRO // GROUP
+        )
+        for rep in range(a.floor_repeats)
+    ]
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    return {**med, "total": sum(med.values()), "peak_gib": peak_rss_gib()}
+
+
+CHILDREN = {"verst": child_verst, "trl": child_trl, "hf_plain": child_floor, "floor": child_fair_floor}
 
 
 def run_child(side: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -457,7 +489,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--floor-repeats", type=int, default=1, help="timed floor repeats (after a tiny warm-up)")
     ap.add_argument("--profile", action="store_true", help="split verst's step into phases")
-    ap.add_argument("--sides", default="floor,verst,trl", help="comma-separated subset to run")
+    ap.add_argument("--sides", default="floor,hf_plain,verst,trl", help="comma-separated subset to run")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -495,7 +527,15 @@ def main() -> None:
                 res[side].append(r)
                 if side == "floor":
                     print(
-                        f"floor run {seed}: "
+                        f"fair floor run {seed}: "
+                        + " ".join(f"{k}={v:.2f}s" for k, v in r.items() if k.endswith("_s"))
+                        + f" total={r['total']:.2f}s peak={r['peak_gib']:.2f}GiB",
+                        flush=True,
+                    )
+                    continue
+                if side == "hf_plain":
+                    print(
+                        f"hf plain run {seed}: "
                         + " ".join(
                             f"{k}={r[k]:.2f}s" for k in ("generate_plain", "generate_loop", "fwd_bwd", "opt")
                         )
@@ -516,7 +556,7 @@ def main() -> None:
     def ratio(num: str, den: str) -> float:
         if num not in res or den not in res:
             return float("nan")
-        key = {"floor": "total", "verst": "median", "trl": "median"}
+        key = {"floor": "total", "hf_plain": "total", "verst": "median", "trl": "median"}
         return statistics.median(n[key[num]] / d[key[den]] for n, d in zip(res[num], res[den], strict=True))
 
     def peak(side: str) -> float:
@@ -524,7 +564,8 @@ def main() -> None:
 
     print(
         f"trl_over_verst_step_time={ratio('trl', 'verst'):.3f} verst_over_floor={ratio('verst', 'floor'):.3f} "
-        f"verst_peak_mem_gib={peak('verst'):.2f} trl_peak_mem_gib={peak('trl'):.2f}"
+        f"verst_peak_mem_gib={peak('verst'):.2f} trl_peak_mem_gib={peak('trl'):.2f} "
+        f"verst_over_hf_plain={ratio('verst', 'hf_plain'):.3f}"
     )
 
 

@@ -131,7 +131,22 @@ def test_dashboard_numbers_equal_the_run_files(browser, finished_run):
                 if e["rollout_id"] == step - 1 and e["kind"] == "attempt_start"
             }
             assert page.locator("#timeline-count").get_attribute("data-attempts") == str(len(attempts))
-        assert page.locator("#timeline-chart .bars path").count() >= len(attempts)
+        # one queued bar per attempt row and each attempt's generating span drawn (a subpath each)
+        bars = "ps => ps.reduce((n, p) => n + p.getAttribute('d').split('M').length - 1, 0)"
+        assert page.eval_on_selector_all("#timeline-chart path.queued", bars) == len(attempts)
+        assert page.eval_on_selector_all("#timeline-chart path.gen", bars) >= len(attempts)
+        # hovering the first generating bar names its attempt and times
+        x, y = page.evaluate(
+            """() => { const p = document.querySelector('#timeline-chart path.gen');
+            p.ownerSVGElement.scrollIntoView(); const box = p.ownerSVGElement.getBoundingClientRect();
+            const [, x, y, w, h] = p.getAttribute('d').match(/^M([\\d.]+) ([\\d.]+)h([\\d.]+)v([\\d.]+)/).map(Number);
+            return [box.left + x + w / 2, box.top + y + h / 2]; }"""
+        )
+        page.mouse.move(x, y)
+        tip = page.locator("#timeline-chart .chart-tip").inner_text()
+        label = tip.split(" — ")[0].split()
+        hovered = (int(label[0][1:]), int(label[1][1:]), int(label[2][1:]))
+        assert hovered in attempts and "generating" in tip
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         shot = ARTIFACTS / "dashboard_timeline.png"
         page.screenshot(path=str(shot))

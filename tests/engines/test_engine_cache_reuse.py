@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
-from verst.rollout.engines.embedded import batch as _batch
+from verst.rollout.engines.embedded import kv_cache as _kv_cache
 from verst.rollout.engines.embedded.batch import DecodeBatch, Row
 from verst.rollout.engines.embedded.sampling import RowSampling
 
@@ -88,7 +88,7 @@ def test_finished_rows_do_not_reallocate_the_cache(model, monkeypatch):
     """Rows finishing one by one (and leading pad columns trimmed) reuse the buffer: the only
     copies into a fresh buffer are the prefill's, one per layer."""
     adopted: list[tuple[int, ...]] = []
-    layer_cls = _batch._growing_layer_class()
+    layer_cls = _kv_cache._growing_layer_class()
     original = layer_cls._adopt
 
     def counting(self, keys, values, extra):
@@ -122,7 +122,7 @@ def test_spare_capacity_follows_the_rows_budget(model):
 def test_finished_rows_are_compacted_in_bulk(model, monkeypatch):
     """A finished row's slot lingers (decoded, ignored) until a quarter of the slots are dead:
     one cache copy then serves several departures; the others' tokens are unchanged."""
-    layer_cls = _batch._growing_layer_class()
+    layer_cls = _kv_cache._growing_layer_class()
     original = layer_cls.batch_select_indices
     kept: list[int] = []
 

@@ -55,11 +55,11 @@ async def test_build_embedded_pool_fans_out(tiny_checkpoint):
 
 async def test_build_sglang_clients_and_config_errors():
     one = await build_engine(EngineConfig(type="sglang", urls=["http://h:1"]), max_concurrency=8)
-    assert isinstance(one, SGLangClient) and one.max_connections == 8
+    assert isinstance(one, SGLangClient) and one.http_settings.max_connections == 8
     two = await build_engine(
         EngineConfig(type="sglang", urls=["http://h:1", "http://h:2"]), max_concurrency=8
     )
-    assert isinstance(two, EnginePool) and [c.max_connections for c in two.engines] == [4, 4]
+    assert isinstance(two, EnginePool) and [c.http_settings.max_connections for c in two.engines] == [4, 4]
     routed = await build_engine(EngineConfig(type="sglang", router_url="http://r:1"), max_concurrency=8)
     assert isinstance(routed, SGLangClient) and routed.router
     with pytest.raises(ConfigError, match=r"engine\.urls"):

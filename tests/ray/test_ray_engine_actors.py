@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from ray_testlib import install_reward_module, ray_run, run_actors_left, run_dict, write_prompts
 
@@ -81,6 +82,7 @@ def test_embedded_release_resume_keeps_serving(tiny_checkpoint):
     asyncio.run(go())
 
 
+@pytest.mark.slow  # ~70 s on 2 cores (4 actor processes): .ci/run runs tests/ray's slow tests
 def test_engine_actors_serve_and_sync(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch):
     torch.set_num_threads(1)
     reward = install_reward_module(tmp_path, monkeypatch)

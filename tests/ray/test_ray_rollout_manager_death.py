@@ -1,5 +1,6 @@
-"""Slow: the rollout manager killed during a rollout surfaces the same way as a train rank (the
-default suite kills a train rank; `uv run pytest -m slow tests/ray`)."""
+"""Slow: the rollout manager killed during a rollout surfaces the same way as a train rank (killed
+in test_ray_train_run.py). `uv run pytest -m slow tests/ray` runs both; .ci/run does, after the
+default suite."""
 
 from __future__ import annotations
 

@@ -31,7 +31,9 @@ def _flag_in_process(actor, flag: str) -> str | None:
     return os.environ.get(flag)
 
 
-@pytest.mark.parametrize("source", ["ambient", "config"])
+# both sources end in the same `resolve_extra_env_vars` mapping that the actors get; the run.env
+# source costs another ~30 s of actor starts, so it runs with tests/ray's slow tests in .ci/run
+@pytest.mark.parametrize("source", ["ambient", pytest.param("config", marks=pytest.mark.slow)])
 def test_legacy_flag_reaches_every_actor(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch, source):
     torch.set_num_threads(1)
     reward = install_reward_module(tmp_path, monkeypatch)

@@ -48,6 +48,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: .ci/run runs tests/ray's slow tests after the default suite
 def test_ray_run_survives_killed_rank_and_matches_local(ray_cluster, tmp_path, tiny_checkpoint, monkeypatch):
     torch.set_num_threads(1)
     reward = install_reward_module(tmp_path, monkeypatch)

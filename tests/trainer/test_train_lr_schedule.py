@@ -22,7 +22,7 @@ from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
-from verst.trainer.train.model import lr_lambda
+from verst.trainer.train.optim import lr_lambda
 from verst.trainer.train.side import TrainSide
 
 STEPS, TOTAL = 3, 10

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
-from verst.trainer.train.model import fused_adamw
+from verst.trainer.train.optim import fused_adamw
 from verst.trainer.train.side import TrainSide
 
 

@@ -89,7 +89,7 @@ def test_step_variants(tiny_checkpoint, case):
 
 
 def test_lr_schedules():
-    from verst.trainer.train.model import lr_lambda
+    from verst.trainer.train.optim import lr_lambda
 
     cos = lr_lambda(TrainConfig(scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1), total_steps=6)
     assert [round(cos(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]

@@ -92,6 +92,22 @@ def _row_to_sample(
 ) -> Sample:
     """One dataset row → a PENDING prompt `Sample`; `where` is "file:line" for errors. A row with
     images is tokenized here, its image tokens expanded by `vision` (docs/vlm.md)."""
+    prompt, images = _row_prompt(row, config, where, path)
+    metadata = _row_metadata(row, config, where)
+    label = row.get(config.label_key) if config.label_key is not None else None
+    if images:
+        ids, recipes = _expand(prompt, images, config, where, tokenizer, vision, max_prompt_tokens)
+        return Sample(prompt=prompt, label=label, tokens=ids, images=recipes, metadata=metadata)
+    if config.apply_chat_template and tokenizer is not None:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if max_prompt_tokens is not None and tokenizer is not None:
+        _check_prompt_tokens(prompt, where, tokenizer, max_prompt_tokens)
+    return Sample(prompt=prompt, label=label, metadata=metadata, status=Status.PENDING)
+
+
+def _row_prompt(row: Any, config: DataConfig, where: str, path: Path | None) -> tuple[Any, Any]:
+    """The row's prompt (a non-empty string or chat messages) and its images; `DataError` else."""
     if not isinstance(row, dict):
         raise DataError(
             f"{where}: the row is a JSON {type(row).__name__}, not an object; "
@@ -120,37 +136,38 @@ def _row_to_sample(
             f"{where}: {config.input_key!r} is empty (the engine would get no input ids); "
             f"fix: write a prompt, or remove the row"
         )
-    metadata: dict[str, Any] = {}
-    if config.metadata_key is not None and row.get(config.metadata_key) is not None:
-        metadata = row[config.metadata_key]
-        if not isinstance(metadata, dict):
-            raise DataError(
-                f"{where}: {config.metadata_key!r} is a {type(metadata).__name__}, not an object; "
-                f"fix: make it an object (it is copied into sample.metadata), or set data.metadata_key"
-            )
-    label = row.get(config.label_key) if config.label_key is not None else None
-    if images:
-        ids, recipes = _expand(prompt, images, config, where, tokenizer, vision, max_prompt_tokens)
-        return Sample(prompt=prompt, label=label, tokens=ids, images=recipes, metadata=dict(metadata))
-    if config.apply_chat_template and tokenizer is not None:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if max_prompt_tokens is not None and tokenizer is not None:
-        from verst.rollout.generate import prompt_token_ids
+    return prompt, images
 
-        n = len(prompt_token_ids(tokenizer, prompt, False))
-        if n == 0:
-            raise DataError(
-                f"{where}: the prompt tokenizes to no tokens (the engine would get no input ids); "
-                f"fix: write a prompt the tokenizer encodes, or remove the row"
-            )
-        if n >= max_prompt_tokens:
-            raise DataError(
-                f"{where}: the prompt has {n} tokens and the context holds {max_prompt_tokens} "
-                f"(rollout.max_context_len, or the model's max_position_embeddings): no room for a "
-                f"response; fix: shorten or remove the row, or raise rollout.max_context_len"
-            )
-    return Sample(prompt=prompt, label=label, metadata=dict(metadata), status=Status.PENDING)
+
+def _row_metadata(row: dict[str, Any], config: DataConfig, where: str) -> dict[str, Any]:
+    """A copy of the row's `data.metadata_key` object (empty without one)."""
+    if config.metadata_key is None or row.get(config.metadata_key) is None:
+        return {}
+    metadata = row[config.metadata_key]
+    if not isinstance(metadata, dict):
+        raise DataError(
+            f"{where}: {config.metadata_key!r} is a {type(metadata).__name__}, not an object; "
+            f"fix: make it an object (it is copied into sample.metadata), or set data.metadata_key"
+        )
+    return dict(metadata)
+
+
+def _check_prompt_tokens(prompt: Any, where: str, tokenizer: Any, max_prompt_tokens: int) -> None:
+    """The prompt tokenizes to at least one token and leaves room for a response in the context."""
+    from verst.rollout.generate import prompt_token_ids
+
+    n = len(prompt_token_ids(tokenizer, prompt, False))
+    if n == 0:
+        raise DataError(
+            f"{where}: the prompt tokenizes to no tokens (the engine would get no input ids); "
+            f"fix: write a prompt the tokenizer encodes, or remove the row"
+        )
+    if n >= max_prompt_tokens:
+        raise DataError(
+            f"{where}: the prompt has {n} tokens and the context holds {max_prompt_tokens} "
+            f"(rollout.max_context_len, or the model's max_position_embeddings): no room for a "
+            f"response; fix: shorten or remove the row, or raise rollout.max_context_len"
+        )
 
 
 def _read_jsonl(

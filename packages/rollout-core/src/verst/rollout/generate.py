@@ -113,18 +113,10 @@ def reset_sample(sample: Sample, *, keep_attempt: bool = False) -> Sample:
 
     `keep_attempt` keeps the attempt counter, so a resubmitted sample gets a new request id.
     """
-    sample.tokens = sample.tokens[: sample.prompt_length]
-    sample.response_length = 0
-    sample.response = ""
+    sample.drop_response()
     sample.reward = None
-    sample.loss_mask = None
-    sample.rollout_logprobs = None
     sample.routed_experts = None
     sample.status = Status.PENDING
-    sample.weight_versions = []
-    sample.token_versions = None
-    if sample.images:  # an image a multi-turn episode appended after the prompt goes with it
-        sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
     for key in _RUN_METADATA_KEYS:
         if not (keep_attempt and key == "attempt"):
             sample.metadata.pop(key, None)

@@ -181,8 +181,40 @@ class RolloutStrategy(Protocol):
         ...
 
 
+class ContextViews:
+    """What a holder of the strategy's `context` reads through it (engine, tokenizer, config,
+    sink, eval sets): `GenerateState` and the legacy runtime."""
+
+    context: RolloutContext
+
+    @property
+    def engine(self) -> InferenceEngine:
+        """The engine (or engine group) requests go to."""
+        return self.context.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer."""
+        return self.context.tokenizer
+
+    @property
+    def config(self) -> RolloutConfig:
+        """The rollout section of the run config."""
+        return self.context.config
+
+    @property
+    def sink(self) -> LifecycleSink:
+        """Where lifecycle events go."""
+        return self.context.sink
+
+    @property
+    def eval_datasets(self) -> Mapping[str, list[Sample]]:
+        """Named eval sets (one PENDING prompt sample per prompt)."""
+        return self.context.eval_datasets
+
+
 @dataclass
-class GenerateState:
+class GenerateState(ContextViews):
     """Per-rollout state shared by every `generate_and_rm` call of that rollout."""
 
     context: RolloutContext
@@ -202,18 +234,6 @@ class GenerateState:
     """The strategy's `GenerateFn` (None = `verst.rollout.generate.SingleTurnGenerate`)."""
     generate_fn_cache: dict[str, Any] = field(default_factory=dict)
     """Per-sample generate functions already loaded, by import path (owned by the strategy)."""
-
-    @property
-    def engine(self) -> InferenceEngine:
-        return self.context.engine
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.context.tokenizer
-
-    @property
-    def config(self) -> RolloutConfig:
-        return self.context.config
 
 
 @dataclass

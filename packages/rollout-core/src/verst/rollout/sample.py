@@ -126,6 +126,20 @@ class Sample:
         """Number of prompt tokens at the start of `tokens`."""
         return len(self.tokens) - self.response_length
 
+    def drop_response(self) -> None:
+        """Back to the prompt: `tokens` cut to it (and `images` to the prompt's own), no response
+        text, loss mask, rollout log-probs or weight versions. Reward, status, routing and
+        metadata are the caller's to reset."""
+        self.tokens = self.tokens[: self.prompt_length]
+        if self.images:  # an image a multi-turn episode appended after the prompt goes with it
+            self.images = [im for im in self.images if int(im["offset"]) < len(self.tokens)] or None
+        self.response_length = 0
+        self.response = ""
+        self.loss_mask = None
+        self.rollout_logprobs = None
+        self.weight_versions = []
+        self.token_versions = None
+
     @property
     def response_tokens(self) -> list[int]:
         """The response part of `tokens`."""

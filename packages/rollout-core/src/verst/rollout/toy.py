@@ -7,6 +7,8 @@ take with their own checkpoints (`from_pretrained(path)`). Needs the `local` ext
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,54 +37,65 @@ def build_char_tokenizer(chars: str = CHARS) -> Any:
     return tokenizer
 
 
-def build_tiny_llama(
+def decoder_fields(
     vocab_size: int,
     *,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
-    intermediate_size: int | None = None,
     max_position_embeddings: int = 256,
-    seed: int = 0,
     pad_token_id: int = 0,
     bos_token_id: int = 1,
     eos_token_id: int = 2,
+) -> dict[str, Any]:
+    """The transformers config fields every tiny decoder here shares (Llama, the MoE families):
+    full multi-head attention, untied embeddings."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "tie_word_embeddings": False,
+    }
+
+
+def save_with_char_tokenizer(path: str | Path, build: Callable[..., Any]) -> Path:
+    """`build(vocab_size, pad_token_id=, bos_token_id=, eos_token_id=)` with the char
+    tokenizer's ids, then the model and the tokenizer saved to `path` (HF layout)."""
+    path = Path(path)
+    tokenizer = build_char_tokenizer()
+    model = build(
+        len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llama(
+    vocab_size: int, *, intermediate_size: int | None = None, seed: int = 0, **decoder: Any
 ) -> Any:
-    """A randomly initialised Llama-architecture causal LM (float32)."""
+    """A randomly initialised Llama-architecture causal LM (float32); `decoder`: the keywords of
+    `decoder_fields` (`hidden_size`, `num_layers`, `num_heads`, token ids, ...)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    fields = decoder_fields(vocab_size, **decoder)
+    ffn = intermediate_size or 2 * fields["hidden_size"]
+    config = LlamaConfig(**fields, intermediate_size=ffn, torch_dtype="float32")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
 def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_kwargs: Any) -> Path:
     """Build the char tokenizer and a tiny Llama and save both to `path` (HF layout)."""
-    path = Path(path)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(
-        len(tokenizer),
-        seed=seed,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **model_kwargs,
-    )
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_with_char_tokenizer(path, functools.partial(build_tiny_llama, seed=seed, **model_kwargs))

@@ -11,8 +11,11 @@ path afterwards is the one a user's MoE checkpoint takes. Needs the `local` extr
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
+
+from verst.rollout.toy import decoder_fields, save_with_char_tokenizer
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 """The families `build_tiny_moe` makes (both route in a `*TopKRouter`)."""
@@ -22,42 +25,28 @@ def tiny_moe_config(
     family: str,
     vocab_size: int,
     *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
     num_experts: int = 8,
     top_k: int = 2,
     expert_size: int = 64,
-    max_position_embeddings: int = 256,
-    pad_token_id: int = 0,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
+    **decoder: Any,
 ) -> Any:
-    """The transformers config of a tiny `family` MoE (full attention, no shared experts)."""
+    """The transformers config of a tiny `family` MoE (full attention, no shared experts);
+    `decoder`: `verst.rollout.toy.decoder_fields`' keywords (hidden size, layers, heads, ...)."""
     import transformers
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.0,
-    )
+    common = {
+        **decoder_fields(vocab_size, **decoder),
+        "num_experts_per_tok": top_k,
+        "router_aux_loss_coef": 0.0,
+    }
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common,
             num_experts=num_experts,
             moe_intermediate_size=expert_size,
-            intermediate_size=2 * hidden_size,
+            intermediate_size=2 * common["hidden_size"],
             norm_topk_prob=True,
-            head_dim=hidden_size // num_heads,
+            head_dim=common["hidden_size"] // common["num_attention_heads"],
         )
     if family == "mixtral":
         return transformers.MixtralConfig(
@@ -80,20 +69,4 @@ def make_tiny_moe_checkpoint(
     path: str | Path, *, family: str = "qwen3_moe", seed: int = 0, **kw: Any
 ) -> Path:
     """Build the char tokenizer and a tiny MoE and save both to `path` (HF layout)."""
-    from verst.rollout.toy import build_char_tokenizer
-
-    path = Path(path)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_moe(
-        family,
-        len(tokenizer),
-        seed=seed,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **kw,
-    )
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_with_char_tokenizer(path, functools.partial(build_tiny_moe, family, seed=seed, **kw))

@@ -104,77 +104,100 @@ async def _train_rollout(
     batch go back to `data_source`; filtered groups are consumed, as in slime.
     """
     started = time.perf_counter()
-    target = args.rollout_batch_size
-    wave = args.over_sampling_batch_size or target
-    params = sampling_params_from_args(args)
     state = _new_state(rt, rollout_id, args, evaluation=False)
-    filters = _load_filters(rt.config, args)
-    tally: Counter[str] = Counter()
-    kept: list[list[Sample]] = []
-    unused: list[list[Sample]] = []
-    in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]] = {}
-    failed_groups: list[list[Sample]] = []
-    next_group = next_sample = 0
-    exhausted = False
-    wave_limit = max_waves(rt.config)
+    waves = _Waves(args, rollout_id, state, _load_filters(rt.config, args), max_waves(rt.config))
+    params = sampling_params_from_args(args)
     rt.current_state = state
     try:
-        while len(kept) < target and not state.aborted.is_set():
-            # slime's `remaining_batch_size < target`: another wave while kept + in flight fall short
-            while not exhausted and len(kept) + len(in_flight) < target:
-                if tally["waves"] >= wave_limit:  # every group dropped: never cycle the dataset forever
-                    exhausted = True
-                    tally["wave_limit_hit"] = 1
-                    logger.warning(
-                        "v1 rollout %d: %d waves pulled; stopping (max_waves_per_rollout)",
-                        rollout_id,
-                        wave_limit,
-                    )
-                    break
-                tally["waves"] += 1
-                groups = data_source.get_samples(wave)
-                if not groups:
-                    exhausted = True
-                    logger.warning("v1 rollout %d: the data source ran out of prompts", rollout_id)
-                for group in groups:
-                    _index_group(group, next_group, next_sample)
-                    next_group, next_sample = next_group + 1, next_sample + len(group)
-                    task = asyncio.create_task(_group_with_retries(state, group, params, False, tally))
-                    in_flight[task] = group
-            if not in_flight:
+        while len(waves.kept) < waves.target and not state.aborted.is_set():
+            waves.launch(data_source, params)
+            if not waves.in_flight:
                 break
-            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: in_flight[t][0].group_index or 0):
-                in_flight.pop(task)
-                group, failed = task.result()
-                if failed:
-                    tally["failed_groups"] += 1
-                    failed_groups.append(group)
-                    if len(failed_groups) > target:
-                        raise RolloutFailedError(
-                            rollout_id,
-                            [g[0].metadata.get("error", "") for g in failed_groups if g],
-                            label="v1 rollout",
-                        )
-                elif len(kept) >= target:
-                    unused.append(group)
-                else:
-                    _classify(group, filters, args.reward_key, kept, unused, tally)
-        if not kept and tally["wave_limit_hit"]:
-            raise _stall_error(rollout_id, target, tally, max_waves(rt.config))
+            done, _ = await asyncio.wait(waves.in_flight, return_when=asyncio.FIRST_COMPLETED)
+            waves.collect(done)
+        if not waves.kept and waves.tally["wave_limit_hit"]:
+            raise _stall_error(rollout_id, waves.target, waves.tally, waves.wave_limit)
     except RolloutFailedError:
-        unused.extend(failed_groups)  # handed back as fresh prompts: none is lost
+        waves.unused.extend(waves.failed_groups)  # handed back as fresh prompts: none is lost
         raise
     finally:
-        unused.extend(await _abort_in_flight(state, rt, in_flight))
+        waves.unused.extend(await _abort_in_flight(state, rt, waves.in_flight))
         rt.current_state = None
-        _hand_back(data_source, unused, rollout_id, args.partial_rollout, tally)
-    kept.sort(key=lambda g: g[0].group_index or 0)
-    metrics = _train_metrics(kept, args.reward_key, tally, time.perf_counter() - started)
+        _hand_back(data_source, waves.unused, rollout_id, args.partial_rollout, waves.tally)
+    kept = sorted(waves.kept, key=lambda g: g[0].group_index or 0)
+    metrics = _train_metrics(kept, args.reward_key, waves.tally, time.perf_counter() - started)
     if kept and kept[0]:
         log_first_sample(logger, kept[0][0], label=f"v1 rollout {rollout_id}")
     log_rollout_finish(logger, rollout_id, metrics)
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+@dataclass
+class _Waves:
+    """One training rollout's groups: launched in waves, then kept, unused, failed or in flight."""
+
+    args: Any
+    rollout_id: int
+    state: GenerateState
+    filters: list[DynamicFilter]
+    wave_limit: int
+    """`max_waves_per_rollout`: waves pulled at most (every group dropped never cycles forever)."""
+    tally: Counter[str] = field(default_factory=Counter)
+    kept: list[list[Sample]] = field(default_factory=list)
+    unused: list[list[Sample]] = field(default_factory=list)
+    """Groups handed back to the data source (unfinished, beyond the batch, failed)."""
+    in_flight: dict[asyncio.Task[tuple[list[Sample], bool]], list[Sample]] = field(default_factory=dict)
+    failed_groups: list[list[Sample]] = field(default_factory=list)
+    next_group: int = 0
+    next_sample: int = 0
+    exhausted: bool = False
+
+    @property
+    def target(self) -> int:
+        return self.args.rollout_batch_size
+
+    def launch(self, data_source: DataSource, params: SamplingParams) -> None:
+        """slime's `remaining_batch_size < target`: another wave while kept + in flight fall short."""
+        wave = self.args.over_sampling_batch_size or self.target
+        while not self.exhausted and len(self.kept) + len(self.in_flight) < self.target:
+            if self.tally["waves"] >= self.wave_limit:
+                self.exhausted = True
+                self.tally["wave_limit_hit"] = 1
+                logger.warning(
+                    "v1 rollout %d: %d waves pulled; stopping (max_waves_per_rollout)",
+                    self.rollout_id,
+                    self.wave_limit,
+                )
+                return
+            self.tally["waves"] += 1
+            groups = data_source.get_samples(wave)
+            if not groups:
+                self.exhausted = True
+                logger.warning("v1 rollout %d: the data source ran out of prompts", self.rollout_id)
+            for group in groups:
+                _index_group(group, self.next_group, self.next_sample)
+                self.next_group, self.next_sample = self.next_group + 1, self.next_sample + len(group)
+                task = asyncio.create_task(_group_with_retries(self.state, group, params, False, self.tally))
+                self.in_flight[task] = group
+
+    def collect(self, done: set[asyncio.Task[tuple[list[Sample], bool]]]) -> None:
+        """Sort the finished groups into failed, unused (the batch is full) or filtered/kept."""
+        for task in sorted(done, key=lambda t: self.in_flight[t][0].group_index or 0):
+            self.in_flight.pop(task)
+            group, failed = task.result()
+            if failed:
+                self.tally["failed_groups"] += 1
+                self.failed_groups.append(group)
+                if len(self.failed_groups) > self.target:
+                    raise RolloutFailedError(
+                        self.rollout_id,
+                        [g[0].metadata.get("error", "") for g in self.failed_groups if g],
+                        label="v1 rollout",
+                    )
+            elif len(self.kept) >= self.target:
+                self.unused.append(group)
+            else:
+                _classify(group, self.filters, self.args.reward_key, self.kept, self.unused, self.tally)
 
 
 def _stall_error(rollout_id: int, target: int, tally: Counter[str], wave_limit: int) -> RolloutStalledError:

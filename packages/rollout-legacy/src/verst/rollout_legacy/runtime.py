@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from verst.rollout.config import RolloutConfig
-from verst.rollout.engine import InferenceEngine
-from verst.rollout.lifecycle import LifecycleSink
-from verst.rollout.protocols import GenerateFn, GenerateState, RolloutContext
-from verst.rollout.sample import Sample
+from verst.rollout.protocols import ContextViews, GenerateFn, GenerateState, RolloutContext
 
 T = TypeVar("T")
 
 
 @dataclass
-class LegacyRuntime:
+class LegacyRuntime(ContextViews):
     """The per-strategy objects a v1 rollout function needs, passed explicitly (never global).
 
     The surface is the strategy's `RolloutContext` plus two things a v1 function cannot learn
@@ -55,31 +51,6 @@ class LegacyRuntime:
         legacy path they reach the engine and tokenizer there, where slime kept them in its
         module-global `GenerateState`."""
         return replace(self.context, v1_args={**self.context.v1_args, "runtime": self})
-
-    @property
-    def engine(self) -> InferenceEngine:
-        """The engine (or engine group) requests go to."""
-        return self.context.engine
-
-    @property
-    def tokenizer(self) -> Any:
-        """The Hugging Face tokenizer."""
-        return self.context.tokenizer
-
-    @property
-    def sink(self) -> LifecycleSink:
-        """Where lifecycle events go (the same sink the default strategy would use)."""
-        return self.context.sink
-
-    @property
-    def config(self) -> RolloutConfig:
-        """The rollout section of the run config."""
-        return self.context.config
-
-    @property
-    def eval_datasets(self) -> Mapping[str, list[Sample]]:
-        """Named eval sets (one PENDING prompt sample per prompt)."""
-        return self.context.eval_datasets
 
     def generate_fn(self, args: Any) -> GenerateFn | None:
         """The generate function `args.custom_generate_function_path` names (loaded once), or None

@@ -50,30 +50,30 @@ _OPTIMIZER_KEYS = (("beta", "train.betas"), ("epsilon", "train.eps"), ("weight_d
 def optimizer_problems(train: Any) -> list[Problem]:
     """What `torch.optim.AdamW` would reject, as a problem under its `train.*` key.
 
-    The optimizer is built once over one scalar parameter with the config's values: the rules
-    are torch's own (betas in [0, 1), eps >= 0, ...), reported before the run directory exists.
+    The rules are torch's own (lr > 0, betas in [0, 1), eps >= 0, ...): AdamW is built with the
+    config's values over no parameters, so its argument checks run and then it stops at the empty
+    parameter list, before `add_param_group`, whose first call imports torch._dynamo (seconds on
+    a small machine, for a command that may only be reporting a typo).
     """
     import torch
 
-    problems = []
     try:
-        p = torch.nn.Parameter(torch.zeros(1))
-        opt = torch.optim.AdamW(
-            [p], lr=train.lr, betas=tuple(train.betas), eps=train.eps, weight_decay=train.weight_decay
+        torch.optim.AdamW(
+            [], lr=train.lr, betas=tuple(train.betas), eps=train.eps, weight_decay=train.weight_decay
         )
     except (ValueError, TypeError) as exc:
         msg = str(exc)
+        if "empty parameter list" in msg:
+            return []  # every argument check passed
         key = next((k for word, k in _OPTIMIZER_KEYS if word in msg.lower()), "train.lr")
-        problems.append(
+        return [
             Problem(
                 key,
                 f"AdamW rejects it: {msg}",
                 "AdamW needs lr > 0, betas in [0, 1), eps > 0, weight_decay >= 0",
             )
-        )
-        return problems
-    del opt
-    return problems
+        ]
+    return []
 
 
 # ---------------------------------------------------------------- model paths

@@ -26,6 +26,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from verst.rollout.agentic.config import EnvConfig
@@ -69,6 +70,20 @@ STATUS_BY_TERMINATION: dict[TerminationReason, Status] = {
 
 class _StepTimeout(Exception):
     """An environment call exceeded `step_timeout_s`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One model turn in progress: its index, sampling, token budget, start time, event fields."""
+
+    turn: int
+    sampling: Any
+    budget: int | None
+    """Tokens the whole sample may hold (`max_tokens` or the context; None: unbounded)."""
+    started: float
+    """`time.perf_counter()` at the turn's start."""
+    detail: dict[str, Any]
+    """The `TURN_END` event's fields, filled as the turn goes."""
 
 
 class AgenticGenerate:
@@ -190,27 +205,19 @@ class AgenticGenerate:
     ) -> None:
         obs = as_observation(await self._env_call(env.reset(sample), trace, "env.reset", env))
         if obs is None or obs.is_empty:
-            if not sample.tokens:
+            if not sample.tokens:  # (no response either: the prompt ids are all of it)
                 from verst.rollout.generate import prompt_token_ids
 
                 sample.tokens = prompt_token_ids(
                     state.tokenizer, sample.prompt, state.config.data.apply_chat_template
                 )
-            else:
-                sample.tokens = sample.tokens[: sample.prompt_length]
-            if sample.images:  # the prompt's own images stay; earlier observations' go
-                sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
+            sample.drop_response()  # the prompt's own images stay; earlier observations' go
         else:
+            sample.drop_response()
             ids, images = expand_observation(
                 state.context.vision, obs, prompt_ids(state.tokenizer, obs), offset=0
             )
             sample.tokens, sample.images = ids, images or None
-        sample.response_length = 0
-        sample.response = ""
-        sample.loss_mask = None
-        sample.rollout_logprobs = None
-        sample.weight_versions = []
-        sample.token_versions = None
         sample.metadata[STATE_KEY] = {"episode_id": secrets.token_hex(8), "open_turn": None, "requests": 0}
         sample.metadata["segments"] = []
         sample.metadata["turn_rewards"] = []
@@ -224,7 +231,6 @@ class AgenticGenerate:
         state, sample, params = inp.state, inp.sample, inp.sampling_params
         config, meta = self.config, sample.metadata[STATE_KEY]
         budget = config.max_tokens or state.config.max_context_len
-        mask_offpolicy = state.config.mask_offpolicy_in_partial_rollout
         while True:
             open_turn = meta["open_turn"]  # response offset of a turn cut short by an abort
             turn = _model_turns(sample) - (open_turn is not None)
@@ -243,70 +249,10 @@ class AgenticGenerate:
             emit(EventKind.TURN_START, {"attempt": trace.attempt, "turn": turn})
             detail: dict[str, Any] = {"attempt": trace.attempt, "turn": turn}
             try:
-                out, queue_s = await self._generate(state, sample, params.replace(max_new_tokens=max_new))
-                gen_done = time.perf_counter()
-                detail.update(queue_s=queue_s, gen_s=gen_done - started - queue_s, tokens=len(out.output_ids))
-                if out.finish_reason == "abort" and not out.output_ids:
-                    detail["status"] = "aborted"
-                    return TerminationReason.ABORTED
-                text = out.text or (
-                    state.tokenizer.decode(out.output_ids) if state.tokenizer and out.output_ids else ""
-                )
-                if open_turn is None:
-                    meta["open_turn"] = open_turn = sample.response_length
-                append_turn(
-                    sample,
-                    out.output_ids,
-                    out.output_logprobs if len(out.output_logprobs) == len(out.output_ids) else None,
-                    True,
-                    out.weight_version,
-                    text=text,
-                    turn=turn,
-                    routed_experts=out.routed_experts,
-                    routed_start=sample.routed_experts.tokens if sample.routed_experts is not None else 0,
-                )
-                if mask_offpolicy:
-                    mask_turns_before(sample, out.weight_version)
-                if out.finish_reason == "abort":
-                    detail["status"] = "aborted"
-                    return TerminationReason.ABORTED
-                meta["open_turn"] = None
-                if out.finish_reason == "length" and budget is not None and len(sample.tokens) >= budget:
-                    detail["status"] = "max_tokens"
-                    return TerminationReason.MAX_TOKENS
-                ids = sample.tokens[len(sample.tokens) - (sample.response_length - open_turn) :]
-                resumed = len(ids) != len(out.output_ids)  # the turn spans several requests
-                turn_text = state.tokenizer.decode(ids) if resumed and state.tokenizer is not None else text
-                model_turn = ModelTurn(turn, tuple(ids), turn_text, out.finish_reason)
-                try:
-                    result = await self._env_call(env.step(model_turn), trace, "env.step", env)
-                finally:
-                    detail["env_s"] = time.perf_counter() - gen_done
-                reason = self._record(sample, result)
+                sampling = params.replace(max_new_tokens=max_new)
+                reason = await self._turn(inp, env, trace, _Turn(turn, sampling, budget, started, detail))
                 if reason is not None:
-                    detail["status"] = reason.value
                     return reason
-                obs = as_observation(result.observation)
-                obs_ids = (
-                    observation_ids(state.tokenizer, obs) if obs is not None and not obs.is_empty else []
-                )
-                obs_ids, obs_images = expand_observation(
-                    state.context.vision, obs, obs_ids, offset=len(sample.tokens)
-                )
-                if budget is not None and len(sample.tokens) + len(obs_ids) > budget:
-                    detail["status"] = "max_tokens"
-                    return TerminationReason.MAX_TOKENS
-                if obs_ids:
-                    text = (
-                        obs.text if obs is not None and obs.token_ids is None and not obs.messages else None
-                    )
-                    if text is None and state.tokenizer is not None:
-                        text = state.tokenizer.decode(obs_ids)
-                    append_turn(sample, obs_ids, None, False, text=text, turn=turn)
-                    if obs_images:
-                        sample.images = [*(sample.images or []), *obs_images]
-                detail["obs_tokens"] = len(obs_ids)
-                detail["status"] = "continue"
             except BaseException as exc:
                 detail.setdefault(
                     "status", "timeout" if isinstance(exc, TimeoutError | _StepTimeout) else "error"
@@ -319,6 +265,89 @@ class AgenticGenerate:
                     detail.setdefault("env_s", 0.0)  # (0: the environment was not called)
                     detail.setdefault("obs_tokens", 0)  # (0: no observation was appended)
                 emit(EventKind.TURN_END, detail)
+
+    async def _turn(
+        self, inp: GenerateInput, env: Environment, trace: EpisodeTrace, t: _Turn
+    ) -> TerminationReason | None:
+        """One model turn and the environment's answer to it; the reason the episode ends, or
+        None to go on. `t.detail` gets the turn event's fields (timings, tokens, status)."""
+        state, sample, detail = inp.state, inp.sample, t.detail
+        out, queue_s = await self._generate(state, sample, t.sampling)
+        gen_done = time.perf_counter()
+        detail.update(queue_s=queue_s, gen_s=gen_done - t.started - queue_s, tokens=len(out.output_ids))
+        if out.finish_reason == "abort" and not out.output_ids:
+            detail["status"] = "aborted"
+            return TerminationReason.ABORTED
+        open_turn, text = self._append_output(state, sample, out, t.turn)
+        if out.finish_reason == "abort":
+            detail["status"] = "aborted"
+            return TerminationReason.ABORTED
+        sample.metadata[STATE_KEY]["open_turn"] = None
+        if out.finish_reason == "length" and t.budget is not None and len(sample.tokens) >= t.budget:
+            detail["status"] = "max_tokens"
+            return TerminationReason.MAX_TOKENS
+        ids = sample.tokens[len(sample.tokens) - (sample.response_length - open_turn) :]
+        resumed = len(ids) != len(out.output_ids)  # the turn spans several requests
+        turn_text = state.tokenizer.decode(ids) if resumed and state.tokenizer is not None else text
+        model_turn = ModelTurn(t.turn, tuple(ids), turn_text, out.finish_reason)
+        try:
+            result = await self._env_call(env.step(model_turn), trace, "env.step", env)
+        finally:
+            detail["env_s"] = time.perf_counter() - gen_done
+        reason = self._record(sample, result)
+        if reason is not None:
+            detail["status"] = reason.value
+            return reason
+        return self._observe(state, sample, result, t)
+
+    def _append_output(
+        self, state: GenerateState, sample: Sample, out: GenerateOutput, turn: int
+    ) -> tuple[int, str]:
+        """Append the engine's output as (part of) model turn `turn`; returns the turn's response
+        offset (it may have started in an earlier, aborted request) and the output's text."""
+        meta = sample.metadata[STATE_KEY]
+        text = out.text or (
+            state.tokenizer.decode(out.output_ids) if state.tokenizer and out.output_ids else ""
+        )
+        if meta["open_turn"] is None:
+            meta["open_turn"] = sample.response_length
+        append_turn(
+            sample,
+            out.output_ids,
+            out.output_logprobs if len(out.output_logprobs) == len(out.output_ids) else None,
+            True,
+            out.weight_version,
+            text=text,
+            turn=turn,
+            routed_experts=out.routed_experts,
+            routed_start=sample.routed_experts.tokens if sample.routed_experts is not None else 0,
+        )
+        if state.config.mask_offpolicy_in_partial_rollout:
+            mask_turns_before(sample, out.weight_version)
+        return meta["open_turn"], text
+
+    def _observe(
+        self, state: GenerateState, sample: Sample, result: StepResult, t: _Turn
+    ) -> TerminationReason | None:
+        """Append the environment's observation (loss mask 0); MAX_TOKENS when it does not fit."""
+        obs = as_observation(result.observation)
+        obs_ids = observation_ids(state.tokenizer, obs) if obs is not None and not obs.is_empty else []
+        obs_ids, obs_images = expand_observation(
+            state.context.vision, obs, obs_ids, offset=len(sample.tokens)
+        )
+        if t.budget is not None and len(sample.tokens) + len(obs_ids) > t.budget:
+            t.detail["status"] = "max_tokens"
+            return TerminationReason.MAX_TOKENS
+        if obs_ids:
+            text = obs.text if obs is not None and obs.token_ids is None and not obs.messages else None
+            if text is None and state.tokenizer is not None:
+                text = state.tokenizer.decode(obs_ids)
+            append_turn(sample, obs_ids, None, False, text=text, turn=t.turn)
+            if obs_images:
+                sample.images = [*(sample.images or []), *obs_images]
+        t.detail["obs_tokens"] = len(obs_ids)
+        t.detail["status"] = "continue"
+        return None
 
     async def _generate(
         self, state: GenerateState, sample: Sample, sampling: Any
@@ -411,15 +440,7 @@ def _model_turns(sample: Sample) -> int:
 
 def _reset_episode(sample: Sample) -> None:
     """Back to the prompt: no turns, no episode state."""
-    sample.tokens = sample.tokens[: sample.prompt_length]
-    if sample.images:
-        sample.images = [im for im in sample.images if int(im["offset"]) < len(sample.tokens)] or None
-    sample.response_length = 0
-    sample.response = ""
-    sample.loss_mask = None
-    sample.rollout_logprobs = None
-    sample.weight_versions = []
-    sample.token_versions = None
+    sample.drop_response()
     for key in METADATA_KEYS:
         sample.metadata.pop(key, None)
 

@@ -28,7 +28,7 @@ these invariants; `Sample.validate` calls it for samples that carry segments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from verst.rollout.moe import RoutedExperts, extend_routing
 from verst.rollout.sample import SEGMENTS_KEY, Sample, segments_of, trajectory_problems
@@ -75,17 +75,7 @@ def append_turn(
     for model tokens, the last one for env tokens).
     """
     ids = list(ids)
-    if source is None and trainable and weight_version is None:
-        raise ValueError("a model turn needs the weight_version it was generated with")
-    source = source or ("model" if weight_version is not None else "env")
-    if source not in ("model", "env"):
-        raise ValueError(f"source must be 'model' or 'env', got {source!r}")
-    if source == "env" and trainable:
-        raise ValueError("injected (env) tokens are never trainable: pass trainable=False")
-    if logprobs is not None and len(logprobs) != len(ids):
-        raise ValueError(f"{len(logprobs)} log-probs for {len(ids)} ids")
-    if source == "model" and weight_version is None:
-        raise ValueError("a model turn needs the weight_version it was generated with")
+    source = _turn_source(source, len(ids), logprobs, trainable, weight_version)
     segments = sample.metadata.setdefault(SEGMENTS_KEY, [])
     if not segments and sample.response_length:
         raise ValueError(
@@ -98,21 +88,7 @@ def append_turn(
     start = sample.response_length
     previous_mask = sample.effective_loss_mask()
     sample.loss_mask = previous_mask + [int(trainable)] * len(ids)
-    if source == "model":
-        if logprobs is None or (sample.rollout_logprobs is None and start > 0):
-            sample.rollout_logprobs = None
-        else:
-            sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *map(float, logprobs)]
-        sample.weight_versions = [*sample.weight_versions, int(weight_version)]  # type: ignore[arg-type]
-    elif sample.rollout_logprobs is not None or start == 0:
-        sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *[MASKED_LOGPROB] * len(ids)]
-    if start == 0:
-        sample.token_versions = []
-    if sample.token_versions is not None:  # per token: the version of the call that made it,
-        # or for injected tokens the last generated token's (-1 before the first model token)
-        previous = [s["weight_version"] for s in segments if s["source"] == "model" and s["length"]]
-        version = weight_version if source == "model" else (previous[-1] if previous else -1)
-        sample.token_versions = [*sample.token_versions, *[int(version)] * len(ids)]  # type: ignore[arg-type]
+    _extend_versions(sample, ids, source, logprobs, weight_version, segments)
     _extend_routing(sample, ids, source, routed_experts, routed_start)
     sample.tokens = [*sample.tokens, *ids]
     sample.response_length = start + len(ids)
@@ -128,6 +104,56 @@ def append_turn(
             "trainable": bool(trainable),
         }
     )
+
+
+def _turn_source(
+    source: Source | None,
+    n: int,
+    logprobs: Sequence[float] | None,
+    trainable: bool,
+    weight_version: int | None,
+) -> Source:
+    """The turn's source ("model" or "env", defaulted as `append_turn` says), its arguments checked."""
+    if source is None and trainable and weight_version is None:
+        raise ValueError("a model turn needs the weight_version it was generated with")
+    source = source or ("model" if weight_version is not None else "env")
+    if source not in ("model", "env"):
+        raise ValueError(f"source must be 'model' or 'env', got {source!r}")
+    if source == "env" and trainable:
+        raise ValueError("injected (env) tokens are never trainable: pass trainable=False")
+    if logprobs is not None and len(logprobs) != n:
+        raise ValueError(f"{len(logprobs)} log-probs for {n} ids")
+    if source == "model" and weight_version is None:
+        raise ValueError("a model turn needs the weight_version it was generated with")
+    return source
+
+
+def _extend_versions(
+    sample: Sample,
+    ids: list[int],
+    source: Source,
+    logprobs: Sequence[float] | None,
+    weight_version: int | None,
+    segments: list[dict[str, Any]],
+) -> None:
+    """The rollout log-probs, weight versions and per-token versions of the appended `ids`
+    (before `sample.response_length` moves past them)."""
+    start = sample.response_length
+    if source == "model":
+        if logprobs is None or (sample.rollout_logprobs is None and start > 0):
+            sample.rollout_logprobs = None
+        else:
+            sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *map(float, logprobs)]
+        sample.weight_versions = [*sample.weight_versions, int(weight_version)]  # type: ignore[arg-type]
+    elif sample.rollout_logprobs is not None or start == 0:
+        sample.rollout_logprobs = [*(sample.rollout_logprobs or []), *[MASKED_LOGPROB] * len(ids)]
+    if start == 0:
+        sample.token_versions = []
+    if sample.token_versions is not None:  # per token: the version of the call that made it,
+        # or for injected tokens the last generated token's (-1 before the first model token)
+        previous = [s["weight_version"] for s in segments if s["source"] == "model" and s["length"]]
+        version = weight_version if source == "model" else (previous[-1] if previous else -1)
+        sample.token_versions = [*sample.token_versions, *[int(version)] * len(ids)]  # type: ignore[arg-type]
 
 
 def _extend_routing(

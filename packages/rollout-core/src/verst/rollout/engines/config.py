@@ -24,7 +24,7 @@ from pydantic import Field
 
 from verst.rollout.config import path_field
 from verst.rollout.engine import EngineCapabilities, InferenceEngine
-from verst.rollout.engines.section import EngineSection
+from verst.rollout.engines.section import EngineSection, HttpEngineSection
 from verst.rollout.engines.vllm.config import VllmEngineConfig, VllmLaunchEngineConfig
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.variants import VariantTable
@@ -83,13 +83,10 @@ class EmbeddedEngineConfig(EngineSection):
         return engines[0] if len(engines) == 1 else EnginePool(engines)
 
 
-class HttpEngineConfig(EngineSection):
+class HttpEngineConfig(HttpEngineSection):
     """Shared fields of engines reached over SGLang's HTTP API (`SGLangClient`)."""
 
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size per server.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one HTTP request.")
-    max_retries: int = Field(3, ge=0, description="Retries of a retryable failure (connection error, 5xx).")
-    backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="/pause_generation mode used during a weight refit."
     )
@@ -106,14 +103,7 @@ class HttpEngineConfig(EngineSection):
         from verst.rollout.engines.sglang.client import SGLangClient
 
         return SGLangClient(
-            url,
-            max_connections=max(1, share),
-            timeout_s=self.request_timeout_s,
-            max_retries=self.max_retries,
-            backoff_s=self.backoff_s,
-            router=router,
-            pause_mode=self.pause_mode,
-            tp_size=self.tp_size,
+            url, router=router, pause_mode=self.pause_mode, tp_size=self.tp_size, **self.http_options(share)
         )
 
     def _clients(

@@ -21,9 +21,10 @@ from verst.rollout.engine import (
     MemoryReleasable,
     engine_capabilities,
 )
+from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource
 
 
-class EnginePool:
+class EnginePool(AdapterLoading):
     """Load-balances requests over engines implementing `InferenceEngine`."""
 
     def __init__(
@@ -99,29 +100,11 @@ class EnginePool:
         )
         return _same(versions)
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
-    ) -> int:
-        """Load (or replace) an adapter on every engine."""
-        calls = [
-            e.load_lora_adapter(lora_name, lora_path, weight_version=weight_version) for e in self.engines
-        ]
-        return _same(await self._all("load_lora_adapter", calls))
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        tensors: dict[str, Any],
-        config_dict: dict[str, Any],
-        *,
-        weight_version: int | None = None,
-    ) -> int:
-        """Hand every engine the adapter's tensors."""
-        calls = [
-            e.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, weight_version=weight_version)
-            for e in self.engines
-        ]
-        return _same(await self._all("load_lora_adapter_from_tensors", calls))
+    async def _load_adapter(self, lora_name: str, source: AdapterSource, weight_version: int | None) -> int:
+        """Load (or replace) the adapter on every engine, from the same source."""
+        calls = [source.load_into(e, lora_name, weight_version) for e in self.engines]
+        what = "load_lora_adapter" if isinstance(source, AdapterFiles) else "load_lora_adapter_from_tensors"
+        return _same(await self._all(what, calls))
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Unload an adapter from every engine."""

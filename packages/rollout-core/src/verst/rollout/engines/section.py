@@ -6,11 +6,16 @@ imports no engine, so every engine folder's config (`vllm/config.py`, ...) and t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from verst.rollout.config import Section, path_field
 from verst.rollout.engine import EngineCapabilities, InferenceEngine
 from verst.rollout.errors import Problem
+
+if TYPE_CHECKING:
+    from verst.rollout.engines.common.http import HttpOptions
 
 
 class EngineSection(Section):
@@ -50,3 +55,22 @@ class EngineSection(Section):
         if self.model_path is None and path is not None:
             return self.model_copy(update={"model_path": path})
         return self
+
+
+class HttpEngineSection(EngineSection):
+    """Base of the configs of engines reached over HTTP (SGLang, vLLM): the client's timeout and
+    retries (`verst.rollout.engines.common.http.HttpSettings`)."""
+
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one HTTP request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a retryable failure (connection error, 5xx).")
+    backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
+
+    def http_options(self, share: int) -> HttpOptions:
+        """A client's HTTP keyword arguments, with `share` pooled connections (its part of the
+        rollout's concurrency)."""
+        return {
+            "max_connections": max(1, share),
+            "timeout_s": self.request_timeout_s,
+            "max_retries": self.max_retries,
+            "backoff_s": self.backoff_s,
+        }

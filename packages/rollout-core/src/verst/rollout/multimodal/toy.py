@@ -25,7 +25,7 @@ def build_vlm_tokenizer() -> Any:
     return tokenizer
 
 
-def _text_config(tokenizer: Any, hidden: int, layers: int, max_positions: int) -> Any:
+def _text_config(tokenizer: Any, hidden: int, layers: int, heads: int, max_positions: int) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -33,8 +33,8 @@ def _text_config(tokenizer: Any, hidden: int, layers: int, max_positions: int) -
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -60,18 +60,22 @@ def build_tiny_vlm(
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
+    num_heads: int = 4,
     vision_hidden: int = 32,
     image_size: int = 28,
     patch_size: int = 7,
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> tuple[Any, Any]:
-    """(model, image processor) of a randomly initialised tiny VLM of `family` (float32)."""
+    """(model, image processor) of a randomly initialised tiny VLM of `family` (float32).
+
+    `num_heads` of the language model: vLLM-CPU's paged attention takes head sizes 32, 64, 80, ...
+    only, so a checkpoint for it needs `hidden_size / num_heads >= 32` (e.g. 64 / 2)."""
     import torch
 
     if family not in TOY_FAMILIES:
         raise ValueError(f"unknown toy VLM family {family!r}; choose one of {', '.join(TOY_FAMILIES)}")
-    text = _text_config(tokenizer, hidden_size, num_layers, max_position_embeddings)
+    text = _text_config(tokenizer, hidden_size, num_layers, num_heads, max_position_embeddings)
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     torch.manual_seed(seed)
     if family == "llava":
@@ -123,4 +127,27 @@ def make_tiny_vlm_checkpoint(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     processor.save_pretrained(path)
+    _hf_processor(family, model.config, processor, tokenizer).save_pretrained(path)
     return path
+
+
+def _hf_processor(family: str, config: Any, image_processor: Any, tokenizer: Any) -> Any:
+    """The family's transformers multimodal processor with the checkpoint's own expansion
+    settings (`processor_config.json`), which other engines read to expand images (vLLM's
+    Transformers backend counts image tokens with it); verst's own expansion is `families`."""
+    if family == "llava":
+        from transformers import LlavaProcessor
+
+        return LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            num_additional_image_tokens=1,  # CLIP's CLS row ("default" drops it again)
+            image_token="<image>",
+        )
+    from transformers import Idefics3Processor
+
+    vision = config.vision_config
+    seq_len = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len)

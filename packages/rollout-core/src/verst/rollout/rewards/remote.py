@@ -8,12 +8,11 @@ caller's fault and fails at once with the server's message.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-import aiohttp
-
+from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.common.http import HttpSettings, HttpStatusError, RetriesExhausted, RetryingHttp
 from verst.rollout.protocols import RewardValue
 from verst.rollout.sample import Sample
 
@@ -25,7 +24,8 @@ class RemoteRewardError(RuntimeError):
 class RemoteRewardModel:
     """An async `RewardFn` that asks a reward server over HTTP.
 
-    One `aiohttp.ClientSession` per event loop is created on first use; call `aclose()` when done.
+    Its HTTP (one pooled session per event loop, bounded retries of retryable failures) is the
+    engines' `RetryingHttp`; call `aclose()` when done.
     """
 
     def __init__(
@@ -37,34 +37,22 @@ class RemoteRewardModel:
         backoff_s: float = 0.2,
         max_connections: int = 64,
     ) -> None:
+        """`timeout_s`: total bound of one attempt; `max_retries`: retries after the first attempt
+        of a retryable failure, the first after `backoff_s` (doubling)."""
         self.url = url
         """Endpoint receiving the POST."""
-        self.timeout_s = timeout_s
-        """Total timeout of one attempt."""
-        self.max_retries = max_retries
-        """Retries after the first attempt for retryable failures."""
-        self.backoff_s = backoff_s
-        """First retry delay; doubles each retry."""
-        self.max_connections = max_connections
-        """Pooled connections at most."""
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
-            )
-            self._loop = loop
-        return self._session
+        self.settings = HttpSettings(
+            max_connections=max_connections,
+            timeout_s=timeout_s,
+            connect_timeout_s=timeout_s,  # one bound for the whole attempt
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+        )
+        self._http = RetryingHttp(self.settings)
 
     async def aclose(self) -> None:
         """Close the HTTP session."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        await self._http.close()
 
     async def __call__(self, sample: Sample) -> RewardValue:
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
@@ -72,43 +60,39 @@ class RemoteRewardModel:
 
     async def score(self, payload: dict[str, Any]) -> RewardValue:
         """POST one payload and parse the reward, retrying retryable failures."""
-        last_error = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                async with self._get_session().post(self.url, json=payload) as resp:
-                    body = await resp.text()
-                    if resp.status >= 500:
-                        last_error = f"HTTP {resp.status}: {body[:200]}"
-                        continue
-                    if resp.status >= 400:
-                        raise RemoteRewardError(
-                            f"reward server {self.url} rejected the request with HTTP {resp.status}: "
-                            f"{body[:500]}; check that it accepts JSON {{prompt, response, label}}"
-                        )
-                    return self._parse(body)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-        raise RemoteRewardError(
-            f"reward server {self.url} failed {self.max_retries + 1} times (last: {last_error}); "
-            f"check that it is running and reachable, or raise rollout.reward.timeout_s"
-        )
-
-    def _parse(self, body: str) -> RewardValue:
         try:
-            data = json.loads(body)
-        except json.JSONDecodeError:
+            data = await self._http.call("POST", self.url, payload)
+        except HttpStatusError as exc:
             raise RemoteRewardError(
-                f"reward server {self.url} answered non-JSON {body[:200]!r}; "
+                f"reward server {self.url} rejected the request with HTTP {exc.status}: "
+                f"{_text(exc.data)[:500]}; check that it accepts JSON {{prompt, response, label}}"
+            ) from exc
+        except RetriesExhausted as exc:
+            raise RemoteRewardError(
+                f"reward server {self.url} failed {exc.attempts} times (last: {exc.last}); "
+                f"check that it is running and reachable, or raise rollout.reward.timeout_s"
+            ) from exc
+        except InvalidRequest as exc:  # a malformed URL
+            raise RemoteRewardError(f"reward server {self.url}: {exc}; check rollout.reward.url") from exc
+        return self._parse(data)
+
+    def _parse(self, data: Any) -> RewardValue:
+        if isinstance(data, str) or data is None:
+            raise RemoteRewardError(
+                f"reward server {self.url} answered non-JSON {(data or '')[:200]!r}; "
                 f'it must answer {{"reward": <float>}} or a bare number'
-            ) from None
+            )
         value = data.get("reward") if isinstance(data, dict) else data
         if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
             raise RemoteRewardError(
-                f"reward server {self.url} answered {body[:200]!r}; "
+                f"reward server {self.url} answered {_text(data)[:200]!r}; "
                 f'it must answer {{"reward": <float or {{name: float}}>}} or a bare number'
             )
         if isinstance(value, dict):
             return {str(k): float(v) for k, v in value.items()}
         return float(value)
+
+
+def _text(data: Any) -> str:
+    """A decoded body as text again (for messages)."""
+    return data if isinstance(data, str) else json.dumps(data)

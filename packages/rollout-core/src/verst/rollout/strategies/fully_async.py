@@ -202,15 +202,7 @@ class FullyAsyncRollout(ProducerMixin, InferenceRollout):
         """Start the producer on the first call; later calls update the state it generates with."""
         self._version = request.weight_version
         if self._state is None:
-            self._state = GenerateState(
-                context=self.context,
-                rollout_id=request.rollout_id,
-                weight_version=request.weight_version,
-                semaphore=asyncio.Semaphore(self.context.config.max_concurrency),
-                request_prefix=f"{self._prefix}-a",
-                generate_fn=self.generate_fn,
-                generate_fn_cache=self._generate_fn_cache,
-            )
+            self._state = self._new_state(request, "a", per_rollout=False)
         else:
             self._state.rollout_id = request.rollout_id
             self._state.weight_version = request.weight_version

@@ -176,13 +176,15 @@ class InferenceRollout:
 
     # ------------------------------------------------------------------ helpers
 
-    def _new_state(self, request: RolloutRequest, tag: str) -> GenerateState:
+    def _new_state(self, request: RolloutRequest, tag: str, *, per_rollout: bool = True) -> GenerateState:
+        """The `GenerateState` of `request`; its request ids start `<prefix>-<tag><rollout id>`
+        (`per_rollout`), or `<prefix>-<tag>` for a state that outlives rollouts (fully async)."""
         return GenerateState(
             context=self.context,
             rollout_id=request.rollout_id,
             weight_version=request.weight_version,
             semaphore=asyncio.Semaphore(self.context.config.max_concurrency),
-            request_prefix=f"{self._prefix}-{tag}{request.rollout_id}",
+            request_prefix=f"{self._prefix}-{tag}{request.rollout_id if per_rollout else ''}",
             generate_fn=self.generate_fn,
             generate_fn_cache=self._generate_fn_cache,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -165,8 +166,11 @@ class Algorithm:
         norm: LossNorm,
         extras: Mapping[str, Tensor] | None = None,
     ) -> tuple[MicroBatch, dict[str, Tensor]]:
-        """Check and convert one micro-batch's tensors (see `loss`); also returns the metrics
-        known before any term runs (`logprob_mismatch` of old vs rollout log-probs)."""
+        """Check and convert one micro-batch's tensors; also returns the metrics known before any
+        term runs (`logprob_mismatch` of old vs rollout log-probs). All tensors `[B, T]`;
+        `logprobs` (and `entropy`) carry grad; `old_logprobs` may be None with
+        `use_rollout_logprobs_as_old` (then `rollout_logprobs` stands in); `norm` holds the
+        normalisers of the whole optimizer step."""
         shape = logprobs.shape
         for name, t in (
             ("old_logprobs", old_logprobs),
@@ -216,34 +220,11 @@ class Algorithm:
         out = {**(metrics or {}), **term_metrics, "loss": total}
         return LossOutput(loss=total, metrics=to_floats(out))
 
-    def loss(
-        self,
-        logprobs: Tensor,
-        old_logprobs: Tensor | None,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        rollout_logprobs: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
-        entropy: Tensor | None = None,
-        norm: LossNorm,
-    ) -> LossOutput:
-        """Loss of one micro-batch. All tensors [B, T]; ``logprobs`` (and ``entropy``) carry grad.
-
-        ``old_logprobs`` may be None with `use_rollout_logprobs_as_old` (then ``rollout_logprobs``
-        stands in). ``norm`` holds the normalisers of the whole optimizer step.
-        """
-        mb, metrics = self.micro_batch(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            rollout_logprobs=rollout_logprobs,
-            ref_logprobs=ref_logprobs,
-            entropy=entropy,
-            norm=norm,
-        )
-        return self.loss_of(mb, metrics)
+    def loss(self, *args: Any, **kwargs: Any) -> LossOutput:
+        """Loss of one micro-batch: `micro_batch`'s arguments (tensors `[B, T]`; `logprobs` and
+        `entropy` carry grad; `old_logprobs` may be None with `use_rollout_logprobs_as_old`;
+        `norm` holds the whole optimizer step's normalisers), then `loss_of`."""
+        return self.loss_of(*self.micro_batch(*args, **kwargs))
 
 
 def build_algorithm(config: AlgorithmConfig) -> Algorithm:

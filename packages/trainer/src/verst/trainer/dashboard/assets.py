@@ -1,8 +1,9 @@
 """The page and its assets: `static/` (shipped as package data) and plotly.js from the plotly package.
 
-The charts are drawn by plotly.js, which the `plotly` Python package ships as
-`plotly/package_data/plotly.min.js`; the page loads it from this server (or, in a report,
-inline), never from a CDN.
+The curves and the trajectory chart are drawn by plotly.js, which the `plotly` Python package
+ships as `plotly/package_data/plotly.min.js`; the page loads it from this server (or, in a
+report, evaluates its inert inline copy) the first time such a chart is drawn, never from a CDN.
+The timeline draws its own SVG, so the page's first view never waits for plotly.js.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 
 from verst.rollout.errors import MissingOptionalDependency
 
-PAGE_ASSETS = ("curves.js", "trajectory.js", "compare.js", "app.js", "style.css")
+PAGE_ASSETS = ("curves.js", "timeline.js", "trajectory.js", "compare.js", "app.js", "style.css")
 """Files of `static/` the page loads besides plotly.min.js."""
 PLOTLY_JS = "plotly.min.js"
-_SCRIPTS = ("curves.js", "trajectory.js", "compare.js", "app.js")
+_SCRIPTS = ("curves.js", "timeline.js", "trajectory.js", "compare.js", "app.js")
 """The page's scripts in load order (app.js starts the page; the others define its views)."""
+PLOTLY_SOURCE_ID = "plotly-src"
+"""The id of the report's inert copy of plotly.js, evaluated when a chart first needs it."""
 
 
 def asset_names() -> tuple[str, ...]:
@@ -62,13 +65,17 @@ def page_html(*, inline: bool = False, data_json: str | None = None, title: str 
         def script(name: str) -> str:
             return "<script>" + _safe(asset_bytes(name).decode("utf-8")) + "</script>"
 
-        head = "<style>" + asset_bytes("style.css").decode("utf-8") + "</style>\n" + script(PLOTLY_JS)
+        head = "<style>" + asset_bytes("style.css").decode("utf-8") + "</style>"
         body = (
-            f'<script id="verst-data" type="application/json">{_safe(data_json or "{}")}</script>\n'
+            f'<script id="{PLOTLY_SOURCE_ID}" type="text/plain">'
+            + _safe(asset_bytes(PLOTLY_JS).decode("utf-8"))
+            + "</script>\n"
+            + f'<script id="verst-data" type="application/json">{_safe(data_json or "{}")}</script>\n'
             + "\n".join(script(name) for name in _SCRIPTS)
         )
     else:
-        head = '<link rel="stylesheet" href="static/style.css">\n<script src="static/plotly.min.js"></script>'
+        # plotly.js is not linked: the page loads it when a chart first needs it (app.js `plotly()`)
+        head = '<link rel="stylesheet" href="static/style.css">'
         body = "\n".join(f'<script src="static/{name}"></script>' for name in _SCRIPTS)
     return template.replace("{{TITLE}}", title).replace("{{HEAD}}", head).replace("{{BODY}}", body)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from verst.trainer.dashboard.assets import page_html
 from verst.trainer.dashboard.compare import compare_runs
+from verst.trainer.dashboard.routes import run_entry
 from verst.trainer.dashboard.run_data import RunData
-from verst.trainer.dashboard.server import load_runs, run_entry
+from verst.trainer.dashboard.server import load_runs
 
 REPORT_TIMELINE_ROWS = 2000
 """Attempts per step kept in a report."""

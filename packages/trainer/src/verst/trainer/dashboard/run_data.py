@@ -26,7 +26,13 @@ from typing import Any
 
 from verst.trainer.dashboard.compare import flatten
 from verst.trainer.dashboard.samples_view import SampleQuery, query_samples, scalar_reward
-from verst.trainer.dashboard.status_view import last_rewards, metric_phases, pid_alive, wall_seconds
+from verst.trainer.dashboard.status_view import (
+    CONFIG_SUMMARY_KEYS,
+    last_rewards,
+    metric_phases,
+    pid_alive,
+    wall_seconds,
+)
 from verst.trainer.dashboard.tail import JsonlTail
 from verst.trainer.dashboard.timeline import (
     Attempt,
@@ -50,27 +56,19 @@ _ATTEMPT_CACHE_STEPS = 16
 _ROLLOUT_KEY = b'"rollout_id": '
 SUMMARY_BUDGET_S = 0.3
 """Seconds one `steps()` call may spend summarising steps not yet summarised."""
-_CONFIG_KEYS = (
-    "run.name",
-    "run.num_steps",
-    "run.placement",
-    "train.model_path",
-    "train.lr",
-    "train.micro_batch_size",
-    "train.fsdp",
-    "algorithm.advantage",
-    "algorithm.policy_loss",
-    "algorithm.loss_agg",
-    "algorithm.kl_coef",
-    "rollout.batch_size",
-    "rollout.n_samples_per_prompt",
-    "rollout.max_response_len",
-    "rollout.temperature",
-    "rollout.strategy",
-    "engine.type",
-    "engine.model_path",
-)
-"""Config fields shown first in the overview (those present; the whole config is there too)."""
+
+
+def _head_rollout(line: bytes) -> int | None:
+    """The `"rollout_id": N` near a lifecycle line's head, read without parsing the line."""
+    i = line.find(_ROLLOUT_KEY, 0, 160)
+    if i < 0:
+        return None
+    j = i + len(_ROLLOUT_KEY)
+    end = line.find(b",", j, j + 24)
+    try:
+        return int(line[j:end]) if end > j else None
+    except ValueError:  # null, a string: the caller parses the line
+        return None
 
 
 class RunData:
@@ -158,17 +156,10 @@ class RunData:
             self.config_error = f"{path.name}: {exc}"
 
     def _read_events(self) -> None:
-        tail = self.events_tail
-        for offset, line in tail.raw_lines():
-            i = line.find(_ROLLOUT_KEY, 0, 160)
-            rid = None
-            if i >= 0:
-                j = i + len(_ROLLOUT_KEY)
-                k = j
-                while k < len(line) and line[k : k + 1] in b"-0123456789":
-                    k += 1
-                if k > j:
-                    rid = int(line[j:k])
+        tail, lines, last, spans = self.events_tail, self.event_lines, None, []
+        n = 0
+        for offset, line in tail.raw_lines():  # 200k lines: the loop body is kept minimal
+            rid = _head_rollout(line)
             if rid is None:
                 record = tail.parse(line)  # counts a bad line; a parseable one still lacks rollout_id
                 rid = record.get("rollout_id") if record is not None else None
@@ -176,9 +167,13 @@ class RunData:
                     if record is not None:
                         tail.count_malformed()
                     continue
-            self.event_lines.setdefault(rid, []).append((offset, len(line)))
-            self.n_events += 1
-            self._dirty.add(rid)
+            if rid != last:
+                spans = lines.setdefault(rid, [])
+                last = rid
+                self._dirty.add(rid)
+            spans.append((offset, len(line)))
+            n += 1
+        self.n_events += n
 
     def _parse_events(self, rid: int) -> list[Event]:
         """The lifecycle events of rollout `rid`, parsed from their lines (bad lines counted)."""
@@ -315,7 +310,7 @@ class RunData:
             "name": self.name,
             "path": str(self.root),
             "status": self.status(),
-            "config_summary": {k: flat[k] for k in _CONFIG_KEYS if k in flat},
+            "config_summary": {k: flat[k] for k in CONFIG_SUMMARY_KEYS if k in flat},
             "config": flat,
             "config_error": self.config_error,
             "eval": evals,
@@ -361,19 +356,26 @@ class RunData:
     def steps(self, *, budget_s: float | None = SUMMARY_BUDGET_S) -> dict[str, Any]:
         """Every step with events or samples, and the per-step timeline summary.
 
-        Steps not summarised yet are summarised until `budget_s` is spent (None: all); the rest
-        have `summary_pending` set and are done by the next calls."""
+        Steps not summarised yet are summarised, newest first, until `budget_s` is spent (None:
+        all); the rest have `summary_pending` set and are done by the next calls. The lock is
+        taken per step, so a timeline request never waits for more than one step's summary."""
         deadline = None if budget_s is None else time.monotonic() + budget_s
+        with self._lock:
+            todo = [rid for rid in self.event_lines if rid in self._dirty or rid not in self._summary]
+        for rid in sorted(todo, reverse=True):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            with self._lock:
+                if rid in self._dirty or rid not in self._summary:
+                    self._attempts_of(rid)
         with self._lock:
             rows, pending = [], 0
             for rid in sorted(self.event_lines):
                 if rid in self._dirty or rid not in self._summary:
-                    if deadline is not None and time.monotonic() > deadline:
-                        pending += 1
-                        rows.append({"step": rid + 1, "rollout_id": rid, "summary_pending": True})
-                        continue
-                    self._attempts_of(rid)
-                rows.append({"step": rid + 1, "rollout_id": rid, **self._summary[rid]})
+                    pending += 1
+                    rows.append({"step": rid + 1, "rollout_id": rid, "summary_pending": True})
+                else:
+                    rows.append({"step": rid + 1, "rollout_id": rid, **self._summary[rid]})
             sample_steps = sorted(self.sample_index)
             splits = sorted({s for d in self.sample_index.values() for s in d})
         return {

@@ -6,6 +6,28 @@ import os
 import time
 from typing import Any
 
+CONFIG_SUMMARY_KEYS = (
+    "run.name",
+    "run.num_steps",
+    "run.placement",
+    "train.model_path",
+    "train.lr",
+    "train.micro_batch_size",
+    "train.fsdp",
+    "algorithm.advantage",
+    "algorithm.policy_loss",
+    "algorithm.loss_agg",
+    "algorithm.kl_coef",
+    "rollout.batch_size",
+    "rollout.n_samples_per_prompt",
+    "rollout.max_response_len",
+    "rollout.temperature",
+    "rollout.strategy",
+    "engine.type",
+    "engine.model_path",
+)
+"""Config fields shown first in the overview (those present; the whole config is there too)."""
+
 
 def pid_alive(pid: int) -> bool:
     """A process with this pid exists on this host."""

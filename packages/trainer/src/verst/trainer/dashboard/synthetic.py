@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from verst.rollout.agentic.trajectory import append_turn
 from verst.rollout.lifecycle import JsonlSink, LifecycleEvent
@@ -95,8 +97,123 @@ def _sample(
     return sample
 
 
-def _event(kind: str, rid: int, group: int, index: int, ts: float, detail: dict) -> LifecycleEvent:
-    return LifecycleEvent(_Kind(kind), rid, group, index, rid, detail, ts)  # type: ignore[arg-type]
+@dataclass
+class _StepWriter:
+    """Writes one step's events, sample lines and full trajectories (the options of
+    `write_synthetic_run`)."""
+
+    rng: random.Random
+    sink: JsonlSink
+    samples: IO[str]
+    trajectories: IO[str]
+    group_size: int
+    agentic: bool
+    multi: bool
+    retry_every: int
+    unfinished_every: int
+    trajectories_per_step: int
+    trajectory_tokens: int
+
+    def step(self, rid: int, step_t0: float, samples_per_step: int) -> list[float]:
+        """Every sample of rollout `rid`; returns their scalar rewards."""
+        rewards = []
+        for i in range(samples_per_step):
+            group = i // self.group_size
+            start = step_t0 + self.rng.random() * 0.05
+            attempts = 2 if self.retry_every and i % self.retry_every == 0 else 1
+            status = _STATUSES[0] if self.rng.random() < 0.85 else self.rng.choice(_STATUSES[1:])
+            for attempt in range(attempts):
+                start = self._attempt(rid, group, i, attempt, start, status, last=attempt == attempts - 1)
+            rewards.append(self._record(rid, group, i, status, attempts))
+        return rewards
+
+    def _emit(self, kind: str, rid: int, group: int, index: int, ts: float, detail: dict) -> None:
+        self.sink.emit(LifecycleEvent(_Kind(kind), rid, group, index, rid, detail, ts))  # type: ignore[arg-type]
+
+    def _attempt(
+        self, rid: int, group: int, i: int, attempt: int, start: float, status: Status, *, last: bool
+    ) -> float:
+        """One attempt's events; returns when a retry would start."""
+        rng = self.rng
+        gen0 = start + rng.random() * 0.2
+        self._emit("attempt_start", rid, group, i, start, {"attempt": attempt})
+        self._emit("gen_start", rid, group, i, gen0, {"attempt": attempt})
+        cursor = self._turns(rid, group, i, attempt, gen0) if self.agentic else gen0
+        gen1 = cursor + 0.1 + rng.random() * 0.4
+        state = status.value if last else "failed"
+        self._emit("gen_end", rid, group, i, gen1, {"status": state, "response_tokens": 12})
+        if self.unfinished_every and i % self.unfinished_every == 0 and last:
+            return gen1
+        end = gen1 + rng.random() * 0.01
+        detail: dict = {"attempt": attempt, "status": state}
+        if not last:
+            detail.update(error="RuntimeError", message="engine connection reset")
+        self._emit("attempt_end", rid, group, i, end, detail)
+        return end + 0.01
+
+    def _turns(self, rid: int, group: int, i: int, attempt: int, gen0: float) -> float:
+        """Two agentic turns with a tool call each (`turn_*`, `tool_*` events); returns their end."""
+        rng, cursor = self.rng, gen0
+        for turn in range(2):
+            self._emit("turn_start", rid, group, i, cursor, {"attempt": attempt, "turn": turn})
+            tool = cursor + 0.05 + rng.random() * 0.05
+            dur = 0.02 + rng.random() * 0.05
+            self._emit("tool_start", rid, group, i, tool, {"attempt": attempt, "name": "calc"})
+            end = {"attempt": attempt, "name": "calc", "duration_s": dur, "status": "ok"}
+            self._emit("tool_end", rid, group, i, tool + dur, end)
+            cursor = tool + dur + 0.02
+            self._emit(
+                "turn_end",
+                rid,
+                group,
+                i,
+                cursor,
+                {"attempt": attempt, "turn": turn, "duration_s": cursor - gen0},
+            )
+        return cursor
+
+    def _record(self, rid: int, group: int, i: int, status: Status, attempts: int) -> float:
+        """The sample's `samples.jsonl` line (and its full trajectory when recorded); its reward."""
+        rng = self.rng
+        reward = {"score": round(rng.random(), 3), "format": 1.0} if i % 7 == 0 else round(rng.random(), 3)
+        scalar = reward["score"] if isinstance(reward, dict) else reward
+        failed = status in (Status.FAILED, Status.ABORTED)
+        full = i < self.trajectories_per_step or failed
+        pad = self.trajectory_tokens if full else 0
+        sample = _sample(rng, rid, i, group, status, reward, attempts - 1, agentic=self.multi, pad=pad)
+        advantage = round(scalar - 0.5, 4)
+        record = sample_record(sample, step=rid + 1, rollout_id=rid, split="train")
+        record["advantage"] = None if failed else advantage
+        self.samples.write(json.dumps(record) + "\n")
+        if full:
+            n = sample.response_length
+            detail = TokenDetail(
+                None if failed else [advantage] * n,
+                [
+                    round(lp + 0.01 * _LOGPROBS[j % 97], 4)
+                    for j, lp in enumerate(sample.rollout_logprobs or [])
+                ]
+                or None,
+            )
+            line = trajectory_record(
+                sample, step=rid + 1, rollout_id=rid, split="train", reason=status.value if failed else "sampled",
+                decode=decode, detail=detail,
+            )  # fmt: skip
+            write_lines(self.trajectories, [line])
+        return scalar
+
+
+def _metrics_row(rid: int, t: float, rewards: list[float], rng: random.Random) -> dict:
+    return {
+        "step": rid + 1,
+        "time": t,
+        "rollout/reward_mean": sum(rewards) / len(rewards),
+        "train/loss": rng.random(),
+        "time/rollout_s": 0.6,
+        "time/train_s": 0.3,
+        "time/sync_s": 0.1,
+        "time/step_s": 1.0,
+    }
 
 
 def write_synthetic_run(
@@ -126,7 +243,6 @@ def write_synthetic_run(
     `tool_turns`: samples hold a tool call and its observation (default: `agentic`).
     """
     rng = random.Random(seed)
-    multi = agentic if tool_turns is None else tool_turns
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     total = total_steps if total_steps is not None else steps
@@ -135,120 +251,19 @@ def write_synthetic_run(
         encoding="utf-8",
     )
     sink = JsonlSink(root / "lifecycle.jsonl")
-    t = t_start
     with (
         (root / "metrics.jsonl").open("w", encoding="utf-8") as metrics,
         (root / SAMPLES_FILE).open("w", encoding="utf-8") as samples,
         (root / TRAJECTORIES_FILE).open("w", encoding="utf-8") as trajectories,
     ):
+        writer = _StepWriter(
+            rng, sink, samples, trajectories, group_size, agentic, agentic if tool_turns is None else tool_turns,
+            retry_every, unfinished_every, trajectories_per_step, trajectory_tokens,
+        )  # fmt: skip
         for rid in range(steps):
-            step_t0 = t
-            rewards = []
-            for i in range(samples_per_step):
-                group = i // group_size
-                start = step_t0 + rng.random() * 0.05
-                attempts = 2 if retry_every and i % retry_every == 0 else 1
-                status = _STATUSES[0] if rng.random() < 0.85 else rng.choice(_STATUSES[1:])
-                for attempt in range(attempts):
-                    last = attempt == attempts - 1
-                    gen0 = start + rng.random() * 0.2
-                    sink.emit(_event("attempt_start", rid, group, i, start, {"attempt": attempt}))
-                    sink.emit(_event("gen_start", rid, group, i, gen0, {"attempt": attempt}))
-                    cursor = gen0
-                    if agentic:
-                        for turn in range(2):
-                            sink.emit(
-                                _event(
-                                    "turn_start", rid, group, i, cursor, {"attempt": attempt, "turn": turn}
-                                )
-                            )
-                            tool = cursor + 0.05 + rng.random() * 0.05
-                            dur = 0.02 + rng.random() * 0.05
-                            sink.emit(
-                                _event(
-                                    "tool_start", rid, group, i, tool, {"attempt": attempt, "name": "calc"}
-                                )
-                            )
-                            sink.emit(
-                                _event(
-                                    "tool_end",
-                                    rid,
-                                    group,
-                                    i,
-                                    tool + dur,
-                                    {"attempt": attempt, "name": "calc", "duration_s": dur, "status": "ok"},
-                                )
-                            )
-                            cursor = tool + dur + 0.02
-                            sink.emit(
-                                _event(
-                                    "turn_end",
-                                    rid,
-                                    group,
-                                    i,
-                                    cursor,
-                                    {"attempt": attempt, "turn": turn, "duration_s": cursor - gen0},
-                                )
-                            )
-                    gen1 = cursor + 0.1 + rng.random() * 0.4
-                    ok = last
-                    sink.emit(
-                        _event(
-                            "gen_end",
-                            rid,
-                            group,
-                            i,
-                            gen1,
-                            {"status": status.value if ok else "failed", "response_tokens": 12},
-                        )
-                    )
-                    if unfinished_every and i % unfinished_every == 0 and last:
-                        break
-                    end = gen1 + rng.random() * 0.01
-                    detail = {"attempt": attempt, "status": status.value if ok else "failed"}
-                    if not ok:
-                        detail.update(error="RuntimeError", message="engine connection reset")
-                    sink.emit(_event("attempt_end", rid, group, i, end, detail))
-                    start = end + 0.01
-                reward = (
-                    {"score": round(rng.random(), 3), "format": 1.0} if i % 7 == 0 else round(rng.random(), 3)
-                )
-                rewards.append(reward["score"] if isinstance(reward, dict) else reward)
-                full = i < trajectories_per_step or status in (Status.FAILED, Status.ABORTED)
-                pad = trajectory_tokens if full else 0
-                sample = _sample(rng, rid, i, group, status, reward, attempts - 1, agentic=multi, pad=pad)
-                advantage = round(rewards[-1] - 0.5, 4)
-                record = sample_record(sample, step=rid + 1, rollout_id=rid, split="train")
-                record["advantage"] = advantage if status not in (Status.FAILED, Status.ABORTED) else None
-                samples.write(json.dumps(record) + "\n")
-                if full:
-                    reason = status.value if status in (Status.FAILED, Status.ABORTED) else "sampled"
-                    n = sample.response_length
-                    detail = TokenDetail(
-                        [advantage] * n if record["advantage"] is not None else None,
-                        [
-                            round(lp + 0.01 * _LOGPROBS[j % 97], 4)
-                            for j, lp in enumerate(sample.rollout_logprobs or [])
-                        ]
-                        or None,
-                    )
-                    line = trajectory_record(
-                        sample, step=rid + 1, rollout_id=rid, split="train", reason=reason,
-                        decode=decode, detail=detail,
-                    )  # fmt: skip
-                    write_lines(trajectories, [line])
-            t = step_t0 + 1.0
-            row = {
-                "step": rid + 1,
-                "time": t,
-                "rollout/reward_mean": sum(rewards) / len(rewards),
-                "train/loss": rng.random(),
-                "time/rollout_s": 0.6,
-                "time/train_s": 0.3,
-                "time/sync_s": 0.1,
-                "time/step_s": 1.0,
-            }
-            metrics.write(json.dumps(row) + "\n")
+            step_t0 = t_start + rid * 1.0
+            rewards = writer.step(rid, step_t0, samples_per_step)
+            metrics.write(json.dumps(_metrics_row(rid, step_t0 + 1.0, rewards, rng)) + "\n")
     sink.close()
     status = {
         "state": state,

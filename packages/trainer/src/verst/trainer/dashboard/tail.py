@@ -53,24 +53,15 @@ class JsonlTail:
             self._ino = os.fstat(fh.fileno()).st_ino
             fh.seek(self.offset)
             carry = b""
-            start = self.offset
-            while True:
-                chunk = fh.read(READ_CHUNK)
-                if not chunk:
-                    break
-                buf = carry + chunk
-                end = buf.rfind(b"\n")
-                if end < 0:
-                    carry = buf
-                    continue
-                pos = 0
-                for line in buf[:end].split(b"\n"):
+            while chunk := fh.read(READ_CHUNK):
+                buf = carry + chunk if carry else chunk
+                pos, start = 0, self.offset
+                while (end := buf.find(b"\n", pos)) >= 0:
                     self.lines += 1
-                    yield start + pos, line
-                    pos += len(line) + 1
-                start += end + 1
-                self.offset = start
-                carry = buf[end + 1 :]
+                    yield start + pos, buf[pos:end]
+                    pos = end + 1
+                self.offset = start + pos
+                carry = buf[pos:]
             self.partial = bool(carry.strip())
 
     def records(self) -> Iterator[dict[str, Any]]:

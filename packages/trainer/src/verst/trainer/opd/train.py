@@ -45,6 +45,7 @@ from verst.trainer.opd.teachers import TeacherLoader
 from verst.trainer.opd.token_sets import TopKSides, sampled_token_opd_advantage, topk_opd_kl
 from verst.trainer.train.logit_head import LogitHead
 from verst.trainer.train.logprobs import PackedInputs, PolicyLogprobs, pack_sequences, unflatten
+from verst.trainer.train.optim import eval_mode
 
 
 @dataclass
@@ -223,55 +224,21 @@ class OpdTrainer:
     def prepare(self, student: torch.nn.Module, batch: Any) -> OpdStepInputs:
         """Student log-probs / top-k ids and trainer teachers' log-probs for the whole batch."""
         ob: OpdBatch | None = batch.opd
-        B, R = batch.loss_mask.shape
-        k = self.k
         if ob is None:
             raise ValueError(
                 "opd is enabled but the batch carries no teacher information; the rollout side must "
                 "score the samples (RolloutSide with the same [opd] config)"
             )
-        old = torch.zeros((B, R))
-        t_lp = ob.teacher_logprobs.clone()
-        s_ids = torch.zeros((B, R, k), dtype=torch.long) if k else None
-        t_ids = ob.teacher_topk_ids.clone() if (k and ob.teacher_topk_ids is not None) else None
-        t_vals = ob.teacher_topk_logprobs.clone() if (k and ob.teacher_topk_logprobs is not None) else None
-        if k and t_ids is None:
-            t_ids = torch.zeros((B, R, k), dtype=torch.long)
-            t_vals = torch.zeros((B, R, k))
-        t_on_s = torch.zeros((B, R, k)) if (k and self.teachers) else None
-        was_training = student.training
-        student.eval()
-        try:
-            rows_all = list(range(B))
+        B = batch.loss_mask.shape[0]
+        out = self._empty_inputs(ob, batch.loss_mask.shape)
+        with eval_mode(student):
             for start in range(0, B, self.micro_batch_size):
-                mb = rows_all[start : start + self.micro_batch_size]
-                inputs = self._pack(batch, mb)
-                out = student(
-                    inputs, temperature=self.temperature, hidden_fn=self._topk_fn(k, None) if k else None
-                )
-                old[mb] = unflatten(out[0].float().cpu(), inputs.response_lengths, R)
-                if k:
-                    s_ids[mb] = _unflatten_k(out[2].indices.cpu(), inputs.response_lengths, R)  # type: ignore[index]
+                mb = list(range(start, min(start + self.micro_batch_size, B)))
+                self._score_student(student, batch, mb, out)
                 for name, teacher in self.teachers.items():
                     rows = [i for i in mb if ob.teachers[i] == name]
-                    if not rows:
-                        continue
-                    t_in = self._pack(batch, rows)
-                    want = _flatten_k(s_ids[rows], t_in.response_lengths) if k else None  # type: ignore[index]
-                    t_out = teacher(
-                        t_in, temperature=self.temperature, hidden_fn=self._topk_fn(k, want) if k else None
-                    )
-                    t_lp[rows] = unflatten(t_out[0].float().cpu(), t_in.response_lengths, R)
-                    if k:
-                        top = t_out[2]
-                        t_ids[rows] = _unflatten_k(top.indices.cpu(), t_in.response_lengths, R)  # type: ignore[index]
-                        t_vals[rows] = _unflatten_k(top.values.float().cpu(), t_in.response_lengths, R)  # type: ignore[index]
-                        t_on_s[rows] = _unflatten_k(  # type: ignore[index]
-                            top.token_logprobs.float().cpu(), t_in.response_lengths, R
-                        )
-        finally:
-            student.train(was_training)
-        distilled = torch.tensor([[1.0 if t is not None else 0.0] for t in ob.teachers])
+                    if rows:
+                        self._score_teacher(teacher, batch, rows, out)
         missing = [
             i
             for i, t in enumerate(ob.teachers)
@@ -282,7 +249,53 @@ class OpdTrainer:
                 f"samples {missing[:5]} name engine teachers but carry no teacher log-probs; "
                 "they were not scored (was the rollout built with the same [opd] config?)"
             )
-        return OpdStepInputs(old, t_lp, distilled, s_ids, t_ids, t_vals, t_on_s)
+        return out
+
+    def _empty_inputs(self, ob: OpdBatch, shape: tuple[int, int]) -> OpdStepInputs:
+        """The step's inputs before the passes: the rollout side's teacher values where it
+        scored, zeros where the trainer's passes fill in."""
+        B, R = shape
+        k = self.k
+        t_ids = ob.teacher_topk_ids.clone() if (k and ob.teacher_topk_ids is not None) else None
+        t_vals = ob.teacher_topk_logprobs.clone() if (k and ob.teacher_topk_logprobs is not None) else None
+        if k and t_ids is None:
+            t_ids = torch.zeros((B, R, k), dtype=torch.long)
+            t_vals = torch.zeros((B, R, k))
+        return OpdStepInputs(
+            student_logprobs=torch.zeros((B, R)),
+            teacher_logprobs=ob.teacher_logprobs.clone(),
+            distilled=torch.tensor([[1.0 if t is not None else 0.0] for t in ob.teachers]),
+            student_topk_ids=torch.zeros((B, R, k), dtype=torch.long) if k else None,
+            teacher_topk_ids=t_ids,
+            teacher_topk_logprobs=t_vals,
+            teacher_on_student=torch.zeros((B, R, k)) if (k and self.teachers) else None,
+        )
+
+    def _score_student(
+        self, student: torch.nn.Module, batch: Any, rows: list[int], out: OpdStepInputs
+    ) -> None:
+        """The student's log-probs (and top-k ids) of `rows`, into `out`."""
+        k, R = self.k, out.student_logprobs.shape[1]
+        inputs = self._pack(batch, rows)
+        res = student(inputs, temperature=self.temperature, hidden_fn=self._topk_fn(k, None) if k else None)
+        out.student_logprobs[rows] = unflatten(res[0].float().cpu(), inputs.response_lengths, R)
+        if k:
+            out.student_topk_ids[rows] = _unflatten_k(res[2].indices.cpu(), inputs.response_lengths, R)  # type: ignore[index]
+
+    def _score_teacher(self, teacher: Any, batch: Any, rows: list[int], out: OpdStepInputs) -> None:
+        """A trainer teacher's log-probs of `rows` (with top-k: its top-k and its log-probs of the
+        student's top-k ids), into `out`."""
+        k, R = self.k, out.student_logprobs.shape[1]
+        t_in = self._pack(batch, rows)
+        want = _flatten_k(out.student_topk_ids[rows], t_in.response_lengths) if k else None  # type: ignore[index]
+        t_out = teacher(t_in, temperature=self.temperature, hidden_fn=self._topk_fn(k, want) if k else None)
+        lengths = t_in.response_lengths
+        out.teacher_logprobs[rows] = unflatten(t_out[0].float().cpu(), lengths, R)
+        if k:
+            top = t_out[2]
+            out.teacher_topk_ids[rows] = _unflatten_k(top.indices.cpu(), lengths, R)  # type: ignore[index]
+            out.teacher_topk_logprobs[rows] = _unflatten_k(top.values.float().cpu(), lengths, R)  # type: ignore[index]
+            out.teacher_on_student[rows] = _unflatten_k(top.token_logprobs.float().cpu(), lengths, R)  # type: ignore[index]
 
     # ------------------------------------------------------------ the terms
 

@@ -146,34 +146,9 @@ class Trainer:
         """samples.jsonl, trajectories.jsonl and status.json for `verst dashboard` (main rank only)."""
         self.placement = None
         """The Ray actors and their proxies when run.placement='ray' (verst.trainer.placement)."""
-        if config.run.placement == "ray":
-            if engine is not None:
-                raise ValueError(
-                    "run.placement='ray' builds the engines inside the rollout manager actor; "
-                    "do not pass engine= (configure [engine] instead), or use run.placement='local'"
-                )
-            from verst.trainer.placement import build_ray_placement
-
-            self.placement = build_ray_placement(
-                config, self.run_dir, model_path=self.model_path, env=self.env, sink=self.sink
-            )
-            self.train, self.rollout = self.placement.train, self.placement.rollout
-        else:
-            self.train = TrainSide(
-                config.train,
-                config.algorithm,
-                model_path=self.model_path,
-                total_steps=config.run.num_steps,
-                max_response_len=config.rollout.max_response_len,
-                temperature=config.rollout.temperature,
-                env=self.env,
-                opd=config.opd,
-            )
-            self.rollout: RolloutSide | None = None
-            if self.dist.is_main:
-                self.rollout = RolloutSide(
-                    config, model_path=self.model_path, env=self.env, sink=self.sink, engine=engine
-                )
+        self.rollout: RolloutSide | None = None
+        """The rollout side (main rank only; a proxy of the rollout actor with Ray placement)."""
+        self._build_sides(engine)
         self._owns_engine = engine is None
         self.sync = WeightSync(
             self.train,
@@ -189,6 +164,37 @@ class Trainer:
 
             start_adapters(self.sync, config.train.lora.serve)
 
+    def _build_sides(self, engine: InferenceEngine | None) -> None:
+        """The train and rollout sides: here (`run.placement = 'local'`) or as Ray actors."""
+        config = self.config
+        if config.run.placement == "ray":
+            if engine is not None:
+                raise ValueError(
+                    "run.placement='ray' builds the engines inside the rollout manager actor; "
+                    "do not pass engine= (configure [engine] instead), or use run.placement='local'"
+                )
+            from verst.trainer.placement import build_ray_placement
+
+            self.placement = build_ray_placement(
+                config, self.run_dir, model_path=self.model_path, env=self.env, sink=self.sink
+            )
+            self.train, self.rollout = self.placement.train, self.placement.rollout
+            return
+        self.train = TrainSide(
+            config.train,
+            config.algorithm,
+            model_path=self.model_path,
+            total_steps=config.run.num_steps,
+            max_response_len=config.rollout.max_response_len,
+            temperature=config.rollout.temperature,
+            env=self.env,
+            opd=config.opd,
+        )
+        if self.dist.is_main:
+            self.rollout = RolloutSide(
+                config, model_path=self.model_path, env=self.env, sink=self.sink, engine=engine
+            )
+
     # ------------------------------------------------------------ the loop
 
     def run(self) -> TrainingSummary:
@@ -202,50 +208,9 @@ class Trainer:
         step = start
         with self.stop:
             while step < cfg.run.num_steps and not self.stop.requested:
-                t0 = time.perf_counter()
-                self._phase("rollout")
-                try:
-                    result, groups = self._shared_rollout(step)
-                except RolloutInterrupted:
-                    summary.checkpoint = self._checkpoint(step)  # every rank: the same collectives
+                if not self._step(step, summary):
                     break
-                except RolloutError:
-                    summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
-                    raise
-                t1 = time.perf_counter()
-                self._phase("train")
-                metrics, batch = self._train_and_record(step, result, groups)
-                summary.prompts.append(batch.prompts)
-                t2 = time.perf_counter()
-                self._phase("sync")
-                self.sync.push()
-                t3 = time.perf_counter()
                 step += 1
-                metrics.update(_rollout_metrics(result) if result else {})
-                metrics.update(
-                    {
-                        "time/rollout_s": t1 - t0,
-                        "time/train_s": t2 - t1,
-                        "time/sync_s": t3 - t2,
-                        "time/step_s": t3 - t0,
-                        "weight_version": float(self.sync.weight_version),
-                    }
-                )
-                if self.sync.last_bytes is not None:
-                    metrics["sync/bytes"] = float(self.sync.last_bytes)
-                interval = cfg.rollout.eval.interval
-                if interval and step % interval == 0:
-                    metrics.update(self._evaluate(step, summary, log=False))
-                if self.dist.is_main:
-                    self.logger.log(step, metrics)
-                if self.recorder is not None:
-                    self.recorder.step_done(step)
-                summary.last_metrics = metrics
-                summary.steps_done = step
-                save_every = cfg.run.save_interval
-                stopping = self._sync_stop()
-                if (save_every and step % save_every == 0) or stopping or step == cfg.run.num_steps:
-                    summary.checkpoint = self._checkpoint(step)
         interval = cfg.rollout.eval.interval
         if not self.stop.requested and step > start and (not interval or step % interval):
             self._evaluate(step, summary, log=True)  # "0 = only at start and end"; the end if not just done
@@ -254,6 +219,56 @@ class Trainer:
         if self.recorder is not None:
             self.recorder.finish(stopped_early=summary.stopped_early)
         return summary
+
+    def _step(self, step: int, summary: TrainingSummary) -> bool:
+        """Train step `step` (0-based): rollout, train, sync, then eval / log / checkpoint as due.
+        False when the rollout was interrupted (checkpointed; the loop ends)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        self._phase("rollout")
+        try:
+            result, groups = self._shared_rollout(step)
+        except RolloutInterrupted:
+            summary.checkpoint = self._checkpoint(step)  # every rank: the same collectives
+            return False
+        except RolloutError:
+            summary.checkpoint = self._checkpoint(step)  # the prompts in play were handed back
+            raise
+        t1 = time.perf_counter()
+        self._phase("train")
+        metrics, batch = self._train_and_record(step, result, groups)
+        summary.prompts.append(batch.prompts)
+        t2 = time.perf_counter()
+        self._phase("sync")
+        self.sync.push()
+        t3 = time.perf_counter()
+        done = step + 1
+        metrics.update(_rollout_metrics(result) if result else {})
+        metrics.update(
+            {
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/sync_s": t3 - t2,
+                "time/step_s": t3 - t0,
+                "weight_version": float(self.sync.weight_version),
+            }
+        )
+        if self.sync.last_bytes is not None:
+            metrics["sync/bytes"] = float(self.sync.last_bytes)
+        interval = cfg.rollout.eval.interval
+        if interval and done % interval == 0:
+            metrics.update(self._evaluate(done, summary, log=False))
+        if self.dist.is_main:
+            self.logger.log(done, metrics)
+        if self.recorder is not None:
+            self.recorder.step_done(done)
+        summary.last_metrics = metrics
+        summary.steps_done = done
+        save_every = cfg.run.save_interval
+        stopping = self._sync_stop()
+        if (save_every and done % save_every == 0) or stopping or done == cfg.run.num_steps:
+            summary.checkpoint = self._checkpoint(done)
+        return True
 
     def close(self) -> None:
         """Close the rollout side (and its engine if built here), the sink and the logger."""

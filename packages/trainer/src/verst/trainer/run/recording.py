@@ -48,6 +48,7 @@ from verst.trainer.run.trajectories import (
     StepDetail,
     TokenDetail,
     choose_trajectories,
+    record_key,
     trajectory_record,
     write_lines,
 )
@@ -114,11 +115,7 @@ def sample_record(
     `advantage`: the mean advantage over its trained tokens (None: not trained on)."""
     error = sample.metadata.get("error")
     return {
-        "step": step,
-        "rollout_id": rollout_id,
-        "split": split,
-        "group_index": sample.group_index,
-        "sample_index": sample.sample_index,
+        **record_key(sample, step=step, rollout_id=rollout_id, split=split),
         "status": sample.status.value,
         "reward": _reward(sample.reward),
         "advantage": _scalar(advantage) if advantage is not None else None,

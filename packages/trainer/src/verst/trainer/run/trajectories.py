@@ -94,6 +94,18 @@ def _floats(values: Any, n: int) -> list[float] | None:
     return [v if v == v and abs(v) != float("inf") else None for v in out]  # type: ignore[misc]
 
 
+def record_key(sample: Sample, *, step: int, rollout_id: int | None, split: str) -> dict[str, Any]:
+    """The fields that name a sample's line in `samples.jsonl` and `trajectories.jsonl` (`step`
+    first, so readers can index cheaply)."""
+    return {
+        "step": step,
+        "rollout_id": rollout_id,
+        "split": split,
+        "group_index": sample.group_index,
+        "sample_index": sample.sample_index,
+    }
+
+
 def trajectory_record(
     sample: Sample,
     *,
@@ -115,11 +127,7 @@ def trajectory_record(
     env = {k: sample.metadata[k] for k in _ENV_KEYS if k in sample.metadata}
     detail = detail or TokenDetail(None, None)
     return {
-        "step": step,
-        "rollout_id": rollout_id,
-        "split": split,
-        "group_index": sample.group_index,
-        "sample_index": sample.sample_index,
+        **record_key(sample, step=step, rollout_id=rollout_id, split=split),
         "attempt": sample.metadata.get("attempt"),
         "reason": reason,
         "status": sample.status.value,

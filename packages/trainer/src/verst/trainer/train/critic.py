@@ -28,22 +28,10 @@ from verst.trainer.algorithms.critic_config import CriticConfig
 from verst.trainer.algorithms.value_loss import explained_variance, value_loss
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import TrainBatch, micro_batches
-from verst.trainer.train.fsdp import (
-    DistInfo,
-    clip_grad_norm,
-    collective_device,
-    ensure_process_group,
-    reduce_metrics,
-    shard_fsdp2,
-)
+from verst.trainer.train.fsdp import DistInfo, MetricSums, ensure_process_group, shard_fsdp2, sum_over_ranks
 from verst.trainer.train.logprobs import PackedInputs, pack_sequences, unflatten
-from verst.trainer.train.model import (
-    fused_adamw,
-    load_hf_model,
-    lr_lambda,
-    mixed_precision_policy,
-    resolve_attn_implementation,
-)
+from verst.trainer.train.model import load_hf_model, mixed_precision_policy, resolve_attn_implementation
+from verst.trainer.train.optim import adamw, backward, eval_mode, optimizer_step, trainable
 
 _SUMMED = frozenset({"vf_loss"})
 """Already normalised by the update's LossNorm: summed over micro-batches and ranks."""
@@ -128,17 +116,13 @@ class Critic:
         if train.fsdp and not cuda:
             ensure_process_group(dist, cuda=False)
             shard_fsdp2(module, hf, mp_policy=mixed_precision_policy(train.dtype))
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            params,
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            fused=fused_adamw(params, fsdp=train.fsdp),
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(_schedule_config(train, cfg), total_steps)
+        self.optimizer: torch.optim.Optimizer
+        self.optimizer, self.scheduler = adamw(
+            trainable(module),
+            cfg,
+            fsdp=train.fsdp,
+            schedule=_schedule_config(train, cfg),
+            total_steps=total_steps,
         )
         self.module: nn.Module = module
         self.inner = module
@@ -179,23 +163,13 @@ class Critic:
     @torch.no_grad()
     def values(self, batch: TrainBatch, keys: Sequence[Any] | None = None) -> torch.Tensor:
         """The critic's values `[B, R]` of every sample (no grad, eval mode), gathered from all ranks."""
-        was_training = self.module.training
-        self.module.eval()
         out = torch.zeros(batch.loss_mask.shape)
-        try:
+        with eval_mode(self.module):
             for mb in self._micro(range(batch.num_samples), keys):
                 v = self._forward(batch, mb)
                 if mb:
                     out[mb] = v.float().cpu()
-        finally:
-            self.module.train(was_training)
-        if self.dist.distributed:
-            import torch.distributed as dist
-
-            reduced = out.to(collective_device())
-            dist.all_reduce(reduced)  # each row is filled on exactly one rank
-            out = reduced.cpu()
-        return out * batch.loss_mask
+        return sum_over_ranks(out, self.dist) * batch.loss_mask  # each row is filled on exactly one rank
 
     def update(
         self,
@@ -209,15 +183,14 @@ class Critic:
         (`[B, R]`); returns step metrics without prefix (``vf_loss`` averaged over the updates)."""
         self.module.train()
         mask = batch.loss_mask
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        sums = MetricSums(_SUMMED)
         grad_norms = []
         for rows in updates:
             norm = LossNorm.from_masks([mask[list(rows)]], batch.max_response_len)
             for mb in self._micro(rows, keys):
-                self._micro_step(batch, mb, norm, old_values, returns, sums, weights)
+                self._micro_step(batch, mb, norm, old_values, returns, sums)
             grad_norms.append(self._optimizer_step())
-        out = reduce_metrics(sums, weights, _SUMMED, self.dist)
+        out = sums.reduce(self.dist)
         n_updates = max(1, sum(1 for rows in updates if rows))
         if "vf_loss" in out:
             out["vf_loss"] /= n_updates
@@ -234,40 +207,22 @@ class Critic:
         norm: LossNorm,
         old_values: torch.Tensor,
         returns: torch.Tensor,
-        sums: dict[str, float],
-        weights: dict[str, float],
+        sums: MetricSums,
     ) -> None:
         v = self._forward(batch, rows)
         if not rows:
-            self._backward(v.sum() * 0.0)
+            backward(v.sum() * 0.0, self.accelerator)
             return
         device = v.device
         m = batch.loss_mask[rows].to(device)
         out = value_loss(
             v, old_values[rows].to(device), returns[rows].to(device), m, norm, self.cfg.value_clip
         )
-        self._backward(out.loss * self.dist.world_size)
-        ntok = float(m.sum())
-        for k, t in out.metrics.items():
-            value = float(t)
-            if k in _SUMMED:
-                sums[k] = sums.get(k, 0.0) + value
-            else:
-                sums[k] = sums.get(k, 0.0) + value * ntok
-                weights[k] = weights.get(k, 0.0) + ntok
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self.accelerator is not None:
-            self.accelerator.backward(loss)
-        else:
-            loss.backward()
+        backward(out.loss * self.dist.world_size, self.accelerator)
+        sums.add({k: float(t) for k, t in out.metrics.items()}, float(m.sum()))
 
     def _optimizer_step(self) -> float:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(self.module, self.optimizer, self.scheduler, self.cfg.max_grad_norm)
         self.optimizer_steps += 1
         return grad_norm
 

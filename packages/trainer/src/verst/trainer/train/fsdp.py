@@ -11,7 +11,7 @@ never from `os.environ` here.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,9 +81,18 @@ def collective_device() -> torch.device:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (the units FSDP shards one by one)."""
+    """The transformer blocks of a Hugging Face causal LM (the units FSDP shards one by one).
+
+    Only the language decoder's (`get_decoder()`): a vision-language model's `_no_split_modules`
+    also names its vision tower's blocks, which stay in the root unit instead — a rank whose
+    micro-batch holds no image skips the tower, and a unit of its own would then miss an
+    all-gather the other ranks make."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    get_decoder = getattr(model, "get_decoder", None)
+    scope = (get_decoder() if callable(get_decoder) else None) or model
+    layers = [m for m in scope.modules() if type(m).__name__ in names]
+    if not layers:  # a model whose decoder holds no named block: shard what the names find
+        layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(
             f"cannot find the transformer layers of {type(model).__name__} (no _no_split_modules); "
@@ -176,6 +185,45 @@ def reduce_metrics(
         else:
             out[k] = sums[k] / max(weights.get(k, 0.0), 1e-12)
     return out
+
+
+@dataclass
+class MetricSums:
+    """Micro-batch metrics accumulated over a step on this rank, combined by `reduce_metrics`.
+
+    Keys in `summed` are added as they are, keys ending in `_max` keep their maximum, the rest
+    are token-weighted (`add`'s `ntok`)."""
+
+    summed: frozenset[str]
+    """Metrics already normalised by the update's `LossNorm` (losses): plain sums."""
+    sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: Mapping[str, float], ntok: float) -> None:
+        for k, v in metrics.items():
+            if k in self.summed:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            elif k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, float("-inf")), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * ntok
+                self.weights[k] = self.weights.get(k, 0.0) + ntok
+
+    def reduce(self, dist_info: DistInfo) -> dict[str, float]:
+        """The step's metrics over all ranks (`reduce_metrics`)."""
+        return reduce_metrics(self.sums, self.weights, self.summed, dist_info)
+
+
+def sum_over_ranks(rows: torch.Tensor, dist_info: DistInfo) -> torch.Tensor:
+    """`rows` (CPU) summed over all ranks: a `[B, R]` tensor whose every row one rank filled
+    (the others hold zeros there) becomes the whole batch's on every rank."""
+    if not dist_info.distributed:
+        return rows
+    import torch.distributed as dist
+
+    reduced = rows.to(collective_device())
+    dist.all_reduce(reduced)
+    return reduced.cpu()
 
 
 def broadcast_object(obj: Any, dist_info: DistInfo) -> Any:

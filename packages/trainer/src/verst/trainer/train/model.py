@@ -18,7 +18,6 @@ gradients flow back to the fp32 masters). The frozen reference model is stored i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +28,10 @@ from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.config import TrainConfig
 from verst.trainer.config_checks import HUB_FIX
 from verst.trainer.train.checks import resolve_attn_implementation
-from verst.trainer.train.fsdp import DistInfo, ensure_process_group, is_sharded, shard_fsdp2
+from verst.trainer.train.fsdp import DistInfo, decoder_layers, ensure_process_group, is_sharded, shard_fsdp2
 from verst.trainer.train.logit_head import check_logit_head
 from verst.trainer.train.logprobs import PolicyLogprobs
+from verst.trainer.train.optim import adamw, trainable
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,22 +91,6 @@ def load_hf_model(
     return model
 
 
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    """The lr multiplier per optimizer step: linear warmup, then constant / cosine / linear decay."""
-
-    def fn(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.scheduler == "constant":
-            return 1.0
-        span = max(1, total_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler == "cosine" else 1 - progress
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-    return fn
-
-
 @dataclass
 class PolicyBundle:
     """The trained model and what updates it."""
@@ -142,90 +126,63 @@ class PolicyBundle:
         return getattr(self.scheduler, "scheduler", self.scheduler)
 
 
-def fused_adamw(params: list[nn.Parameter], *, fsdp: bool) -> bool | None:
-    """Whether AdamW runs its fused kernel (one pass over each parameter instead of a dozen ops).
-
-    On CPU the fused kernel is ~6-10x faster than the default per-parameter loop (0.05-0.1 s vs
-    0.6-0.7 s a step for 31.5M parameters, 2 threads); transformers' Trainer uses it by default
-    too. Unsharded parameters of a supported device and floating dtype only: FSDP's DTensor
-    parameters keep torch's default (None) implementation.
-    """
-    if fsdp or not params:
-        return None
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-    except ImportError:  # a private helper (torch 2.4-2.14); without it, keep the default
-        return None
-    devices = set(_get_fused_kernels_supported_devices())
-    ok = all(
-        p.device.type in devices and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
-    )
-    return True if ok else None
-
-
-IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
-"""Optimizer param-group options that pick how a step runs, not what it computes."""
-
-
-def with_run_flags(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`saved` (an optimizer state dict) with the run's implementation flags (`fused`, `foreach`,
-    ...) in its param groups: `load_state_dict` takes every group option from the checkpoint, so a
-    checkpoint written before fused AdamW would silently keep a resumed run on the slow path."""
-    groups = saved.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
-        return saved  # load_state_dict reports the mismatch itself
-    patched = []
-    for old, now in zip(groups, optimizer.param_groups, strict=True):
-        patched.append({**old, **{k: now[k] for k in IMPLEMENTATION_FLAGS if k in now}})
-    return {**saved, "param_groups": patched}
-
-
 def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_info: DistInfo) -> PolicyBundle:
     """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
     cuda = torch.cuda.is_available()
+    hf, peft_model = _load_policy(cfg, model_path, cuda=cuda)
+    compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
+    module = PolicyLogprobs(
+        hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size, compute_dtype=compute
+    )
+    if cfg.fsdp and not cuda:
+        _shard_direct(cfg, module, hf, dist_info)
+        opt, sched = adamw(trainable(module), cfg, fsdp=cfg.fsdp, schedule=cfg, total_steps=total_steps)
+        return PolicyBundle(module, module, opt, sched, None, dist_info, "fsdp2-direct", peft_model)
+    accelerator = _accelerator(cfg, hf, cuda=cuda)
+    opt, sched = adamw(trainable(module), cfg, fsdp=cfg.fsdp, schedule=cfg, total_steps=total_steps)
+    # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
+    # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
+    # N times too fast. The plain LambdaLR steps once per optimizer step on every rank; it only
+    # writes param_groups' lr, which the prepared optimizer shares.
+    prepared, opt = accelerator.prepare(module, opt)
+    inner = accelerator.unwrap_model(prepared)
+    sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
+    return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding, peft_model)
+
+
+def _load_policy(cfg: TrainConfig, model_path: str, *, cuda: bool) -> tuple[nn.Module, Any]:
+    """The Hugging Face model in float32 masters (checkpointing, frozen vision tower and LoRA
+    adapters applied) and its `peft.PeftModel` (None without `[train.lora]`)."""
     attn = resolve_attn_implementation(cfg.attn_implementation, cuda=cuda)
     hf = load_hf_model(model_path, dtype="float32", attn_implementation=attn)  # fp32 masters
-    peft_model = None
     if cfg.gradient_checkpointing:
         # non-reentrant: recomputes correctly when the frozen embeddings' output needs no grad (LoRA)
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.config.use_cache = False
     _freeze_vision(hf, cfg, model_path)
-    if cfg.lora is not None:
-        from verst.trainer.train.lora import apply_lora
+    if cfg.lora is None:
+        return hf, None
+    from verst.trainer.train.lora import apply_lora
 
-        peft_model = apply_lora(hf, cfg.lora)
-        hf = peft_model.get_base_model()  # the same modules, adapters injected; forward goes through them
-    compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
-    module = PolicyLogprobs(
-        hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size, compute_dtype=compute
-    )
-    mp = mixed_precision_policy(cfg.dtype)
+    peft_model = apply_lora(hf, cfg.lora)
+    return peft_model.get_base_model(), peft_model  # the same modules, adapters injected
 
-    def make_opt(params):
-        opt = torch.optim.AdamW(
-            params,
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            fused=fused_adamw(params, fsdp=cfg.fsdp),
+
+def _shard_direct(cfg: TrainConfig, module: nn.Module, hf: nn.Module, dist_info: DistInfo) -> None:
+    """FSDP on CPU: `fully_shard` over gloo ourselves (accelerate ignores its plugin on CPU)."""
+    if not dist_info.distributed:
+        raise RuntimeError(
+            "train.fsdp=true on CPU with one process would run unsharded (accelerate ignores its "
+            "FSDP plugin on CPU); launch 2+ processes with torchrun or set train.fsdp=false"
         )
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+    ensure_process_group(dist_info, cuda=False)
+    shard_fsdp2(module, hf, mp_policy=mixed_precision_policy(cfg.dtype))
+    if not any(is_sharded(p) for p in module.parameters()):
+        raise RuntimeError("FSDP2 sharding left every parameter whole; refusing to train unsharded")
 
-    if cfg.fsdp and not cuda:
-        if not dist_info.distributed:
-            raise RuntimeError(
-                "train.fsdp=true on CPU with one process would run unsharded (accelerate ignores its "
-                "FSDP plugin on CPU); launch 2+ processes with torchrun or set train.fsdp=false"
-            )
-        ensure_process_group(dist_info, cuda=False)
-        shard_fsdp2(module, hf, mp_policy=mp)
-        if not any(is_sharded(p) for p in module.parameters()):
-            raise RuntimeError("FSDP2 sharding left every parameter whole; refusing to train unsharded")
-        opt, sched = make_opt(trainable(module))
-        return PolicyBundle(module, module, opt, sched, None, dist_info, "fsdp2-direct", peft_model)
 
+def _accelerator(cfg: TrainConfig, hf: nn.Module, *, cuda: bool) -> Any:
+    """The `accelerate.Accelerator` (with its FSDP2 plugin when `train.fsdp` on GPUs)."""
     from accelerate import Accelerator
 
     plugin = None
@@ -235,20 +192,12 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=list(getattr(hf, "_no_split_modules", None) or []),
+            # the decoder's blocks only (a VLM's vision blocks stay in the root unit, as on CPU)
+            transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in decoder_layers(hf)}),
             reshard_after_forward=True,
-            mixed_precision_policy=mp,
+            mixed_precision_policy=mixed_precision_policy(cfg.dtype),
         )
-    accelerator = Accelerator(cpu=not cuda, fsdp_plugin=plugin, mixed_precision=_AMP[cfg.dtype])
-    opt, sched = make_opt(trainable(module))
-    # The scheduler is NOT prepared: accelerate's AcceleratedScheduler steps the wrapped scheduler
-    # once per process per optimizer step (split_batches=False), so with N ranks the schedule ran
-    # N times too fast. The plain LambdaLR steps once per optimizer step on every rank; it only
-    # writes param_groups' lr, which the prepared optimizer shares.
-    prepared, opt = accelerator.prepare(module, opt)
-    inner = accelerator.unwrap_model(prepared)
-    sharding = "fsdp2-accelerate" if cfg.fsdp else "none"
-    return PolicyBundle(prepared, inner, opt, sched, accelerator, dist_info, sharding, peft_model)
+    return Accelerator(cpu=not cuda, fsdp_plugin=plugin, mixed_precision=_AMP[cfg.dtype])
 
 
 def _freeze_vision(hf: nn.Module, cfg: TrainConfig, model_path: str) -> None:
@@ -262,11 +211,6 @@ def _freeze_vision(hf: nn.Module, cfg: TrainConfig, model_path: str) -> None:
 
     tower = hf.model.vision_tower if kind == LlavaFamily.name else hf.model.vision_model
     tower.requires_grad_(False)
-
-
-def trainable(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters the optimizer updates (all of them, or only the adapter's with LoRA)."""
-    return [p for p in module.parameters() if p.requires_grad]
 
 
 def build_reference(

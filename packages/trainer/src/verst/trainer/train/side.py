@@ -7,18 +7,21 @@ dealt to ranks in even chunks and each rank runs the same number of micro-batche
 collectives line up. The loss of each micro-batch is normalised by the step-global `LossNorm`
 and multiplied by the world size (FSDP/DDP average gradients), so gradient accumulation over
 micro-batches and ranks equals the full-batch gradient.
+
+The forwards and the no-grad log-prob passes are in `train.passes`, the weights out and the
+checkpoints in `train.state` (both mixed in); what every update shares with the critic's
+(AdamW, backward, optimizer step) in `train.optim`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig, LossNorm, build_algorithm
 from verst.trainer.algorithms.aggregation import Aggregation
 from verst.trainer.algorithms.terms import LossTerm, compose, to_floats
@@ -26,14 +29,16 @@ from verst.trainer.config import TrainConfig
 from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch
+from verst.trainer.train.checks import resolve_attn_implementation
 from verst.trainer.train.critic import Critic
-from verst.trainer.train.fsdp import DistInfo, clip_grad_norm, collective_device, reduce_metrics
-from verst.trainer.train.layout import LayoutChooser, PackedInputs
-from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
+from verst.trainer.train.fsdp import DistInfo, MetricSums
+from verst.trainer.train.logprobs import PolicyLogprobs
 from verst.trainer.train.lora import LoraState
-from verst.trainer.train.model import build_policy, build_reference, resolve_attn_implementation
+from verst.trainer.train.model import build_policy, build_reference
 from verst.trainer.train.moe import MoeAuxTerm, outside_clip
-from verst.trainer.train.moe_runtime import MoeRuntime, Phase
+from verst.trainer.train.moe_runtime import MoeRuntime
+from verst.trainer.train.optim import backward, optimizer_step
+from verst.trainer.train.passes import ForwardPassesMixin
 from verst.trainer.train.plan import MicroBatch, StepPlan
 from verst.trainer.train.state import TrainStateMixin
 from verst.trainer.train.step_detail import StepDetailCollector, StepRowDetail
@@ -52,24 +57,10 @@ class _StepTensors:
     """Precomputed old log-probs (None = the micro-step's own detached log-probs)."""
     ref: torch.Tensor | None
     rollout: torch.Tensor | None
-
-
-@dataclass
-class _MetricSums:
-    """Micro-batch metrics accumulated over a step (token-weighted, summed, or max)."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-
-    def add(self, metrics: Mapping[str, float], ntok: float) -> None:
-        for k, v in metrics.items():
-            if k in _SUMMED:
-                self.sums[k] = self.sums.get(k, 0.0) + v
-            elif k.endswith("_max"):
-                self.sums[k] = max(self.sums.get(k, float("-inf")), v)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * ntok
-                self.weights[k] = self.weights.get(k, 0.0) + ntok
+    values: torch.Tensor | None = None
+    """The critic's values before the step's updates (PPO with GAE; else None)."""
+    returns: torch.Tensor | None = None
+    """The critic's targets (GAE returns; with `values`)."""
 
 
 class StepExtension(Protocol):
@@ -100,18 +91,7 @@ class StepExtension(Protocol):
         ...
 
 
-def _reshard(module: torch.nn.Module) -> None:
-    """Reshard FSDP2 units after a forward without backward (the layout probe): the root unit
-    keeps its parameters gathered after a forward, and loading a checkpoint into gathered
-    (plain-tensor) parameters fails."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-class TrainSide(TrainStateMixin):
+class TrainSide(ForwardPassesMixin, TrainStateMixin):
     """Owns the trained model; turns train batches into optimizer steps."""
 
     def __init__(
@@ -135,9 +115,8 @@ class TrainSide(TrainStateMixin):
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.algo = build_algorithm(algorithm)
-        self.bundle = build_policy(
-            cfg, model_path, total_steps=total_steps * cfg.num_updates_per_rollout, dist_info=self.dist
-        )
+        updates = total_steps * cfg.num_updates_per_rollout  # optimizer steps of the run (lr schedules)
+        self.bundle = build_policy(cfg, model_path, total_steps=updates, dist_info=self.dist)
         self.ref: PolicyLogprobs | None = None
         """The separate frozen reference; never loaded with LoRA (the adapter is switched off instead)."""
         if self.algo.needs_reference and cfg.lora is None:
@@ -151,30 +130,9 @@ class TrainSide(TrainStateMixin):
         layout = cfg.effective_layout
         self.packing = layout == "packed" or (layout == "auto" and attn == "flash_attention_2")
         """Packed rather than right-padded, for forwards that take no layout choice (distillation)."""
-        self.critic = (
-            Critic(
-                algorithm.critic,
-                cfg,
-                model_path,
-                total_steps=total_steps * cfg.num_updates_per_rollout,
-                dist=self.dist,
-                accelerator=self.bundle.accelerator,
-                packing=self.packing,
-            )
-            if algorithm.critic is not None
-            else None
-        )
+        self.critic = self._critic(algorithm, updates)
         """The value model of PPO with GAE (`[algorithm.critic]`), its optimizer and schedule."""
-        self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
-        """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
-        self.ref_layout = (
-            self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
-        )
-        """The same for the separate reference (its own model may share prompts or not)."""
-        self.vision: Any = None
-        """The `MultimodalProcessor` of a vision-language model, built by the first batch with images."""
-        self.layout_counts: Counter[str] = Counter()
-        """Micro-batches run in each layout so far (all forwards)."""
+        self._set_up_layouts(attn)
         self.opd: OpdTrainer | None = self._opd_trainer(opd) if opd is not None and opd.enabled else None
         """On-policy distillation (`[opd]`), when enabled: a step extension."""
         self.extensions: list[StepExtension] = [self.opd] if self.opd is not None else []
@@ -182,49 +140,45 @@ class TrainSide(TrainStateMixin):
         self.extra_terms: list[LossTerm] = [
             t for ext in self.extensions for t in ext.terms(self.algo.aggregate)
         ]
-        """The extensions' loss terms, added to the algorithm's."""
-        self.moe = MoeRuntime.maybe(
-            cfg.moe, self.bundle.hf_model, self.ref.policy if self.ref is not None else None
-        )
+        """The extensions' loss terms, added to the algorithm's (and MoE's aux loss)."""
+        self.moe = self._moe_runtime()
         """MoE models: routing replay, routing metrics and the load-balancing loss (`[train.moe]`)."""
-        if self.moe is not None:
-            self.extra_terms.append(MoeAuxTerm(cfg.moe.aux_loss_coef))
-        elif cfg.moe.routing_replay != "off" or cfg.moe.aux_loss_coef:
-            from verst.rollout.errors import ConfigError, Problem
 
+    def _critic(self, algorithm: AlgorithmConfig, updates: int) -> Critic | None:
+        """PPO's value model (`[algorithm.critic]`; None without one), sharded and prepared like the policy."""
+        if algorithm.critic is None:
+            return None
+        return Critic(
+            algorithm.critic,
+            self.cfg,
+            self.model_path,
+            total_steps=updates,
+            dist=self.dist,
+            accelerator=self.bundle.accelerator,
+            packing=self.packing,
+        )
+
+    def _moe_runtime(self) -> MoeRuntime | None:
+        """An MoE model's runtime (its aux-loss term added to `extra_terms`); None for a dense
+        model, where routing replay or the aux loss is refused."""
+        moe_cfg = self.cfg.moe
+        moe = MoeRuntime.maybe(
+            moe_cfg, self.bundle.hf_model, self.ref.policy if self.ref is not None else None
+        )
+        if moe is not None:
+            self.extra_terms.append(MoeAuxTerm(moe_cfg.aux_loss_coef))
+        elif moe_cfg.routing_replay != "off" or moe_cfg.aux_loss_coef:
+            key = "train.moe.routing_replay" if moe_cfg.routing_replay != "off" else "train.moe.aux_loss_coef"
             raise ConfigError(
                 [
                     Problem(
-                        "train.moe.routing_replay"
-                        if cfg.moe.routing_replay != "off"
-                        else "train.moe.aux_loss_coef",
-                        f"{model_path!r} is a dense model (no MoE routers to replay or balance)",
+                        key,
+                        f"{self.model_path!r} is a dense model (no MoE routers to replay or balance)",
                         "set train.moe.routing_replay = 'off' and train.moe.aux_loss_coef = 0, or train an MoE model",
                     )
                 ]
             )
-
-    def _chooser(self, module: torch.nn.Module, config: Any, attn: str) -> LayoutChooser:
-        """`train.layout` for `module`; whether it may share prompts is probed on it (in eval mode,
-        the same tiny forward on every rank; FSDP units resharded after)."""
-
-        def probe(inputs: PackedInputs) -> torch.Tensor:
-            with torch.no_grad():
-                return module(inputs)[0].float().cpu()
-
-        was_training = module.training
-        module.eval()
-        try:
-            return LayoutChooser.build(
-                self.cfg.effective_layout,
-                config=config,
-                attn=attn,
-                probe=probe,
-                tolerance=1e-3 if self.cfg.dtype == "float32" else 5e-2,
-            )
-        finally:
-            module.train(was_training)
-            _reshard(module)
+        return moe
 
     def _opd_trainer(self, opd: OpdConfig) -> OpdTrainer:
         cfg = self.cfg
@@ -239,167 +193,56 @@ class TrainSide(TrainStateMixin):
             ),
         )
 
-    # ------------------------------------------------------------ log-probs
-
-    def _plan(self, batch: TrainBatch) -> StepPlan:
-        """The step's split of `batch` (prompt groups, mini-batches, micro-batches), made once."""
-        return StepPlan.build(
-            batch,
-            micro_batch_size=self.cfg.micro_batch_size,
-            num_updates=self.cfg.num_updates_per_rollout,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-        )
-
-    def _forward(
-        self,
-        module: torch.nn.Module,
-        batch: TrainBatch,
-        rows: Sequence[int] | MicroBatch,
-        *,
-        entropy: bool,
-        plan: StepPlan | None = None,
-        phase: Phase = "current",
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) `[len(rows), R]` of `rows`; a 1-token dummy for empty rows.
-
-        `rows` is a planned `MicroBatch` (its layout comes from `plan`, picked once per step) or
-        plain sample indices (laid out here). An empty micro-batch still runs a forward (FSDP
-        collectives must line up across ranks); the caller multiplies its loss by 0.
-        """
-        width = batch.max_response_len
-        if not (rows.rows if isinstance(rows, MicroBatch) else rows):
-            seq = batch.tokens[0][:2]
-            inputs = pack_sequences([seq], [1], packing=True)
-            with self._moe(None, [], phase, module):
-                lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
-            return lp[None, :1], (ent[None, :1] if ent is not None else None)
-        chooser = self.ref_layout if module is self.ref else self.layout
-        idx = list(rows.rows) if isinstance(rows, MicroBatch) else list(rows)
-        groups = rows.groups if isinstance(rows, MicroBatch) else None
-        tokens, resp = [batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx]
-        planned = isinstance(rows, MicroBatch) and plan is not None
-        if batch.images is not None:  # vision-language: the same layouts, through the bank (docs/vlm.md)
-            from verst.trainer.train.vision import lay_out_batch, processor_for
-
-            layout = plan.layout(chooser, batch, rows) if planned else chooser.pick(tokens, resp)
-            self.vision = self.vision or processor_for(self.model_path)
-            inputs = lay_out_batch(layout, self.vision, tokens, resp, [batch.images[i] for i in idx])
-        else:
-            layout = (
-                plan.layout(chooser, batch, rows) if planned else chooser.pick(tokens, resp, groups=groups)
-            )
-            inputs = layout.build(tokens, resp, groups=groups)
-        self.layout_counts[inputs.layout] += 1
-        with self._moe(layout, idx, phase, module, groups):
-            lp, ent = module(inputs, temperature=self.temperature, return_entropy=entropy)
-        lp = unflatten(lp, inputs.response_lengths, width)
-        return lp, (unflatten(ent, inputs.response_lengths, width) if ent is not None else None)
-
-    def _moe(
-        self, layout: Any, rows: list[int], phase: Phase, module: torch.nn.Module, groups: Any = None
-    ) -> Any:
-        """The MoE runtime around one forward (a no-op context for a dense model)."""
-        if self.moe is None:
-            return contextlib.nullcontext()
-        rows = rows if layout is not None else []
-        return self.moe.around(layout, rows, phase, reference=module is self.ref, groups=groups)
-
-    @torch.no_grad()
-    def _all_logprobs(
-        self, module: torch.nn.Module, batch: TrainBatch, plan: StepPlan | None = None, phase: Phase = "old"
-    ) -> torch.Tensor:
-        """Log-probs `[B, R]` of every sample (no grad), gathered from all ranks."""
-        plan = plan or self._plan(batch)
-        out = torch.zeros(batch.loss_mask.shape)
-        for mb in plan.all_micro_batches:
-            lp, _ = self._forward(module, batch, mb, entropy=False, plan=plan, phase=phase)
-            if mb.rows:
-                out[list(mb.rows)] = lp.float().cpu()
-        if self.dist.distributed:
-            import torch.distributed as dist
-
-            reduced = out.to(collective_device())
-            dist.all_reduce(reduced)  # each row is filled on exactly one rank
-            out = reduced.cpu()
-        return out
-
-    def compute_old_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor:
-        """The current policy's log-probs `[B, R]` of the batch (before any update)."""
-        was_training = self.bundle.module.training
-        self.bundle.module.eval()
-        try:
-            old = self._all_logprobs(self.bundle.module, batch, plan, "old")
-            if self.moe is not None:
-                self.moe.end_old_pass()
-            return old
-        finally:
-            self.bundle.module.train(was_training)
-
-    def _moe_mismatch_without_replay(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
-        """With replay on: |log-prob − engine log-prob| of the trainer's own routing (a no-grad
-        pass at the step's starting weights; `train.moe.compare_without_replay`)."""
-        if self.moe is None or self.moe.mode == "off" or not self.cfg.moe.compare_without_replay:
-            return {}
-        if not batch.has_rollout_logprobs:
-            return {}
-        module = self.bundle.module
-        was_training = module.training
-        module.eval()
-        try:
-            free = self._all_logprobs(module, batch, plan, "free")
-        finally:
-            module.train(was_training)
-        mask = batch.loss_mask
-        diff = (free - batch.rollout_logprobs).abs() * mask
-        return {
-            "moe/logprob_mismatch_no_replay": float(diff.sum() / mask.sum().clamp(min=1)),
-            "moe/logprob_ratio_clip_frac_no_replay": float(
-                (outside_clip(free - batch.rollout_logprobs) * mask).sum() / mask.sum().clamp(min=1)
-            ),
-        }
-
-    def compute_ref_logprobs(self, batch: TrainBatch, plan: StepPlan | None = None) -> torch.Tensor | None:
-        """The frozen reference's log-probs `[B, R]`, or None when no reference is needed.
-
-        With LoRA the reference is the policy with its adapter disabled (the frozen base)."""
-        if self.lora is not None and self.algo.needs_reference:
-            module = self.bundle.module
-            was_training = module.training
-            module.eval()
-            try:
-                with self.lora.adapter_disabled():
-                    return self._all_logprobs(module, batch, plan, "ref")
-            finally:
-                module.train(was_training)
-        return None if self.ref is None else self._all_logprobs(self.ref, batch, plan, "ref")
-
     # ------------------------------------------------------------ the step
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Advantages, then `num_updates_per_rollout` optimizer steps over the batch; returns metrics."""
-        algo, cfg = self.algo, self.cfg
-        mask = batch.loss_mask  # [B, R]
         rollout_lp = batch.rollout_logprobs if batch.has_rollout_logprobs else None
-        if algo.needs_rollout_logprobs and rollout_lp is None:
+        if self.algo.needs_rollout_logprobs and rollout_lp is None:
             raise ValueError(
                 "the algorithm needs rollout log-probs (tis / use_rollout_logprobs_as_old) but the "
                 "engine returned none; request log-probs from the engine"
             )
         plan = self._plan(batch)  # prompt groups, mini- and micro-batches: once per step
         moe_metrics: dict[str, float] = {}
-        r2 = self.moe is not None and self.moe.mode == "old_policy"
-        precompute_old = algo.needs_old_logprobs and (
-            cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
-        )
         if self.moe is not None:
             self.moe.begin_step(
                 batch.tokens,
                 batch.response_lengths,
                 batch.routed_experts or [None] * batch.num_samples,
-                measure_in="old" if r2 or precompute_old else "current",
+                measure_in="old" if self._runs_old_pass() else "current",
             )
             moe_metrics = self._moe_mismatch_without_replay(batch, plan)
+        step = self._step_tensors(batch, plan, rollout_lp)
+        mask = batch.loss_mask  # [B, R]
+        self._detail = StepDetailCollector(step.advantages, mask, batch.response_lengths, batch.record_rows)
+        policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
+        out = self._policy_updates(batch, plan, step, skip=policy_waits)
+        if self.critic is not None:
+            assert step.values is not None and step.returns is not None
+            critic_metrics = self.critic.update(batch, plan.updates, step.values, step.returns, plan.keys)
+            out.update({f"train/critic/{k}": v for k, v in critic_metrics.items()})
+            out["train/critic/policy_updated"] = 0.0 if policy_waits else 1.0
+        out["train/advantage_abs_mean"] = float(
+            (step.advantages.abs() * mask).sum() / mask.sum().clamp(min=1)
+        )
+        for ext in self.extensions:
+            out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
+        if self.moe is not None:
+            out.update({f"train/{k}": v for k, v in {**self.moe.step_metrics(), **moe_metrics}.items()})
+        out.update(batch.metrics)
+        return out
+
+    def _step_tensors(
+        self, batch: TrainBatch, plan: StepPlan, rollout_lp: torch.Tensor | None
+    ) -> _StepTensors:
+        """The no-grad passes before the updates (old and reference log-probs, the critic's
+        values) and the advantages (the extensions may change them)."""
+        algo, cfg = self.algo, self.cfg
+        r2 = self.moe is not None and self.moe.mode == "old_policy"
+        precompute_old = algo.needs_old_logprobs and (
+            cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
+        )
         if r2:  # the old pass records the old policy's experts before anything replays them
             old_r2 = self.compute_old_logprobs(batch, plan)
         ref_lp = self.compute_ref_logprobs(batch, plan)
@@ -407,46 +250,46 @@ class TrainSide(TrainStateMixin):
         kl = None
         if algo.needs_kl_in_reward:
             kl = (old_all if old_all is not None else rollout_lp) - ref_lp  # [B, R]
-        keys = plan.keys  # the step's prompt groups (the critic splits by them too)
-        values = self.critic.values(batch, keys) if self.critic is not None else None  # [B, R]
-        advantages, returns = algo.compute_advantages_and_returns(batch.rewards, mask, kl=kl, values=values)
+        # the step's prompt groups: the critic splits by them too
+        values = self.critic.values(batch, plan.keys) if self.critic is not None else None  # [B, R]
+        advantages, returns = algo.compute_advantages_and_returns(
+            batch.rewards, batch.loss_mask, kl=kl, values=values
+        )
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
-        step = _StepTensors(advantages, old_all, ref_lp, rollout_lp)
-        self._detail = StepDetailCollector(advantages, mask, batch.response_lengths, batch.record_rows)
+        return _StepTensors(advantages, old_all, ref_lp, rollout_lp, values, returns)
 
+    def _runs_old_pass(self) -> bool:
+        """Whether the step runs the old-log-prob pass before its updates (`_step_tensors`)."""
+        algo, r2 = self.algo, self.moe is not None and self.moe.mode == "old_policy"
+        return r2 or (
+            algo.needs_old_logprobs and (self.cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward)
+        )
+
+    def _policy_updates(
+        self, batch: TrainBatch, plan: StepPlan, step: _StepTensors, *, skip: bool
+    ) -> dict[str, float]:
+        """The policy's optimizer updates of the step (none with `skip`: the critic warms up);
+        returns the loss metrics (averaged over the updates), the lr and the gradient norm."""
+        mask = batch.loss_mask
         self.bundle.module.train()
-        sums = _MetricSums()
+        sums = MetricSums(_SUMMED)
         step_metrics: list[dict[str, float]] = []
-        updates = plan.updates
-        policy_waits = self.critic is not None and self.critic.warming_up  # critic warm-up
-        planned = [] if policy_waits else list(zip(updates, plan.update_micro_batches, strict=True))
+        planned = [] if skip else list(zip(plan.updates, plan.update_micro_batches, strict=True))
         for u, (rows, mbs) in enumerate(planned):
             norm = LossNorm.from_masks([mask[rows]], self.max_response_len)
             for mb in mbs:
-                self._micro_step(
-                    batch, mb, norm, step, sums, at_old_weights=old_all is not None or u == 0, plan=plan
-                )
+                at_old = step.old is not None or u == 0
+                self._micro_step(batch, mb, norm, step, sums, at_old_weights=at_old, plan=plan)
             step_metrics.append(self._optimizer_step())
-        metrics = reduce_metrics(sums.sums, sums.weights, _SUMMED, self.dist)
-        n_updates = max(1, sum(1 for rows in updates if rows))
+        metrics = sums.reduce(self.dist)
+        n_updates = max(1, sum(1 for rows in plan.updates if rows))
         for k in _SUMMED & metrics.keys():  # each update's loss, averaged over the updates
             metrics[k] /= n_updates
         out = {f"train/{k}": v for k, v in metrics.items()}
         if step_metrics:
             out["train/lr"] = step_metrics[-1]["lr"]  # the last update's
             out["train/grad_norm"] = sum(m["grad_norm"] for m in step_metrics) / len(step_metrics)
-        if self.critic is not None:
-            assert values is not None and returns is not None
-            critic_metrics = self.critic.update(batch, updates, values, returns, keys)
-            out.update({f"train/critic/{k}": v for k, v in critic_metrics.items()})
-            out["train/critic/policy_updated"] = 0.0 if policy_waits else 1.0
-        out["train/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
-        for ext in self.extensions:
-            out.update({f"train/{k}": v for k, v in ext.step_metrics(mask).items()})
-        if self.moe is not None:
-            out.update({f"train/{k}": v for k, v in {**self.moe.step_metrics(), **moe_metrics}.items()})
-        out.update(batch.metrics)
         return out
 
     def step_detail(self) -> StepRowDetail | None:
@@ -474,7 +317,7 @@ class TrainSide(TrainStateMixin):
         mb: MicroBatch,
         norm: LossNorm,
         step: _StepTensors,
-        sums: _MetricSums,
+        sums: MetricSums,
         *,
         at_old_weights: bool = True,
         plan: StepPlan | None = None,
@@ -489,7 +332,7 @@ class TrainSide(TrainStateMixin):
         lp, ent, extras = self._forward_for_loss(batch, mb, plan)
         if not rows:
             loss = (lp.sum() + (ent.sum() if ent is not None else 0.0)) * 0.0
-            self._backward(loss)
+            backward(loss, self.bundle.accelerator)
             return
         device = lp.device
 
@@ -514,7 +357,7 @@ class TrainSide(TrainStateMixin):
         extra_loss, extra_metrics = compose(self.extra_terms, terms)
         loss = out.loss if extra_loss is None else out.loss + extra_loss
         metrics = {**out.metrics, **to_floats(extra_metrics)}
-        self._backward(loss * self.dist.world_size)
+        backward(loss * self.dist.world_size, self.bundle.accelerator)
         ntok = float(m.sum())
         if at_old_weights and self._detail is not None:
             self._detail.add_logprobs(rows, old)
@@ -528,20 +371,10 @@ class TrainSide(TrainStateMixin):
             )
         sums.add(metrics, ntok)
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        acc = self.bundle.accelerator
-        if acc is not None:
-            acc.backward(loss)
-        else:
-            loss.backward()
-
     def _optimizer_step(self) -> dict[str, float]:
-        params = [p for p in self.bundle.module.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, self.cfg.max_grad_norm)
         lr = self.bundle.raw_optimizer().param_groups[0]["lr"]
-        self.bundle.optimizer.step()
-        self.bundle.scheduler.step()
-        self.bundle.optimizer.zero_grad(set_to_none=True)
+        bundle = self.bundle
+        grad_norm = optimizer_step(bundle.module, bundle.optimizer, bundle.scheduler, self.cfg.max_grad_norm)
         self.optimizer_steps += 1
         return {"grad_norm": grad_norm, "lr": lr}
 

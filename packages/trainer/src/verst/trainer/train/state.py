@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from verst.trainer.train.hf_keys import to_model_keys
-from verst.trainer.train.model import with_run_flags
+from verst.trainer.train.optim import with_run_flags
 
 
 class TrainStateMixin:

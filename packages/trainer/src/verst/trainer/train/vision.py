@@ -39,10 +39,29 @@ class VisionBatch:
     """Which row of those images' features goes to each position."""
 
     def embeds(self, model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-        """`[rows, width, hidden]` embeddings of `input_ids` with the image features in place."""
-        return self.processor.embed_with_images(
+        """`[rows, width, hidden]` embeddings of `input_ids` with the image features in place.
+
+        With gradients on, every trainable vision parameter (the projector; the tower when not
+        frozen) joins the graph even in a micro-batch without images, with weight 0: under FSDP2
+        each rank reduces the gradients its parameters have, so a rank whose micro-batches hold
+        no image would otherwise send fewer gradients than the others (see docs/vlm.md)."""
+        out = self.processor.embed_with_images(
             model, input_ids, self.flat_positions, self.images, self.feature_rows
         )
+        if torch.is_grad_enabled():
+            touch = [
+                p.reshape(-1)[:1] for m in self.processor.family.vision_modules(model) for p in m.parameters()
+            ]
+            touch = [t for t in touch if t.requires_grad]
+            if touch:
+                out = out + 0.0 * torch.cat(touch).sum().to(out.dtype)
+        return out
+
+    @classmethod
+    def empty(cls, processor: MultimodalProcessor) -> VisionBatch:
+        """No images (a rank's empty micro-batch of a batch with images)."""
+        none = torch.zeros(0, dtype=torch.long)
+        return cls(processor, none, [], none)
 
 
 def _prompt_images(images: Sequence[PromptImage], prompt_len: int) -> list[PromptImage]:

@@ -1,5 +1,9 @@
 """HTTP with bounded retries, shared by every client of an HTTP engine.
 
+`HttpSettings` is how every HTTP client talks (pool size, bounds, retries), declared once: the
+SGLang and vLLM clients and the remote reward model take its fields as keyword arguments
+(`HttpOptions`) and hand them to `RetryingHttp`.
+
 One pooled `aiohttp` session per event loop (its connection limit is the client's concurrency);
 `call` retries only what retrying can fix (connection errors, timeouts, 5xx including 503 while
 a server starts) with exponential backoff, and raises a 4xx at once as `InvalidRequest` carrying
@@ -11,12 +15,48 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import aiohttp
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """The HTTP side of a client: its connection pool, its time bounds and its retries."""
+
+    max_connections: int = 64
+    """Pooled connections at most (a client's should equal the rollout's concurrency share)."""
+    timeout_s: float = 600.0
+    """Bound of one request (one try)."""
+    connect_timeout_s: float = 10.0
+    """Bound of opening one connection."""
+    max_retries: int = 3
+    """Retries of a retryable failure (connection error, timeout, 5xx) after the first try."""
+    backoff_s: float = 0.5
+    """Sleep before retry `k` (from 0): `backoff_s * 2**k`."""
+
+
+class HttpOptions(TypedDict, total=False):
+    """`HttpSettings`' fields as keyword arguments of a client (`**http: Unpack[HttpOptions]`)."""
+
+    max_connections: int
+    timeout_s: float
+    connect_timeout_s: float
+    max_retries: int
+    backoff_s: float
+
+
+class RetriesExhausted(EngineError):
+    """Every try of a retryable call failed (`attempts` of them; `last`: the last failure)."""
+
+    def __init__(self, message: str, attempts: int, last: str) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.last = last
 
 
 class Retryable(Exception):
@@ -53,22 +93,8 @@ def error_message(data: Any) -> Any:
 class RetryingHttp:
     """A pooled JSON-over-HTTP session with bounded retries for retryable failures only."""
 
-    def __init__(
-        self,
-        *,
-        max_connections: int = 64,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-    ) -> None:
-        """`timeout_s` bounds one request; a failed retryable call is retried `max_retries` times,
-        sleeping `backoff_s * 2**attempt` between tries."""
-        self.max_connections = max_connections
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+    def __init__(self, settings: HttpSettings | None = None) -> None:
+        self.settings = settings or HttpSettings()
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -76,8 +102,9 @@ class RetryingHttp:
         """The session of the running loop (a new one after the loop changed or it was closed)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            connector = aiohttp.TCPConnector(limit=self.max_connections)
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            s = self.settings
+            connector = aiohttp.TCPConnector(limit=s.max_connections)
+            timeout = aiohttp.ClientTimeout(total=s.timeout_s, sock_connect=s.connect_timeout_s)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
             self._session_loop = loop
         return self._session
@@ -109,18 +136,21 @@ class RetryingHttp:
         return data
 
     async def call(self, method: str, url: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
-        """`once` with bounded retries for retryable failures; `EngineError` when they run out."""
-        last = ""
-        for attempt in range(self.max_retries + 1):
+        """`once` with bounded retries for retryable failures; `RetriesExhausted` (an
+        `EngineError`) when they run out."""
+        last, retries = "", self.settings.max_retries
+        for attempt in range(retries + 1):
             try:
                 return await self.once(method, url, body, timeout_s=timeout_s)
             except Retryable as exc:
                 last = str(exc)
-            if attempt < self.max_retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise EngineError(
-            f"{method} {url} failed after {self.max_retries + 1} attempts (last error: {last}); "
-            f"is the server running and reachable?"
+            if attempt < retries:
+                await asyncio.sleep(self.settings.backoff_s * 2**attempt)
+        raise RetriesExhausted(
+            f"{method} {url} failed after {retries + 1} attempts (last error: {last}); "
+            f"is the server running and reachable?",
+            retries + 1,
+            last,
         )
 
     async def healthy(self, url: str, timeout_s: float = 5.0) -> bool:

@@ -7,18 +7,19 @@ cache is left-padded with masked zeros). A finished row leaves `rows` at once, b
 the batch tensors stays (decoded and ignored) until a quarter of the slots are dead or new rows
 merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
 instead of one per departure. Cache columns that every remaining row masks out are trimmed.
+The cache's layers grow in place (`embedded.kv_cache`).
 Positions are explicit (`position_ids`), so padding never shifts RoPE.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
+from verst.rollout.engines.embedded.kv_cache import growing_cache
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
@@ -71,113 +72,6 @@ class Row:
     @property
     def prompt_len(self) -> int:
         return len(self.request.input_ids)
-
-
-def growing_cache(config: Any) -> Any:
-    """A `DynamicCache` whose full-attention layers grow in place (see `_growing_layer_class`)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(config=config)
-    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if other:
-        raise ValueError(
-            f"the embedded engine supports full-attention KV caches only; this model's cache has {other} "
-            f"layers (sliding-window or linear attention); serve it with SGLang (engine.type = 'sglang')"
-        )
-    layer_cls = _growing_layer_class()
-    cache.layers = [layer_cls() for _ in cache.layers]
-    return cache
-
-
-def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
-    """A `[batch, heads, cap, head_dim]` buffer holding `x` in its first columns."""
-    buf = x.new_empty((*x.shape[:2], cap, x.shape[-1]))
-    buf[:, :, : x.shape[2]] = x
-    return buf
-
-
-def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
-    """The column of buffers `kb`/`vb` where `k`/`v` start, when they are column views of them
-    (else None: the tensors were replaced, e.g. by a merge, and must be re-adopted)."""
-    if kb is None or vb is None or k is None or v is None:
-        return None
-    if k.shape[:2] != kb.shape[:2] or v.shape[:2] != vb.shape[:2]:
-        return None
-    if k.stride() != kb.stride() or v.stride() != vb.stride():
-        return None
-    # a view's offset into a buffer we still hold can only come from slicing that buffer
-    dk = (k.data_ptr() - kb.data_ptr()) // k.element_size()
-    dv = (v.data_ptr() - vb.data_ptr()) // v.element_size()
-    if dk < 0 or dk % kb.stride(2) or dv < 0 or dv % vb.stride(2):
-        return None
-    start = dk // kb.stride(2)
-    if start != dv // vb.stride(2) or start + k.shape[2] > kb.shape[2]:
-        return None
-    return start
-
-
-@functools.cache
-def _growing_layer_class() -> type:
-    """`DynamicLayer` that writes each step's keys/values into spare capacity.
-
-    transformers' `DynamicLayer.update` concatenates, copying the whole cache every decode step;
-    this subclass keeps `keys`/`values` as column views of a buffer with spare columns (`spare`,
-    set by the batch to what its rows can still generate, at most `CHUNK`). Row selection
-    (finished rows leaving) selects from the buffer, keeping the spare room; trimming leading
-    columns keeps the view. Whenever the batch replaces the tensors otherwise (merge), the next
-    update sees they are no longer views of the buffer and re-adopts them.
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        CHUNK = 64
-        spare = CHUNK
-        """Spare columns allocated past the current length (the batch lowers it to what it needs)."""
-        _kbuf: torch.Tensor | None = None
-        _vbuf: torch.Tensor | None = None
-
-        def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
-            t = keys.shape[2]
-            cap = t + extra + max(1, min(self.spare, self.CHUNK))
-            self._kbuf, self._vbuf = _with_capacity(keys, cap), _with_capacity(values, cap)
-            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
-
-        def _start(self) -> int | None:
-            """The buffer column where `keys`/`values` start when they are views of the buffers."""
-            return _view_start(self.keys, self.values, self._kbuf, self._vbuf)
-
-        def update(
-            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            if self.keys is None or self.keys.numel() == 0:
-                self._adopt(key_states, value_states, 0)
-                return self.keys, self.values
-            t, n = self.keys.shape[-2], key_states.shape[-2]
-            start = self._start()
-            if start is None or start + t + n > self._kbuf.shape[-2]:
-                self._adopt(self.keys, self.values, n)
-                start = 0
-            end = start + t + n
-            self._kbuf[:, :, start + t : end] = key_states
-            self._vbuf[:, :, start + t : end] = value_states
-            self.keys, self.values = self._kbuf[:, :, start:end], self._vbuf[:, :, start:end]
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            """Keep the `indices` rows: one copy of their live columns plus the spare room."""
-            start = self._start()
-            if start is None or self.keys.numel() == 0:
-                super().batch_select_indices(indices)
-                return
-            t = self.keys.shape[-2]
-            self._kbuf = self._kbuf[:, :, start:].index_select(0, indices)
-            self._vbuf = self._vbuf[:, :, start:].index_select(0, indices)
-            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
-
-    return GrowingLayer
 
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:

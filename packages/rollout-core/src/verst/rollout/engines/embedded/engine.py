@@ -23,7 +23,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines.common.errors import InvalidRequest, new_rid, require
-from verst.rollout.engines.embedded.loop import DecodeLoopMixin, Handle
+from verst.rollout.engines.embedded.loop import DecodeLoopMixin, Handle, deliver_final
 from verst.rollout.engines.embedded.lora import LoraEngineMixin
 
 LOCAL_FEATURE = "the embedded engine"
@@ -92,6 +92,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         self._cond = threading.Condition()
         self._pending: list[Any] = []
         self._aborts: list[tuple[Callable[[Any], bool], concurrent.futures.Future[None]]] = []
+        self._cancelled: list[Any] = []
         self._commands: list[tuple[Callable[[], int], concurrent.futures.Future[int]]] = []
         self._paused = False
         self._closed = False
@@ -161,7 +162,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         try:
             return await handle.future
         except asyncio.CancelledError:
-            self._abort_nowait(lambda r: r is row)
+            self._cancel(row)
             raise
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[tuple[GenerateOutput, bool]]:
@@ -178,7 +179,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
                     return
         finally:
             if not handle.future.done():
-                self._abort_nowait(lambda r: r is row)
+                self._cancel(row)
 
     async def abort(self, rid_prefix: str | None = None) -> None:
         """Abort matching requests (all when None); they return partial output with finish abort."""
@@ -219,12 +220,15 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         """The current weight version."""
         return self._weight_version
 
-    async def close(self) -> None:
-        """Stop the worker; requests still queued or running finish with `abort`."""
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the worker; requests still queued or running finish with `abort`.
+
+        Waits at most `timeout_s` for the worker to finish its current step (a server shutting
+        down passes a short bound: the worker is a daemon thread and never holds the exit up)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self._thread.join, timeout_s)
 
     # ---- control used by the server ---------------------------------------------------------
     @property
@@ -387,16 +391,34 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         return row, handle
 
     def _abort_nowait(self, match: Callable[[Any], bool]) -> concurrent.futures.Future[None]:
+        """Abort the matching requests: queued ones are answered here, all of them with one
+        wake-up of each caller's loop (a queue of thousands must not cost a wake-up each);
+        running ones by the worker between steps (the returned future is set then)."""
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
+        queued: list[Any] = []
+        kept: list[Any] = []
         with self._cond:
-            queued = [r for r in self._pending if match(r)]
-            self._pending = [r for r in self._pending if not match(r)]
+            for r in self._pending:
+                (queued if match(r) else kept).append(r)
+            self._pending = kept
             self._aborts.append((match, ack))
             self._cond.notify_all()
-        for r in queued:
-            r.finish = "abort"
-            self._emit(r)
+        if queued:  # never admitted: nothing was computed, the answer is the same cheap one for each
+            version = self._weight_version
+            deliver_final(
+                [(r.handle, GenerateOutput([], [], "abort", version, r.prompt_len)) for r in queued]
+            )
         return ack
+
+    def _cancel(self, row: Any) -> None:
+        """Drop the row of a caller that stopped waiting (cancelled, or a stream closed early).
+
+        Nobody reads its answer, so nothing is delivered; the worker drops all rows cancelled
+        since its last step in one pass over the queue (thousands of cancelled callers cost one
+        pass, not one each)."""
+        with self._cond:
+            self._cancelled.append(row)
+            self._cond.notify_all()
 
     def _command(self, fn: Callable[[], int]) -> concurrent.futures.Future[int]:
         fut: concurrent.futures.Future[int] = concurrent.futures.Future()

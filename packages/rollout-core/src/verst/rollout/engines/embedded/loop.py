@@ -85,6 +85,7 @@ class DecodeLoopMixin:
     _pending: list[Any]
     _commands: list[Any]
     _aborts: list[Any]
+    _cancelled: list[Any]
     _paused: bool
     _closed: bool
     missing_adapter_error: Callable[[str | None], BaseException | None]
@@ -119,8 +120,21 @@ class DecodeLoopMixin:
 
     def _has_work(self) -> bool:
         return bool(
-            self._commands or self._aborts or (not self._paused and (self._pending or len(self._batch)))
+            self._commands
+            or self._aborts
+            or self._cancelled
+            or (not self._paused and (self._pending or len(self._batch)))
         )
+
+    def _drop_cancelled(self) -> None:
+        """Remove the rows whose caller stopped waiting (`_cancel`): queued ones leave the queue,
+        running ones end as aborted at this step. Called with `_cond` held."""
+        if not self._cancelled:
+            return
+        gone = {id(r) for r in self._cancelled}
+        self._cancelled = []
+        self._pending = [r for r in self._pending if id(r) not in gone]
+        self._batch.mark_abort(lambda r: id(r) in gone)
 
     def _take_new(self) -> list[Any]:
         """Queued requests that fit the batch; an idle engine first collects companions.
@@ -158,6 +172,7 @@ class DecodeLoopMixin:
                         break
                     commands, self._commands = self._commands, []
                     aborts, self._aborts = self._aborts, []
+                    self._drop_cancelled()
                 for match, _ in aborts:
                     self._batch.mark_abort(match)
                 for fn, fut in commands:
@@ -216,12 +231,14 @@ class DecodeLoopMixin:
 
     def _shutdown(self) -> None:
         with self._cond:
-            pending, self._pending = self._pending, []
             aborts, self._aborts = self._aborts, []
             commands, self._commands = self._commands, []
-        for r in [*pending, *self._batch.drop_all("abort")]:
+            self._drop_cancelled()
+            pending, self._pending = self._pending, []
+        rows = [*pending, *self._batch.drop_all("abort")]
+        for r in rows:
             r.finish = r.finish or "abort"
-            self._emit(r)
+        self._emit_all(rows)
         for _, ack in aborts:
             ack.set_result(None)
         for _, fut in commands:

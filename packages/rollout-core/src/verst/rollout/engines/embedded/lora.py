@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from verst.rollout.engines.common.errors import InvalidRequest
+from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 """PEFT adapter tensor names: `base_model.model.<module>.lora_A.weight` (an adapter-name segment
@@ -226,7 +227,7 @@ class EngineAdapters:
         return hook
 
 
-class LoraEngineMixin:
+class LoraEngineMixin(AdapterLoading):
     """SGLang's LoRA surface on `EmbeddedEngine` (uses its command queue and decode batch)."""
 
     lora_max_rank: int | None = None
@@ -267,27 +268,14 @@ class LoraEngineMixin:
         """Set the weight version label (SGLang's `/update_weight_version`); weights are unchanged."""
         self._weight_version = int(version)
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
-    ) -> int:
-        """Load (or replace) an adapter from a PEFT directory; returns the weight version."""
-        tensors, config = await asyncio.to_thread(read_adapter_dir, lora_path)
-        return await self._put_adapter(
-            parse_adapter(lora_name, tensors, config, path=lora_path), weight_version
-        )
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        tensors: dict[str, Any],
-        config_dict: dict[str, Any],
-        *,
-        weight_version: int | None = None,
-    ) -> int:
-        """Load (or replace) an adapter from PEFT-named tensors; returns the weight version."""
-        return await self._put_adapter(
-            parse_adapter(lora_name, tensors, config_dict, path="__tensor__"), weight_version
-        )
+    async def _load_adapter(self, lora_name: str, source: AdapterSource, weight_version: int | None) -> int:
+        """Parse the adapter (a PEFT directory is read in a thread) and put it on the worker thread."""
+        if isinstance(source, AdapterFiles):
+            tensors, config = await asyncio.to_thread(read_adapter_dir, source.path)
+            adapter = parse_adapter(lora_name, tensors, config, path=source.path)
+        else:
+            adapter = parse_adapter(lora_name, source.tensors, source.config, path="__tensor__")
+        return await self._put_adapter(adapter, weight_version)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Unload an adapter (requests naming it afterwards are refused)."""

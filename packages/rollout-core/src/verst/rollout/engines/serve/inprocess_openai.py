@@ -62,32 +62,17 @@ def _transport_class() -> type:
 class InProcessOpenAI:
     """An `openai.AsyncOpenAI` over `engine`, recording each call's exact tokens."""
 
-    def __init__(
-        self,
-        engine: Any,
-        tokenizer: Any = None,
-        *,
-        model_name: str | None = None,
-        tool_call_parser: str | None = None,
-        context_len: int | None = None,
-        max_retries: int = 0,
-    ) -> None:
+    def __init__(self, engine: Any, tokenizer: Any = None, *, max_retries: int = 0, **frontend: Any) -> None:
         """`tokenizer` defaults to `engine.tokenizer` (needed for chat and text prompts);
-        `tool_call_parser` as `verst serve --tool-call-parser` (None = no tool-call parsing)."""
+        `frontend`: `OpenAIFrontend`'s options (`model_name`, `tool_call_parser` as `verst serve
+        --tool-call-parser`, None = no tool-call parsing; `context_len`)."""
         require("openai", extra="openai", feature="the in-process OpenAI client")
         import httpx
         from openai import AsyncOpenAI
 
         self.calls: list[OpenAICall] = []
         """Every generated choice, in completion order."""
-        self.frontend = OpenAIFrontend(
-            engine,
-            tokenizer,
-            model_name=model_name,
-            tool_call_parser=tool_call_parser,
-            context_len=context_len,
-            on_call=self.calls.append,
-        )
+        self.frontend = OpenAIFrontend(engine, tokenizer, on_call=self.calls.append, **frontend)
         transport = _transport_class()(self.frontend)
         self.client = AsyncOpenAI(
             api_key="verst-in-process",

@@ -17,6 +17,7 @@ import argparse
 import base64
 import json
 import pickle
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,7 @@ NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 LORA = web.AppKey("verst_lora_enabled", bool)
 ENGINE = web.AppKey("verst_lora_engine", object)
 SERVER_STATE = web.AppKey("verst_lora_server_state", object)
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 async def _body(request: web.Request) -> Any:
@@ -61,38 +63,51 @@ def _result(engine: Any, ok: bool, error: str | None = None) -> web.Response:
     return web.json_response(body, status=200 if ok else 400)
 
 
-async def _lora_call(
-    request: web.Request, keys: tuple[str, ...]
-) -> tuple[Any, dict[str, Any]] | web.Response:
-    engine: Any = request.app[ENGINE]
-    if not request.app[LORA]:
-        return _result(engine, False, NOT_ENABLED)
-    body = await _body(request)
-    if not isinstance(body, dict) or any(not isinstance(body.get(k), str) or not body[k] for k in keys):
-        raise InvalidRequest(f"{request.path} takes {{{', '.join(repr(k) for k in keys)}: str, ...}}")
-    return engine, body
+Prepare = Callable[[Any, dict[str, Any]], "Awaitable[Any] | web.Response"]
+"""A LoRA endpoint's own part: `(engine, body)` → the engine call to await (or an answer)."""
 
 
-async def load_lora_adapter(request: web.Request) -> web.Response:
-    got = await _lora_call(request, ("lora_name", "lora_path"))
-    if isinstance(got, web.Response):
-        return got
-    engine, body = got
-    if body["lora_name"] in engine.lora_adapters:
-        return _result(engine, False, f"LoRA with name {body['lora_name']} already exists.")
-    try:
-        await engine.load_lora_adapter(body["lora_name"], body["lora_path"])
-    except InvalidRequest as exc:
-        return _result(engine, False, str(exc))
-    return _result(engine, True)
+def _lora_route(*keys: str, new_name: bool = False) -> Callable[[Prepare], Handler]:
+    """A LoRA endpoint: refused with SGLang's message unless `--enable-lora`; `keys` must be
+    non-empty strings in the body (else `InvalidRequest`, HTTP 400); with `new_name` a loaded
+    `lora_name` is refused; then the endpoint's engine call, answered as a `LoRAUpdateOutput`
+    (`success: false` when the engine refuses it)."""
+
+    def wrap(prepare: Prepare) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            engine: Any = request.app[ENGINE]
+            if not request.app[LORA]:
+                return _result(engine, False, NOT_ENABLED)
+            body = await _body(request)
+            if not isinstance(body, dict) or any(
+                not isinstance(body.get(k), str) or not body[k] for k in keys
+            ):
+                raise InvalidRequest(f"{request.path} takes {{{', '.join(repr(k) for k in keys)}: str, ...}}")
+            if new_name and body["lora_name"] in engine.lora_adapters:
+                return _result(engine, False, f"LoRA with name {body['lora_name']} already exists.")
+            call = prepare(engine, body)
+            if isinstance(call, web.Response):
+                return call
+            try:
+                await call
+            except InvalidRequest as exc:
+                return _result(engine, False, str(exc))
+            return _result(engine, True)
+
+        handler.__doc__ = prepare.__doc__
+        return handler
+
+    return wrap
 
 
-async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
+@_lora_route("lora_name", "lora_path", new_name=True)
+def load_lora_adapter(engine: Any, body: dict[str, Any]) -> Awaitable[Any]:
+    return engine.load_lora_adapter(body["lora_name"], body["lora_path"])
+
+
+@_lora_route("lora_name", new_name=True)
+def load_lora_adapter_from_tensors(engine: Any, body: dict[str, Any]) -> Awaitable[Any]:
     """Unpickling runs arbitrary code, as SGLang's payload does: expose this port to the trainer only."""
-    got = await _lora_call(request, ("lora_name",))
-    if isinstance(got, web.Response):
-        return got
-    engine, body = got
     blobs, config = body.get("serialized_named_tensors"), body.get("config_dict")
     if (
         not isinstance(blobs, list)
@@ -104,8 +119,6 @@ async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
             "load_lora_adapter_from_tensors takes {'lora_name': str, 'config_dict': {...}, "
             "'serialized_named_tensors': [base64 str, ...]}"
         )
-    if body["lora_name"] in engine.lora_adapters:
-        return _result(engine, False, f"LoRA with name {body['lora_name']} already exists.")
     try:
         tensors = pickle.loads(base64.b64decode(blobs[0]))
     except Exception as exc:
@@ -114,23 +127,12 @@ async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
         ) from exc
     if not isinstance(tensors, dict):
         raise InvalidRequest("serialized_named_tensors must hold a {name: tensor} dict")
-    try:
-        await engine.load_lora_adapter_from_tensors(body["lora_name"], tensors, config)
-    except InvalidRequest as exc:
-        return _result(engine, False, str(exc))
-    return _result(engine, True)
+    return engine.load_lora_adapter_from_tensors(body["lora_name"], tensors, config)
 
 
-async def unload_lora_adapter(request: web.Request) -> web.Response:
-    got = await _lora_call(request, ("lora_name",))
-    if isinstance(got, web.Response):
-        return got
-    engine, body = got
-    try:
-        await engine.unload_lora_adapter(body["lora_name"])
-    except InvalidRequest as exc:
-        return _result(engine, False, str(exc))
-    return _result(engine, True)
+@_lora_route("lora_name")
+def unload_lora_adapter(engine: Any, body: dict[str, Any]) -> Awaitable[Any]:
+    return engine.unload_lora_adapter(body["lora_name"])
 
 
 async def update_weight_version(request: web.Request) -> web.Response:

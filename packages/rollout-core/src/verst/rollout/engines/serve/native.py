@@ -27,18 +27,26 @@ from verst.rollout.engines.serve.state import (
 log = logging.getLogger("verst.serve")
 
 
+def _aborted(state: ServerState, item: WireItem) -> GenerateOutput:
+    return GenerateOutput([], [], "abort", state.engine.weight_version, len(item.request.input_ids))
+
+
 async def _run_one(state: ServerState, item: WireItem) -> GenerateOutput:
+    if state.stopping:
+        return _aborted(state, item)
     delay = state.latency.draw()
     if delay > 0:
         event = asyncio.Event()
         state.delayed[item.request.rid] = event
         try:
             await asyncio.wait_for(event.wait(), delay)
-            return GenerateOutput([], [], "abort", state.engine.weight_version, len(item.request.input_ids))
+            return _aborted(state, item)
         except TimeoutError:
             pass
         finally:
             state.delayed.pop(item.request.rid, None)
+        if state.stopping:
+            return _aborted(state, item)
     return await state.engine.generate(item.request)
 
 

@@ -238,18 +238,7 @@ class OpenAIFrontend:
                     f"This model's maximum context length is {limit} tokens; the prompt has {len(p)} tokens",
                     param="messages" if endpoint == "chat.completions" else "prompt",
                 )
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if not all(stop):
-            raise OpenAIError("stop strings must not be empty", param="stop")
-        base = SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k in (None, 0) else req.top_k,
-            stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-        )
+        base = _sampling_params(req, max_tokens)
         rid = req.rid or f"oai-{uuid.uuid4().hex[:16]}"
         requests = []
         for i, p in enumerate(prompts):
@@ -296,7 +285,7 @@ class OpenAIFrontend:
         )
         if out.finish_reason != "stop":
             return text, None
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        stops = _stops(req)
         for s in stops:
             at = text.rfind(s)
             if at != -1 and at >= len(text) - len(s) - 32:
@@ -364,3 +353,24 @@ class OpenAIFrontend:
             },
             "metadata": {"weight_version": str(max((o.weight_version for o in outs), default=0))},
         }
+
+
+def _stops(req: BaseRequest) -> tuple[str, ...]:
+    """The request's stop strings (`stop` is one string or a list)."""
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+
+
+def _sampling_params(req: BaseRequest, max_tokens: int) -> SamplingParams:
+    """verst's sampling settings of an OpenAI request (its defaults where a field is unset)."""
+    stop = _stops(req)
+    if not all(stop):
+        raise OpenAIError("stop strings must not be empty", param="stop")
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+    )

@@ -57,6 +57,9 @@ class ServerState:
         self.info = info
         self.latency = latency
         self.delayed: dict[str, asyncio.Event] = {}
+        self.stopping = False
+        """The server is shutting down: every request still to reach the engine is answered as
+        aborted at once (so none starts generating after the shutdown abort)."""
         self.version_set = info.get("weight_version") is not None or engine.weight_version != 0
         """False until a version is given (SGLang then reports "default")."""
         self.session_open = False
@@ -97,7 +100,8 @@ MAX_REQUEST_SEQUENCES = web.AppKey("verst_max_request_sequences", object)
 DEFAULT_MAX_REQUEST_SEQUENCES = 4096
 """Default bound of one /generate call's sequences, prompts × n (`--max-request-sequences`)."""
 SHUTDOWN_TIMEOUT_S = 3.0
-"""Seconds SIGTERM/SIGINT wait for handlers after aborting every request, before exiting."""
+"""Seconds SIGTERM/SIGINT wait for handlers after aborting every request, before exiting; also
+the bound on the engine worker's last step when the engine is closed."""
 
 
 def error_response(status: int, message: str) -> web.Response:

@@ -22,13 +22,13 @@ Weight refits and memory occupation: `SGLangWeightsMixin` (`refit`); LoRA: `SGLa
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Unpack
 
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engines.common.aborts import AbortResends, InFlight
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.http import RetryingHttp, error_message
+from verst.rollout.engines.common.http import HttpOptions, HttpSettings, RetryingHttp, error_message
 from verst.rollout.engines.common.wire import parse_output, request_json, worker_urls
 from verst.rollout.engines.sglang.lora import SGLangLoraMixin
 from verst.rollout.engines.sglang.refit import (
@@ -47,9 +47,6 @@ __all__ = [
     "worker_urls",
 ]
 
-ABORT_RESENDS = 3
-"""How many times an exact abort is re-sent for requests still in flight (doubling delays)."""
-
 
 class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
     """An async client of one SGLang server or router (weights: `SGLangWeightsMixin`, LoRA: `SGLangLoraMixin`)."""
@@ -58,49 +55,33 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
         self,
         base_url: str,
         *,
-        max_connections: int = 64,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
         router: bool = False,
         pause_mode: str = "retract",
         tp_size: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         abort_resend_s: float = 0.5,
+        **http: Unpack[HttpOptions],
     ) -> None:
-        """`max_connections` should equal the rollout's max concurrency; `timeout_s` bounds one
-        request; a failed retryable call is retried `max_retries` times, sleeping
-        `backoff_s * 2**attempt` between tries; `router=True` lists workers through the router
+        """`http`: the `HttpSettings` fields (`max_connections` should equal the rollout's max
+        concurrency; retries only for retryable failures); `router=True` lists workers through the router
         for aborts and weight updates; `pause_mode` is sent to /pause_generation during a refit;
         `tp_size` is each worker's GPU count when its /server_info does not say; `bucket_bytes`
         bounds one refit call; `abort_resend_s`: exact aborts are re-sent after this delay (then
         after 2x and 4x it) for requests still in flight (a request may reach the server just
         after its abort)."""
         self.base_url = base_url.rstrip("/")
-        self.max_connections = max_connections
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.http_settings = HttpSettings(**http)
         self.router = router
         self.pause_mode = pause_mode
         self.tp_size = tp_size
         self.bucket_bytes = bucket_bytes
-        self.abort_resend_s = abort_resend_s
-        self._inflight: dict[str, int] = {}
+        self._inflight = InFlight()
         """rid → requests in flight with it (for exact aborts)."""
         self._held = False
         """Memory is released: refits leave generation paused until it is resumed."""
-        self._resends: set[asyncio.Task[None]] = set()
+        self._resends = AbortResends(self._inflight, self._abort_exact, abort_resend_s)
         """Background re-sends of exact aborts (cancelled on close)."""
-        self._http = RetryingHttp(
-            max_connections=max_connections,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self._http = RetryingHttp(self.http_settings)
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r}, router={self.router})"
@@ -113,7 +94,7 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
     # ---- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """POST /generate for one request."""
-        with self._track([request.rid]):
+        with self._inflight.track([request.rid]):
             data = await self._call("POST", "/generate", request_json(request))
         if isinstance(data, list):
             data = data[0]
@@ -135,7 +116,7 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
             body["rid"] = [r.rid for r in requests]
         if any(r.lora_path is not None for r in requests):
             body["lora_path"] = [r.lora_path for r in requests]
-        with self._track([r.rid for r in requests]):
+        with self._inflight.track([r.rid for r in requests]):
             data = await self._call("POST", "/generate", body)
         if not isinstance(data, list) or len(data) != len(requests):
             raise EngineError(
@@ -169,28 +150,9 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
             body = {"rid": "", "abort_all": True}
             await self._each_worker("abort", lambda url: self._call("POST", "/abort_request", body, base=url))
             return
-        rids = self._matching(rid_prefix)
+        rids = self._inflight.matching(rid_prefix)
         await self._abort_exact(rids)
-        if rids and self.abort_resend_s > 0:  # in the background: the caller need not wait
-            task = asyncio.ensure_future(self._resend(rids))
-            self._resends.add(task)
-            task.add_done_callback(self._resends.discard)
-
-    async def _resend(self, rids: list[str]) -> None:
-        """Re-send the exact aborts while any of `rids` is still in flight: after
-        `abort_resend_s`, then twice and four times that (a request can reach a busy server late)."""
-        delay = self.abort_resend_s
-        for _ in range(ABORT_RESENDS):
-            await asyncio.sleep(delay)
-            left = [r for r in rids if r in self._inflight]
-            if not left:
-                return
-            with contextlib.suppress(EngineError):  # best effort: the first abort already went out
-                await self._abort_exact(left)
-            delay *= 2
-
-    def _matching(self, prefix: str) -> list[str]:
-        return sorted(r for r in self._inflight if r.startswith(prefix))
+        self._resends.schedule(rids)
 
     async def _abort_exact(self, rids: list[str]) -> None:
         if not rids:
@@ -201,9 +163,6 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
                 await self._call("POST", "/abort_request", {"rid": rid, "abort_all": False}, base=url)
 
         await self._each_worker("abort", on)
-
-    def _track(self, rids: Iterable[str]) -> _Tracked:
-        return _Tracked(self._inflight, [r for r in rids if r])
 
     async def _each_worker(self, what: str, call: Callable[[str], Awaitable[Any]]) -> list[Any]:
         urls = await self.workers()
@@ -222,25 +181,5 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
 
     async def close(self) -> None:
         """Cancel pending abort re-sends; close the HTTP session."""
-        for task in list(self._resends):
-            task.cancel()
+        self._resends.cancel()
         await self._http.close()
-
-
-class _Tracked:
-    """Registers rids as in flight for the duration of a `with` block."""
-
-    def __init__(self, inflight: dict[str, int], rids: list[str]) -> None:
-        self.inflight, self.rids = inflight, rids
-
-    def __enter__(self) -> None:
-        for r in self.rids:
-            self.inflight[r] = self.inflight.get(r, 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        for r in self.rids:
-            left = self.inflight.get(r, 1) - 1
-            if left > 0:
-                self.inflight[r] = left
-            else:
-                self.inflight.pop(r, None)

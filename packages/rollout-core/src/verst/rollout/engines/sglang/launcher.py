@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import require
@@ -249,40 +250,25 @@ def launch_sglang_servers(
     num_servers: int = 1,
     host: str = "127.0.0.1",
     port_base: int | None = None,
-    tp_size: int = 1,
-    base_gpu_id: int = 0,
-    mem_fraction_static: float | None = None,
-    memory_saver: bool = False,
-    deterministic: bool = False,
-    extra_args: Sequence[str] = (),
     router: bool = False,
     router_policy: str = "cache_aware",
     router_extra_args: Sequence[str] = (),
     ready_timeout_s: float = 900.0,
     env: dict[str, str] | None = None,
     log_dir: str | Path | None = None,
+    **server: Any,
 ) -> LaunchedServers:
     """Start real SGLang servers (and a router); needs `uv sync --extra sglang` and a GPU.
 
-    See `sglang_server_command` for the flags each server gets. The router (sglang-router 0.3.x)
+    `server`: `sglang_server_command`'s keywords, the flags each server gets (`tp_size`,
+    `base_gpu_id`, `mem_fraction_static`, `memory_saver`, `deterministic`, `extra_args`). The router (sglang-router 0.3.x)
     is ready when `GET /readiness` answers 200 and `GET /workers` lists every server."""
     require("sglang", extra="sglang", feature="launching SGLang servers")
     if router:
         require("sglang_router", extra="sglang", feature="launching the SGLang router")
     commands = []
     for i, port in enumerate(_ports(num_servers, host, port_base)):
-        cmd = sglang_server_command(
-            model_path,
-            i,
-            host=host,
-            port=port,
-            tp_size=tp_size,
-            base_gpu_id=base_gpu_id,
-            mem_fraction_static=mem_fraction_static,
-            memory_saver=memory_saver,
-            deterministic=deterministic,
-            extra_args=extra_args,
-        )
+        cmd = sglang_server_command(model_path, i, host=host, port=port, **server)
         commands.append((cmd, f"http://{host}:{port}"))
     launched = _launch(commands, name="sglang", ready_timeout_s=ready_timeout_s, env=env, log_dir=log_dir)
     if not router:

@@ -21,10 +21,8 @@ import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.rollout.engine import EngineError
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.lora import jsonable_config
-from verst.rollout.engines.common.wire import model_info_version
+from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource, jsonable_config
 
 
 def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
@@ -41,35 +39,26 @@ def serialize_tensor_dict(tensors: dict[str, Any]) -> str:
     return base64.b64encode(pickle.dumps({n: t.detach().cpu() for n, t in tensors.items()})).decode()
 
 
-class SGLangLoraMixin:
+class SGLangLoraMixin(AdapterLoading):
     """`load_lora_adapter`, `load_lora_adapter_from_tensors`, `unload_lora_adapter` over HTTP."""
 
     _call: Callable[..., Awaitable[Any]]
     _each_worker: Callable[..., Awaitable[list[Any]]]
     _flush: Callable[[str], Awaitable[None]]
+    _worker_version: Callable[..., Awaitable[int]]
     pause_mode: str
     tp_size: int
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
-    ) -> int:
-        """Load (or replace) an adapter from a directory every worker can read."""
-        body = {"lora_name": lora_name, "lora_path": lora_path}
-        return await self._adapter_refit(lora_name, "/load_lora_adapter", body, weight_version)
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        tensors: dict[str, Any],
-        config_dict: dict[str, Any],
-        *,
-        weight_version: int | None = None,
-    ) -> int:
-        """Load (or replace) an adapter from PEFT-named tensors (one serialized copy per TP rank)."""
-        blob = serialize_tensor_dict(tensors)
+    async def _load_adapter(self, lora_name: str, source: AdapterSource, weight_version: int | None) -> int:
+        """On every worker: from a directory every worker can read (`/load_lora_adapter`), or from
+        PEFT-named tensors, one serialized copy per TP rank (`/load_lora_adapter_from_tensors`)."""
+        if isinstance(source, AdapterFiles):
+            body: dict[str, Any] = {"lora_name": lora_name, "lora_path": source.path}
+            return await self._adapter_refit(lora_name, "/load_lora_adapter", body, weight_version)
+        blob = serialize_tensor_dict(source.tensors)
         body = {
             "lora_name": lora_name,
-            "config_dict": jsonable_config(config_dict),
+            "config_dict": jsonable_config(source.config),
             "serialized_named_tensors": [blob] * self.tp_size,
         }
         return await self._adapter_refit(lora_name, "/load_lora_adapter_from_tensors", body, weight_version)
@@ -98,12 +87,7 @@ class SGLangLoraMixin:
                 if version is not None:
                     update = {"new_version": str(version), "abort_all_requests": False}
                     await self._call("POST", "/update_weight_version", update, base=url)
-                got = model_info_version(await self._call("GET", "/model_info", base=url), url)
-                if version is not None and got != version:
-                    raise EngineError(
-                        f"{path} on {url}: server reports weight version {got}, expected {version}"
-                    )
-                return got
+                return await self._worker_version(url, version, path)
             finally:
                 await self._call("POST", "/continue_generation", {}, base=url)
 

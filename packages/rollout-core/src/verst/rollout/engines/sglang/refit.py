@@ -42,8 +42,15 @@ class SGLangWeightsMixin:
     async def get_weight_version(self) -> int:
         """The weight version of the (first) worker, from /model_info (`"default"` = 0)."""
         urls = await self.workers()
-        info = await self._call("GET", "/model_info", base=urls[0])
-        return model_info_version(info, urls[0])
+        return await self._worker_version(urls[0])
+
+    async def _worker_version(self, url: str, expected: int | None = None, what: str = "refit") -> int:
+        """The weight version worker `url` reports (/model_info); an `EngineError` naming `what`
+        when it is not `expected` (None: any)."""
+        got = model_info_version(await self._call("GET", "/model_info", base=url), url)
+        if expected is not None and got != expected:
+            raise EngineError(f"{what} on {url}: server reports weight version {got}, expected {expected}")
+        return got
 
     async def begin_weight_update(self) -> None:
         """Open a refit on every worker: pause → flush → `/begin_weight_update`.
@@ -95,11 +102,7 @@ class SGLangWeightsMixin:
             try:
                 await self._checked("end_weight_update", url, {})
                 if check and weight_version is not None:
-                    got = model_info_version(await self._call("GET", "/model_info", base=url), url)
-                    if got != weight_version:
-                        raise EngineError(
-                            f"refit on {url}: server reports weight version {got}, expected {weight_version}"
-                        )
+                    await self._worker_version(url, weight_version)
             finally:
                 await self._continue(url)
 
@@ -148,11 +151,7 @@ class SGLangWeightsMixin:
                 await self._flush(url)
                 body = {"model_path": model_path, "weight_version": str(target), "flush_cache": True}
                 await self._checked("update_weights_from_disk", url, body)
-                got = model_info_version(await self._call("GET", "/model_info", base=url), url)
-                if got != target:
-                    raise EngineError(
-                        f"update_weights_from_disk on {url}: server reports weight version {got}, expected {target}"
-                    )
+                await self._worker_version(url, target, "update_weights_from_disk")
             finally:
                 await self._continue(url)
 

@@ -24,11 +24,12 @@ new version. NCCL weight transfer (GPU): `verst.rollout.engines.vllm.refit`. LoR
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engines.common.aborts import AbortResends, InFlight
+from verst.rollout.engines.common.http import HttpOptions, HttpSettings
 from verst.rollout.engines.vllm.checks import ServerFacts, check_server
 from verst.rollout.engines.vllm.http import HttpCaller
 from verst.rollout.engines.vllm.lora import VllmLoraMixin
@@ -43,8 +44,6 @@ from verst.rollout.engines.vllm.wire import (
 from verst.rollout.errors import Problem
 
 PauseMode = Literal["abort", "keep", "wait"]
-ABORT_RESENDS = 3
-"""How many times an exact abort is re-sent for requests still in flight (doubling delays)."""
 RELOAD_TIMEOUT_S = 600.0
 """Bound of one `reload_weights` call (a big checkpoint takes a while to read)."""
 
@@ -56,41 +55,30 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         self,
         base_url: str,
         *,
-        max_connections: int = 64,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
         pause_mode: PauseMode = "keep",
         abort_resend_s: float = 0.5,
         capabilities: EngineCapabilities | None = None,
+        **http: Unpack[HttpOptions],
     ) -> None:
-        """`max_connections` should equal the rollout's concurrency; `timeout_s` bounds one
-        request; retryable failures are retried `max_retries` times, sleeping
-        `backoff_s * 2**attempt`; `pause_mode` is the `/pause` mode of a refit (keep: in-flight
+        """`http`: the `HttpSettings` fields (`max_connections` should equal the rollout's
+        concurrency; retries only for retryable failures); `pause_mode` is the `/pause` mode of a refit (keep: in-flight
         requests continue afterwards with the new weights; abort: they end with their partial
         output; wait: the refit waits for them); `abort_resend_s`: exact aborts are re-sent
         after this delay (then 2x and 4x) for requests still in flight."""
-        self.http = HttpCaller(
-            base_url,
-            max_connections=max_connections,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self.http_settings = HttpSettings(**http)
+        self.http = HttpCaller(base_url, self.http_settings)
         self.base_url = self.http.base_url
         self.pause_mode: PauseMode = pause_mode
-        self.abort_resend_s = abort_resend_s
         self.capabilities = capabilities or EngineCapabilities(weight_sync=("disk",), lora=True)
         """What this engine can do (the trainer asks this)."""
         self.facts: ServerFacts | None = None
         """What `check` learnt about the server."""
-        self._inflight: dict[str, int] = {}
+        self._inflight = InFlight()
         """rid → requests in flight with it."""
         self._waiters: dict[str, list[asyncio.Future[str]]] = {}
         """rid → futures resolved with the finish reason when its request ends."""
-        self._resends: set[asyncio.Task[None]] = set()
+        self._resends = AbortResends(self._inflight, self._abort_exact, abort_resend_s)
+        """Background re-sends of exact aborts (cancelled on close)."""
         self._tensor_adapter_dirs: dict[str, Any] = {}
         """LoRA adapters loaded from tensors: name → the folder written for it."""
         self._version = 0
@@ -123,7 +111,7 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
     async def _generate(self, request: GenerateRequest, n: int) -> list[GenerateOutput]:
         rid = request.rid or uuid.uuid4().hex
         reason = "abort"
-        with self._track(rid):
+        with self._inflight.track([rid]):
             try:
                 data = await self._call("POST", GENERATE_PATH, generate_json(request, rid, n=n))
                 outs = parse_generate(data, request, self._version)
@@ -133,9 +121,6 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         if len(outs) != n:
             raise EngineError(f"{GENERATE_PATH} returned {len(outs)} choices, expected {n}")
         return outs
-
-    def _track(self, rid: str) -> _Tracked:
-        return _Tracked(self._inflight, rid)
 
     def _settle(self, rid: str, reason: str) -> None:
         for fut in self._waiters.pop(rid, []):
@@ -149,19 +134,16 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         if rid_prefix is None:
             await self._call("POST", "/abort_requests", {})
             return
-        rids = sorted(r for r in self._inflight if r.startswith(rid_prefix))
+        rids = self._inflight.matching(rid_prefix)
         await self._abort_exact(rids)
-        if rids and self.abort_resend_s > 0:  # in the background: the caller need not wait
-            task = asyncio.ensure_future(self._resend(rids))
-            self._resends.add(task)
-            task.add_done_callback(self._resends.discard)
+        self._resends.schedule(rids)
 
     async def abort_confirmed(self, rid_prefix: str, timeout_s: float = 30.0) -> dict[str, str]:
         """Abort like `abort`, then wait for each matching request to end; returns rid → its
         finish reason ("abort" when the abort took; "stop"/"length" when it ended first).
         A request still running after `timeout_s` is an `EngineError`."""
         loop = asyncio.get_running_loop()
-        rids = sorted(r for r in self._inflight if r.startswith(rid_prefix))
+        rids = self._inflight.matching(rid_prefix)
         futures = {}
         for rid in rids:
             futures[rid] = loop.create_future()
@@ -180,17 +162,6 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
     async def _abort_exact(self, rids: list[str]) -> None:
         if rids:
             await self._call("POST", "/abort_requests", {"request_ids": [engine_request_id(r) for r in rids]})
-
-    async def _resend(self, rids: list[str]) -> None:
-        delay = self.abort_resend_s
-        for _ in range(ABORT_RESENDS):
-            await asyncio.sleep(delay)
-            left = [r for r in rids if r in self._inflight]
-            if not left:
-                return
-            with contextlib.suppress(EngineError):  # best effort: the first abort already went out
-                await self._abort_exact(left)
-            delay *= 2
 
     async def pause(self, mode: PauseMode | None = None) -> None:
         """`POST /pause?mode=...`: abort (in-flight requests end with their partial output), keep
@@ -274,26 +245,8 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         """Cancel pending abort re-sends; close the HTTP session."""
         import shutil
 
-        for task in list(self._resends):
-            task.cancel()
+        self._resends.cancel()
         for folder in self._tensor_adapter_dirs.values():
             shutil.rmtree(folder, ignore_errors=True)
         self._tensor_adapter_dirs.clear()
         await self.http.close()
-
-
-class _Tracked:
-    """Registers a rid as in flight for the duration of a `with` block."""
-
-    def __init__(self, inflight: dict[str, int], rid: str) -> None:
-        self.inflight, self.rid = inflight, rid
-
-    def __enter__(self) -> None:
-        self.inflight[self.rid] = self.inflight.get(self.rid, 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        left = self.inflight.get(self.rid, 1) - 1
-        if left > 0:
-            self.inflight[self.rid] = left
-        else:
-            self.inflight.pop(self.rid, None)

@@ -21,16 +21,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from verst.rollout.engine import EngineCapabilities, InferenceEngine, WeightSyncMode
-from verst.rollout.engines.section import EngineSection
+from verst.rollout.engines.section import EngineSection, HttpEngineSection
 from verst.rollout.errors import ConfigError, Problem
 
 
-class VllmHttpConfig(EngineSection):
+class VllmHttpConfig(HttpEngineSection):
     """Fields shared by the vLLM variants (the client's)."""
 
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one HTTP request.")
-    max_retries: int = Field(3, ge=0, description="Retries of a retryable failure (connection error, 5xx).")
-    backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
     pause_mode: Literal["keep", "abort", "wait"] = Field(
         "keep",
         description=(
@@ -66,12 +63,9 @@ class VllmHttpConfig(EngineSection):
 
         return VllmClient(
             url,
-            max_connections=max(1, share),
-            timeout_s=self.request_timeout_s,
-            max_retries=self.max_retries,
-            backoff_s=self.backoff_s,
             pause_mode=self.pause_mode,
             capabilities=dataclasses.replace(self.capabilities(), engine_count=1),
+            **self.http_options(share),
         )
 
     async def _checked_clients(self, urls: list[str], max_concurrency: int, key: str) -> list[Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verst.rollout.engines.common.http import HttpStatusError, RetryingHttp
+from verst.rollout.engines.common.http import HttpSettings, HttpStatusError, RetryingHttp
 
 __all__ = ["HttpCaller", "HttpStatusError"]
 
@@ -21,24 +21,9 @@ __all__ = ["HttpCaller", "HttpStatusError"]
 class HttpCaller:
     """`call(method, path, body)` against one base URL, with the shared retries."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        max_connections: int,
-        timeout_s: float,
-        connect_timeout_s: float,
-        max_retries: int,
-        backoff_s: float,
-    ) -> None:
+    def __init__(self, base_url: str, settings: HttpSettings) -> None:
         self.base_url = base_url.rstrip("/")
-        self.http = RetryingHttp(
-            max_connections=max_connections,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self.http = RetryingHttp(settings)
 
     async def once(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
         """One try (no retries)."""

@@ -22,10 +22,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.engines.common.lora import jsonable_config
+from verst.rollout.engines.common.lora import AdapterFiles, AdapterLoading, AdapterSource, jsonable_config
 
 
-class VllmLoraMixin:
+class VllmLoraMixin(AdapterLoading):
     """`load_lora_adapter`, `load_lora_adapter_from_tensors`, `unload_lora_adapter`."""
 
     _call: Callable[..., Awaitable[Any]]
@@ -33,35 +33,24 @@ class VllmLoraMixin:
     get_weight_version: Callable[[], Awaitable[int]]
     _tensor_adapter_dirs: dict[str, Path]
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, weight_version: int | None = None
-    ) -> int:
-        """Load (or replace) an adapter from a PEFT directory the server can read; returns the
-        weight version (`weight_version`, or the current one when None)."""
+    async def _load_adapter(self, lora_name: str, source: AdapterSource, weight_version: int | None) -> int:
+        """From a PEFT directory the server can read (version: `weight_version`, or the current
+        one when None); tensors are written as an adapter directory first (same host only)."""
+        if isinstance(source, AdapterFiles):
 
-        async def load() -> None:
-            body = {"lora_name": lora_name, "lora_path": str(lora_path), "load_inplace": True}
-            await self._call("POST", "/v1/load_lora_adapter", body)
+            async def load() -> None:
+                body = {"lora_name": lora_name, "lora_path": source.path, "load_inplace": True}
+                await self._call("POST", "/v1/load_lora_adapter", body)
 
-        version = await self.get_weight_version() if weight_version is None else weight_version
-        return await self._paused_refit("load_lora_adapter", version, load)
-
-    async def load_lora_adapter_from_tensors(
-        self,
-        lora_name: str,
-        tensors: dict[str, Any],
-        config_dict: dict[str, Any],
-        *,
-        weight_version: int | None = None,
-    ) -> int:
-        """Write the PEFT-named tensors as an adapter directory and load it (same host only)."""
+            version = await self.get_weight_version() if weight_version is None else weight_version
+            return await self._paused_refit("load_lora_adapter", version, load)
         from safetensors.torch import save_file
 
         folder = Path(tempfile.mkdtemp(prefix=f"verst-vllm-lora-{lora_name}-"))
-        state = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+        state = {n: t.detach().cpu().contiguous() for n, t in source.tensors.items()}
         await asyncio.to_thread(save_file, state, str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps(jsonable_config(config_dict)))
-        version = await self.load_lora_adapter(lora_name, str(folder), weight_version=weight_version)
+        (folder / "adapter_config.json").write_text(json.dumps(jsonable_config(source.config)))
+        version = await self._load_adapter(lora_name, AdapterFiles(str(folder)), weight_version)
         # vLLM may re-read an evicted adapter from its folder: keep it until it is replaced
         previous = self._tensor_adapter_dirs.pop(lora_name, None)
         self._tensor_adapter_dirs[lora_name] = folder

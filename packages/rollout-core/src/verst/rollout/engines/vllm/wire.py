@@ -18,6 +18,9 @@ to 256 experts, else uint16), where `start` is the request's
 `sampling_params.routed_experts_prompt_start` (`serving.py`, `numpy2base64`;
 `aux_output_connector/connector.py: take_output`).
 
+Images: collapsed ids + `content_parts`, vLLM expands them, and the answer's expanded ids are
+checked against the request's (`verst.rollout.engines.vllm.images`).
+
 Log-probs are `log_softmax(logits / T)` only when the server runs with
 `--logprobs-mode processed_logprobs` (the default `raw_logprobs` ignores temperature); verst's
 launcher sets it.
@@ -28,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from verst.rollout.engines.vllm.images import check_expansion, image_fields
 from verst.rollout.moe import RoutedExperts
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -81,6 +85,8 @@ def generate_json(req: GenerateRequest, rid: str, *, n: int = 1) -> dict[str, An
     }
     if req.lora_path is not None:
         body["model"] = req.lora_path  # a loaded adapter is addressed as a model name
+    if req.images:  # vLLM expands the placeholders itself (`verst.rollout.engines.vllm.images`)
+        body.update(image_fields(req.input_ids, req.images))
     return body
 
 
@@ -185,6 +191,8 @@ def parse_choice(
 def parse_generate(data: Any, req: GenerateRequest, fallback_version: int) -> list[GenerateOutput]:
     """A whole generate answer → one output per choice (in `index` order)."""
     try:
+        if req.images:
+            check_expansion(data, req.input_ids, req.images)
         choices = sorted(data["choices"], key=lambda c: int(c.get("index", 0)))
         return [parse_choice(data, c, req, fallback_version) for c in choices]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -1,18 +1,18 @@
 // verst dashboard: overview, curves (curves.js), rollout timeline, samples and their full
 // trajectories (trajectory.js), and the runs' comparison (compare.js) of one or more runs.
 // Served by `verst dashboard` (polls the JSON views every POLL_MS) or inlined by `verst report`
-// (the views are embedded in #verst-data; no network at all). Charts: plotly.js.
+// (the views are embedded in #verst-data; no network at all). The timeline draws its own SVG
+// (timeline.js); the curves and the trajectory chart use plotly.js, loaded the first time one
+// is drawn (`plotly()`): its 4.8 MB take seconds to evaluate, so the page never waits for it
+// before its first view.
 "use strict";
 
 const POLL_MS = 2000;
 const PAGE = 50;
-const MAX_ROW_LABELS = 80;
 const STATUS_COLORS = {
   completed: "#2ca02c", truncated: "#ff7f0e", aborted: "#8c8c8c", failed: "#d62728",
   cancelled: "#9467bd", unfinished: "#e377c2", running: "#17becf",
 };
-const SUB_COLORS = ["#1f3b73", "#b8860b", "#008b8b", "#8b4513", "#556b2f"];
-const QUEUED_COLOR = "#d4d8de";
 
 const EMBED = (() => {
   const el = document.getElementById("verst-data");
@@ -83,6 +83,32 @@ function embedded(path, params) {
 }
 
 const runPath = (id, view) => `/api/runs/${id}/${view}`;
+
+// the latest time of each milestone (read by benchmarks/dashboard_load.py; one entry per name)
+const mark = (name) => { performance.clearMarks(`verst:${name}`); performance.mark(`verst:${name}`); };
+
+let plotlyLoad = null;
+function plotly() {
+  // plotly.js, loaded once on first use (a report has it inline already)
+  if (window.Plotly) return Promise.resolve(window.Plotly);
+  const inert = document.getElementById("plotly-src");  // a report's inline copy
+  if (inert) {
+    const s = document.createElement("script");
+    s.textContent = inert.textContent;
+    document.head.appendChild(s);  // runs now
+    inert.remove();
+    return Promise.resolve(window.Plotly);
+  }
+  plotlyLoad ||= new Promise((resolve, reject) => {
+    const s = document.createElement("script");
+    s.src = "static/plotly.min.js";
+    mark("plotly-start");
+    s.onload = () => { mark("plotly-ready"); resolve(window.Plotly); };
+    s.onerror = () => { plotlyLoad = null; reject(new Error("could not load static/plotly.min.js")); };
+    document.head.appendChild(s);
+  });
+  return plotlyLoad;
+}
 
 // The samples query of samples_view.py (the report's page applies it to its embedded rows).
 function scalarReward(r, key) {
@@ -184,8 +210,8 @@ async function renderOverview() {
 
 // ------------------------------------------------------------------ steps
 
-async function loadSteps() {
-  const s = await api(runPath(state.run, "steps"));
+async function loadSteps(pending = null) {
+  const s = await (pending || api(runPath(state.run, "steps")));
   const all = [...new Set([...s.timeline_steps.map((r) => r.step), ...s.sample_steps])].sort((a, b) => a - b);
   const latest = all.length ? all[all.length - 1] : null;
   if (state.step == null || (state.followLatest && latest != null)) state.step = latest;
@@ -220,100 +246,6 @@ function stepBy(delta) {
   const i = all.indexOf(state.step);
   const next = all[Math.max(0, Math.min(all.length - 1, i + delta))];
   return setStep(next);
-}
-
-// ------------------------------------------------------------------ timeline
-
-function rowLabel(r) {
-  const g = r.group == null ? "?" : r.group, s = r.sample == null ? "?" : r.sample;
-  return `g${g} s${s} #${r.attempt}`;
-}
-
-function hoverText(r) {
-  const queued = r.queued_end - r.start;
-  const gen = r.gen.reduce((a, [s, e]) => a + (e - s), 0);
-  const score = r.score_start == null ? 0 : r.end - r.score_start;
-  let t = `<b>${rowLabel(r)}</b> — ${r.status}${r.finished ? "" : " (no attempt_end)"}<br>` +
-    `queued ${queued.toFixed(3)} s · generating ${gen.toFixed(3)} s · scoring ${score.toFixed(3)} s<br>` +
-    `start +${r.start.toFixed(3)} s, end +${r.end.toFixed(3)} s`;
-  if (r.response_tokens != null) t += `<br>${r.response_tokens} response tokens`;
-  if (r.retry_of != null) t += `<br>retry of attempt #${r.attempt - 1}`;
-  if (r.error) t += `<br>error: ${esc(r.error)}${r.message ? ": " + esc(r.message) : ""}`;
-  return t;
-}
-
-async function renderTimeline() {
-  if (!state.steps) await loadSteps();
-  drawStepsChart();
-  const step = state.step;
-  if (step == null) { $("#timeline-count").textContent = "no lifecycle events yet"; return; }
-  const t = await api(runPath(state.run, "timeline"), { step, limit: 2000 });
-  if (step !== state.step) return;  // a newer selection superseded this one
-  const rows = t.rows;
-  const y = rows.map((_, i) => i + t.offset);
-  const traces = [];
-  const bars = (name, color, pick, extra = {}) => {
-    const xs = [], bases = [], ys = [], texts = [];
-    rows.forEach((r, i) => pick(r).forEach(([s, e]) => { if (e != null && s != null) { bases.push(s); xs.push(Math.max(e - s, 1e-4)); ys.push(y[i]); texts.push(hoverText(r)); } }));
-    if (xs.length) traces.push({ type: "bar", orientation: "h", name, x: xs, base: bases, y: ys, marker: { color, ...(extra.marker || {}) },
-      hovertext: texts, hoverinfo: "text", width: extra.width || 0.8, offset: extra.offset, showlegend: extra.showlegend ?? true });
-  };
-  bars("queued", QUEUED_COLOR, (r) => [[r.start, r.queued_end]]);
-  const statuses = [...new Set(rows.map((r) => r.status))];
-  for (const st of statuses) {
-    const color = STATUS_COLORS[st] || "#444";
-    bars(`generating · ${st}`, color, (r) => (r.status === st ? r.gen : []));
-    bars(`scoring · ${st}`, color, (r) => (r.status === st && r.score_start != null ? [[r.score_start, r.end]] : []),
-      { marker: { pattern: { shape: "/", fgcolor: "#fff", size: 5 } }, showlegend: false });
-  }
-  const kinds = [...new Set(rows.flatMap((r) => r.sub.map((s) => s.kind)))];
-  kinds.forEach((kind, k) => {
-    const xs = [], bases = [], ys = [], texts = [];
-    rows.forEach((r, i) => r.sub.filter((s) => s.kind === kind).forEach((s) => {
-      bases.push(s.start); xs.push(Math.max(s.end - s.start, 1e-4)); ys.push(y[i] + (k % 2 ? 0.2 : -0.2));
-      texts.push(`<b>${esc(s.name)}</b> ${(s.end - s.start).toFixed(3)} s${s.detail ? "<br>" + esc(JSON.stringify(s.detail)) : ""}<br>${rowLabel(r)}`);
-    }));
-    traces.push({ type: "bar", orientation: "h", name: kind, x: xs, base: bases, y: ys, width: 0.3,
-      marker: { color: SUB_COLORS[k % SUB_COLORS.length] }, hovertext: texts, hoverinfo: "text" });
-  });
-  const lx = [], ly = [];
-  rows.forEach((r, i) => {
-    const j = r.retry_of == null ? -1 : r.retry_of - t.offset;
-    if (j >= 0 && j < rows.length) { lx.push(rows[j].end, r.start, null); ly.push(y[j], y[i], null); }
-  });
-  if (lx.length) traces.push({ type: "scatter", mode: "lines", name: "retry", x: lx, y: ly, line: { dash: "dot", color: "#333", width: 1 }, hoverinfo: "skip" });
-  const swatch = (color, text, style = "") => `<span><i style="background:${color};${style}"></i>${esc(text)}</span>`;
-  $("#timeline-legend").innerHTML = swatch(QUEUED_COLOR, "queued (waiting for a slot)") +
-    statuses.map((st) => swatch(STATUS_COLORS[st] || "#444", `generating · ${st}`)).join("") +
-    swatch("repeating-linear-gradient(45deg,#555 0 2px,#fff 2px 4px)", "scoring (hatched)") +
-    kinds.map((k, i) => swatch(SUB_COLORS[i % SUB_COLORS.length], `${k} (sub-span)`, "height:5px")).join("") +
-    (lx.length ? swatch("#333", "retry link (dotted)", "height:2px") : "");
-  const every = Math.ceil(rows.length / MAX_ROW_LABELS);
-  const ticks = y.filter((_, i) => i % every === 0);
-  const el = $("#timeline-chart");
-  const height = Math.max(260, (rows.length > 200 ? 8 : 18) * rows.length + 90);
-  await Plotly.react(el, traces, {
-    barmode: "overlay", height, margin: { l: 110, r: 20, t: 50, b: 10 }, hovermode: "closest", showlegend: false,
-    xaxis: { title: { text: `seconds since the step's first attempt_start`, standoff: 4 }, rangemode: "tozero", side: "top", zeroline: false },
-    // plotly lays out every tick label it is given (slow past ~100): label at most MAX_ROW_LABELS rows
-    yaxis: { tickvals: ticks, ticktext: ticks.map((v) => rowLabel(rows[v - t.offset])), autorange: "reversed", tickfont: { size: 10 }, automargin: false },
-  }, { displaylogo: false, responsive: true });
-  const counts = Object.entries(t.summary.status_counts).map(([k, v]) => `${v} ${k}`).join(", ");
-  $("#timeline-count").textContent = `${t.total} attempts`;
-  $("#timeline-count").dataset.attempts = String(t.total);
-  $("#timeline-summary").textContent = t.total ? `step ${step}: ${counts}; mean queued ${t.summary.queue_s_mean.toFixed(3)} s, generating ${t.summary.gen_s_mean.toFixed(3)} s, scoring ${t.summary.score_s_mean.toFixed(3)} s; wall ${t.summary.wall_s.toFixed(2)} s` : "";
-  $("#timeline-more").textContent = t.total > rows.length ? `showing attempts ${t.offset + 1}–${t.offset + rows.length} of ${t.total}` : "";
-  document.body.dataset.timelineStep = String(step);
-}
-
-function drawStepsChart() {
-  const rows = state.steps ? state.steps.timeline_steps : [];
-  const x = rows.map((r) => r.step);
-  const mk = (key, name, color) => ({ type: "bar", x, y: rows.map((r) => r[key]), name, marker: { color } });
-  Plotly.react($("#steps-chart"), [mk("queue_s_mean", "queued (mean s)", "#9aa3ad"), mk("gen_s_mean", "generating (mean s)", "#2d6cdf"), mk("score_s_mean", "scoring (mean s)", "#b8860b")], {
-    barmode: "stack", height: 260, margin: { l: 50, r: 10, t: 10, b: 40 }, xaxis: { title: { text: "step" } },
-    yaxis: { title: { text: "seconds per attempt" } }, hovermode: "x unified", legend: { orientation: "h" },
-  }, { displaylogo: false, responsive: true });
 }
 
 // ------------------------------------------------------------------ samples
@@ -418,6 +350,9 @@ async function poll() {
 // ------------------------------------------------------------------ start
 
 async function main() {
+  mark("start");
+  const firstSteps = api(runPath(state.run, "steps"));  // asked for alongside the run list
+  firstSteps.catch(() => {});  // (a failure surfaces where it is awaited)
   state.runs = await api("/api/runs");
   $("#run-select").innerHTML = state.runs.map((r) => `<option value="${r.id}">${esc(runLabel(r.id))}</option>`).join("");
   $("#run-select").addEventListener("change", async (e) => {
@@ -430,12 +365,16 @@ async function main() {
   $$(".step-next").forEach((b) => b.addEventListener("click", () => stepBy(1)));
   bindSampleControls();
   bindCurveControls();
+  let resized = null;  // the timeline's SVG is drawn to the window's width: redraw when it changes
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(() => state.tab === "timeline" && renderTimeline(), 200); });
   window.addEventListener("hashchange", () => { const t = location.hash.slice(1); if (t !== state.tab && $(`#tab-${t}`)) showTab(t); });
   if (state.runs.length > 1) state.runs.forEach((r) => state.overlay.add(r.id));
-  await loadSteps();
+  await loadSteps(firstSteps);
+  mark("steps");
   const tab = (location.hash || "#overview").slice(1);
   await showTab(["overview", "curves", "timeline", "samples", "compare"].includes(tab) ? tab : "overview");
   document.body.dataset.ready = "1";
+  mark("ready");
   if (EMBED) $("#live-note").textContent = `report of ${state.runs.length} run(s), written ${EMBED.generated_at}`;
   else setTimeout(poll, POLL_MS);
 }

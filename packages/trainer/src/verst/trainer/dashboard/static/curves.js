@@ -79,6 +79,7 @@ function download(filename, href) {
 }
 
 const fileStem = (name) => name.replace(/[^A-Za-z0-9._-]+/g, "_");
+const purge = (el) => window.Plotly && window.Plotly.purge(el);
 
 function chartCard(box, name) {
   let card = Array.from(box.children).find((c) => c.dataset.metric === name);
@@ -93,7 +94,7 @@ function chartCard(box, name) {
   });
   card.querySelector(".export-png").addEventListener("click", async () => {
     const el = card.querySelector(".chart");
-    download(`${fileStem(name)}.png`, await Plotly.toImage(el, { format: "png", width: el.clientWidth || 700, height: 300 }));
+    download(`${fileStem(name)}.png`, await (await plotly()).toImage(el, { format: "png", width: el.clientWidth || 700, height: 300 }));
   });
   box.appendChild(card);
   return card;
@@ -135,18 +136,19 @@ async function renderCurves() {
   renderRunBoxes();
   $("#metric-groups-list").textContent = `${names.length} metrics in ${order.length} panels`;
   const root = $("#curve-panels");
-  Array.from(root.children).forEach((el) => { if (!groups[el.dataset.group]) { el.querySelectorAll(".chart").forEach((c) => Plotly.purge(c)); el.remove(); } });
+  Array.from(root.children).forEach((el) => { if (!groups[el.dataset.group]) { el.querySelectorAll(".chart").forEach(purge); el.remove(); } });
   const wanted = order.filter((g) => state.openGroups.has(g)).flatMap((g) => groups[g]);
   const data = await Promise.all(ids.map((id) => api(runPath(id, "curves"), { names: wanted.join(",") })));
   data.forEach((d, i) => (d.label = runLabel(ids[i])));
   state.curveData = data;
+  const Plotly = wanted.length ? await plotly() : null;
   const drawn = [];
   for (const g of order) {
     const panel = groupPanel(root, g, groups[g]);
     root.appendChild(panel);  // keep the panels in order
     const box = panel.querySelector(".panel-charts");
     const keep = new Set(state.openGroups.has(g) ? groups[g] : []);
-    Array.from(box.children).forEach((c) => { if (!keep.has(c.dataset.metric)) { Plotly.purge(c.querySelector(".chart")); c.remove(); } });
+    Array.from(box.children).forEach((c) => { if (!keep.has(c.dataset.metric)) { purge(c.querySelector(".chart")); c.remove(); } });
     for (const name of keep) {
       const card = chartCard(box, name);
       const traces = curveTraces(name, data);

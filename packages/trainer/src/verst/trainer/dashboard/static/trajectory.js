@@ -75,7 +75,7 @@ function trajectoryHeader(t) {
     ${t.error ? `<div class="warn">error: ${esc(t.error)}</div>` : ""}${env ? `<div class="muted">${env}</div>` : ""}</div>`;
 }
 
-function drawTrajectoryChart(el, t, values) {
+async function drawTrajectoryChart(el, t, values) {
   const x = values.map((v) => v.i);
   const traces = [
     { x, y: values.map((v) => (v.mask === 0 ? null : v.rollout)), name: "engine log-prob", mode: "lines+markers", marker: { size: 3 } },
@@ -86,7 +86,7 @@ function drawTrajectoryChart(el, t, values) {
   const shapes = (t.segments || []).filter((s) => s.source === "env").map((s) => ({
     type: "rect", xref: "x", yref: "paper", x0: s.start - 0.5, x1: s.start + s.length - 0.5, y0: 0, y1: 1, fillcolor: "#999", opacity: 0.18, line: { width: 0 },
   })).concat((t.segments || []).slice(1).map((s) => ({ type: "line", xref: "x", yref: "paper", x0: s.start - 0.5, x1: s.start - 0.5, y0: 0, y1: 1, line: { color: "#555", dash: "dot", width: 1 } })));
-  Plotly.react(el, traces, {
+  await (await plotly()).react(el, traces, {
     height: 240, margin: { l: 50, r: 50, t: 10, b: 35 }, hovermode: "x unified", shapes, legend: { orientation: "h", y: -0.3 },
     xaxis: { title: { text: "response token (grey: loss-masked observation, not plotted; dotted: segment boundary)" }, tickformat: "d" },
     yaxis: { title: { text: "log-prob" } }, yaxis2: { overlaying: "y", side: "right", title: { text: "mismatch / advantage" }, showgrid: false },
@@ -117,8 +117,8 @@ function renderTrajectory(t) {
   box.hidden = false;
   $("#token-color").addEventListener("change", (e) => { state.tokenColor = e.target.value; renderTrajectory(t); });
   $("#trajectory-close").addEventListener("click", () => { box.hidden = true; box.innerHTML = ""; delete document.body.dataset.trajectory; });
-  drawTrajectoryChart($("#trajectory-chart"), t, values);
   document.body.dataset.trajectory = `${t.step}/${t.split}/${t.sample_index}`;
+  return drawTrajectoryChart($("#trajectory-chart"), t, values);  // the tokens are shown meanwhile
 }
 
 async function openTrajectory(step, split, sample) {
@@ -128,6 +128,7 @@ async function openTrajectory(step, split, sample) {
     $("#trajectory-view").innerHTML = `<p class="muted">no full trajectory recorded for sample ${sample} of step ${step} (run.record.trajectories_per_step chooses which are)</p>`;
     return;
   }
-  renderTrajectory(r.trajectory);
+  const chart = renderTrajectory(r.trajectory);
   $("#trajectory-view").scrollIntoView({ block: "start" });
+  await chart;
 }

@@ -1,0 +1,55 @@
+"""The fair floor of `benchmarks/vs_trl*.py` computes the model's own function: its greedy decode
+equals `generate`'s and its train log-probs equal the model's forward, with grouped-query
+attention (6 heads over 2 KV heads, as the scale benchmark's SmolLM2 shape) and without; and its
+gradient equals the one of the same loss through the model's forward."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from fair_floor import FairFloor, Rollout, check_against_hf
+
+
+def _llama(heads: int, kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=40, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+PROMPTS = [[1, 5, 9, 3], [1, 7, 7, 8, 11, 4, 6], [1, 30]]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (2, 2)])
+def test_floor_decode_and_logprobs_equal_the_model(heads, kv_heads):
+    model = _llama(heads, kv_heads)
+    assert check_against_hf(model, PROMPTS, n=3, max_new=6, eos=2, pad=0) < 1e-4
+
+
+def test_floor_gradient_equals_the_models():
+    model = _llama(6, 2)
+    ro = Rollout(PROMPTS, [[[4, 2], [5, 6, 7]], [[8], [9, 10, 2]], [[3, 3, 3], [2]]])
+    adv = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.5])
+    floor = FairFloor(model, lr=0.0, clip=1e9)  # no clipping, no step: the raw gradient
+    floor.train(ro, adv, groups_per_micro=1)
+    mine = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    terms, count = [], 0
+    for g, (p, grp) in enumerate(zip(ro.prompts, ro.responses, strict=True)):
+        for j, r in enumerate(grp):
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(r)[:, None])[:, 0]
+            terms.append(adv[g * 2 + j] * lp.sum())
+            count += len(r)
+    (-(torch.stack(terms).sum()) / count).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(mine[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
