@@ -33,7 +33,7 @@ from verst.trainer.dashboard.status_view import (
     pid_alive,
     wall_seconds,
 )
-from verst.trainer.dashboard.tail import JsonlTail
+from verst.trainer.dashboard.tail import JsonlTail, head_int
 from verst.trainer.dashboard.timeline import (
     Attempt,
     Event,
@@ -56,19 +56,6 @@ _ATTEMPT_CACHE_STEPS = 16
 _ROLLOUT_KEY = b'"rollout_id": '
 SUMMARY_BUDGET_S = 0.3
 """Seconds one `steps()` call may spend summarising steps not yet summarised."""
-
-
-def _head_rollout(line: bytes) -> int | None:
-    """The `"rollout_id": N` near a lifecycle line's head, read without parsing the line."""
-    i = line.find(_ROLLOUT_KEY, 0, 160)
-    if i < 0:
-        return None
-    j = i + len(_ROLLOUT_KEY)
-    end = line.find(b",", j, j + 24)
-    try:
-        return int(line[j:end]) if end > j else None
-    except ValueError:  # null, a string: the caller parses the line
-        return None
 
 
 class RunData:
@@ -159,7 +146,7 @@ class RunData:
         tail, lines, last, spans = self.events_tail, self.event_lines, None, []
         n = 0
         for offset, line in tail.raw_lines():  # 200k lines: the loop body is kept minimal
-            rid = _head_rollout(line)
+            rid = head_int(line, _ROLLOUT_KEY)
             if rid is None:
                 record = tail.parse(line)  # counts a bad line; a parseable one still lacks rollout_id
                 rid = record.get("rollout_id") if record is not None else None
@@ -189,9 +176,8 @@ class RunData:
         except FileNotFoundError:
             return []
         for offset, length in spans:
-            line = block[offset - lo : offset - lo + length]
             try:
-                record = json.loads(line)
+                record = json.loads(block[offset - lo : offset - lo + length])
             except ValueError:
                 record = None
             event = event_from_record(record) if isinstance(record, dict) else None
@@ -221,15 +207,22 @@ class RunData:
             self._sample_cache.pop((step, split), None)
             self.n_samples += 1
 
-    def _attempts_of(self, rollout_id: int) -> list[Attempt]:
-        if rollout_id in self._dirty or rollout_id not in self._attempts:
-            self._attempts[rollout_id] = build_attempts(self._parse_events(rollout_id))
-            self._summary[rollout_id] = summarize(self._attempts[rollout_id], live=self.live)
+    def _attempts_of(self, rollout_id: int, *, keep: bool = True) -> list[Attempt]:
+        """The step's attempts (and its summary), parsed again when its events changed; `keep`:
+        into the cache of recently viewed steps (the summaries' pass over every step does not)."""
+        attempts = self._attempts.get(rollout_id)
+        if rollout_id in self._dirty or attempts is None:
+            attempts = build_attempts(self._parse_events(rollout_id))
+            self._summary[rollout_id] = summarize(attempts, live=self.live)
             self._dirty.discard(rollout_id)
+            if not keep and rollout_id not in self._attempts:
+                return attempts
+            self._attempts[rollout_id] = attempts
             while len(self._attempts) > _ATTEMPT_CACHE_STEPS:
                 self._attempts.popitem(last=False)
-        self._attempts.move_to_end(rollout_id)
-        return self._attempts[rollout_id]
+        if keep:
+            self._attempts.move_to_end(rollout_id)
+        return attempts
 
     # ------------------------------------------------------------ status
 
@@ -367,7 +360,7 @@ class RunData:
                 break
             with self._lock:
                 if rid in self._dirty or rid not in self._summary:
-                    self._attempts_of(rid)
+                    self._attempts_of(rid, keep=False)
         with self._lock:
             rows, pending = [], 0
             for rid in sorted(self.event_lines):

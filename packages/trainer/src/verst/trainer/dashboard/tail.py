@@ -99,3 +99,17 @@ class JsonlTail:
             "first_malformed_line": self.first_malformed_line,
             "partial_last_line": self.partial,
         }
+
+
+def head_int(line: bytes, key: bytes) -> int | None:
+    """The integer after `key` (e.g. `b'"rollout_id": '`) near a line's head, read without
+    parsing the line; None when it is not there or not an integer (the caller parses the line)."""
+    i = line.find(key, 0, 160)
+    if i < 0:
+        return None
+    j = i + len(key)
+    end = line.find(b",", j, j + 24)
+    try:
+        return int(line[j:end]) if end > j else None
+    except ValueError:
+        return None
