@@ -58,6 +58,8 @@ class VllmServerSpec:
     """None = LoRA off; else `--enable-lora --max-lora-rank`."""
     max_loras: int = 2
     nccl_weight_transfer: bool = False
+    routed_experts: bool = False
+    """`--enable-return-routed-experts` (MoE: every answer carries the experts chosen)."""
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -86,6 +88,8 @@ def server_command(spec: VllmServerSpec, *, host: str, port: int) -> list[str]:
         ]
     if spec.nccl_weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if spec.routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     return [*cmd, *spec.extra_args]
 
 
@@ -98,6 +102,8 @@ def server_env(spec: VllmServerSpec, index: int) -> dict[str, str]:
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if spec.routed_experts:  # vLLM returns routed experts only from its V2 model runner
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return {**env, **spec.env}
 
 
