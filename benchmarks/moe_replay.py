@@ -177,6 +177,116 @@ def run(steps: int, layers: int, threads: int, engine_dtype: str) -> dict[str, f
     }
 
 
+# ------------------------------------------------------------------- where the bf16 mismatch is
+
+PARTS = {
+    # name: (dtype of everything but the MoE blocks, dtype of the MoE blocks, router weights rounded)
+    "fp32": ("float32", "float32", False),
+    "router_bf16": ("float32", "float32", True),
+    "moe_bf16": ("float32", "bfloat16", False),
+    "dense_bf16": ("bfloat16", "float32", False),
+    "bf16": ("bfloat16", "bfloat16", False),
+}
+"""Engine variants of the forward study: which part runs in bf16. 'dense' = embeddings,
+attention, norms and the LM head; 'moe' = each layer's MoE block (router + experts)."""
+
+
+def _engine_variant(path: Path, part: str):
+    """The tiny MoE as an engine holding `part` in bf16 (`PARTS`): MoE blocks in another dtype
+    than the rest get their input cast in and their output cast back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rest, moe, round_router = (getattr(torch, d) if isinstance(d, str) else d for d in PARTS[part])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=rest).eval()
+    for layer in model.model.layers:
+        block = layer.mlp.to(moe)
+        if round_router:
+            with torch.no_grad():
+                block.gate.weight.copy_(block.gate.weight.to(torch.bfloat16).float())
+        if moe != rest:
+            block.register_forward_pre_hook(lambda mod, args, d=moe: (args[0].to(d), *args[1:]))
+            block.register_forward_hook(lambda mod, args, out, d=rest: out.to(d))
+    return model
+
+
+def _token_logprobs(model, ids, mask, hooks, replay=None):
+    """Teacher-forced log-probs `[B, T-1]` (float32) of `ids [B, T]` and the experts the routers
+    used (`[B*T, layers, k]`), replaying `replay` when given."""
+    import torch
+
+    hooks.replay, hooks.record = replay, True
+    hooks.clear()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return lp, hooks.chosen()
+
+
+def forward_study(path: Path, prompts: list[str], threads: int) -> dict[str, dict[str, float]]:
+    """Per engine variant: routing agreement with the fp32 trainer, and the mean |log-ratio| over
+    sampled response tokens without and with replaying the variant's experts (no training)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verst.rollout.moe import RouterHooks
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(path)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(map(len, enc))
+    left = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in enc])
+    attn = (left != tok.pad_token_id).long()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ids = trainer.generate(
+            input_ids=left,
+            attention_mask=attn,
+            max_new_tokens=10,
+            do_sample=True,
+            pad_token_id=tok.pad_token_id,
+        )
+    mask = torch.cat([attn, torch.ones(ids.shape[0], ids.shape[1] - width, dtype=torch.long)], 1)
+    response = torch.zeros_like(ids[:, 1:], dtype=torch.bool)
+    response[:, width - 1 :] = True
+    trainer_hooks = RouterHooks(trainer)
+    out = {}
+    for part in PARTS:
+        engine = _engine_variant(path, part)
+        hooks = RouterHooks(engine)
+        lp_engine, chosen = _token_logprobs(engine, ids, mask, hooks)
+        lp_free, free = _token_logprobs(trainer, ids, mask, trainer_hooks)
+        lp_r3, _ = _token_logprobs(trainer, ids, mask, trainer_hooks, replay=chosen)
+        real = mask.reshape(-1).bool()
+        same = (free.sort(-1).values == chosen.sort(-1).values).all(-1)[real]
+        out[part] = {
+            "agreement": float(same.float().mean()),
+            "without": float((lp_free - lp_engine).abs()[response].mean()),
+            "with": float((lp_r3 - lp_engine).abs()[response].mean()),
+        }
+        hooks.close()
+    trainer_hooks.close()
+    return out
+
+
+def _print_study(layers: int, threads: int) -> None:
+    """The forward study's table (a fresh tiny MoE of the same shape, seed 0)."""
+    import json
+
+    from verst.rollout.toy_moe import make_tiny_moe_checkpoint
+
+    prompts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[:32]]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_moe_checkpoint(Path(tmp) / "moe", family="qwen3_moe", num_layers=layers, seed=0)
+        study = forward_study(path, prompts, threads)
+    print("forward study (32 sampled sequences, no training): engine part in bf16 vs the fp32 trainer")
+    print("engine         agreement  |log-ratio| free   with replay   free/replay")
+    for part, m in study.items():
+        ratio = f"{m['without'] / m['with']:.2f}" if m["with"] > 0 else "n/a"
+        print(f"{part:<14} {m['agreement']:.4f}     {m['without']:.3e}        {m['with']:.3e}     {ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps")
@@ -188,6 +298,12 @@ def main() -> None:
         default="router_bf16",
         help="router_bf16: the engine's router weights in bf16, the rest fp32 (isolates routing); "
         "bf16: the whole engine in bf16",
+    )
+    parser.add_argument(
+        "--no-study",
+        dest="study",
+        action="store_false",
+        help="skip the forward study (which part of the engine in bf16 causes how much mismatch)",
     )
     args = parser.parse_args()
     r = run(args.steps, args.layers, args.threads, args.engine)
@@ -201,6 +317,8 @@ def main() -> None:
     print(
         f"clip fraction (ratio outside [0.8, 1.2]) without R3: {r['clip_without']:.4f}   with R3: {r['clip_with']:.4f}"
     )
+    if args.study:
+        _print_study(args.layers, args.threads)
     reduction = r["without"] / max(r["with"], 1e-12)
     print(f"r3_mismatch_reduction={reduction:.2f} routing_agreement_without={r['agreement']:.4f}")
     sys.stdout.flush()

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_testlib import moe_side, routed_groups
 from safetensors.torch import load_file
 
 from verst.rollout.engines.sglang.launcher import free_port
-from verst.rollout.moe import RoutedExperts
-from verst.rollout.sample import Sample, Status
 from verst.rollout.toy_moe import make_tiny_moe_checkpoint
-from verst.trainer.algorithms import AlgorithmConfig
-from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
-from verst.trainer.train.moe import MoeSection
 from verst.trainer.train.side import TrainSide
 
 pytestmark = pytest.mark.slow
@@ -31,53 +27,20 @@ def moe_model(tmp_path_factory) -> Path:
     return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", num_layers=2, seed=1)
 
 
-def _groups() -> list[list[Sample]]:
-    """Three groups of four; every sample carries a (random, valid) recorded routing."""
-    gen = torch.Generator().manual_seed(3)
-    groups = []
-    for g in range(3):
-        prompt = torch.randint(4, 60, (2 + g,), generator=gen).tolist()
-        group = []
-        for j in range(4):
-            r = 1 + (3 * g + j) % 5
-            tokens = prompt + torch.randint(4, 60, (r,), generator=gen).tolist()
-            ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range((len(tokens) - 1) * 2)])
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g * j) % 3),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    routed_experts=RoutedExperts.from_tensor(ids.reshape(len(tokens) - 1, 2, 2)),
-                    group_index=g,
-                    sample_index=4 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
-
-
 def _side(model: str, mode: str, env: dict[str, str], fsdp: bool) -> TrainSide:
-    cfg = TrainConfig(
-        model_path=model,
+    """No load-balancing loss: it is computed per micro-batch forward (as transformers' per-forward
+    Switch loss), so it depends on which samples share a micro-batch, and 2 ranks split a step into
+    other micro-batches than 1 process: with `aux_loss_coef = 0.01` the weights then differ by
+    ~2e-4 after 4 updates at lr 0.5 — another objective, not reduction order (docs/moe.md)."""
+    return moe_side(
+        model,
+        total_steps=STEPS,
+        env=env,
+        moe={"routing_replay": mode, "aux_loss_coef": 0.0},
         fsdp=fsdp,
-        micro_batch_size=2,
         lr=0.5,
         eps=1.0,
-        num_threads=1,
         num_updates_per_rollout=2,
-        moe=MoeSection(routing_replay=mode, aux_loss_coef=0.01),
-    )
-    return TrainSide(
-        cfg,
-        AlgorithmConfig(),
-        model_path=model,
-        total_steps=STEPS,
-        max_response_len=5,
-        temperature=1.0,
-        env=env,
     )
 
 
@@ -93,7 +56,7 @@ def _worker(rank: int, port: int, model: str, mode: str, out: str) -> None:
         "MASTER_PORT": str(port),
     }
     side = _side(model, mode, env, fsdp=True)
-    batch = build_train_batch(_groups())
+    batch = build_train_batch(routed_groups())
     metrics = [side.train_step(batch) for _ in range(STEPS)]
     weights = side.state_dict_for_sync()
     with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
@@ -114,7 +77,7 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
     for p in procs:
         p.start()
     single = _side(str(moe_model), mode, {}, fsdp=False)
-    batch = build_train_batch(_groups())
+    batch = build_train_batch(routed_groups())
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
     for p in procs:
@@ -129,18 +92,20 @@ def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) 
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):
         assert m_fsdp["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-4, abs=1e-7)
-        for key in ("train/moe/routing_agreement", "train/moe/replay_agreement", "train/moe_aux_loss"):
-            assert m_fsdp[key] == pytest.approx(m_ref[key], rel=1e-4), key
+        assert m_fsdp["train/moe/routing_compared"] == m_ref["train/moe/routing_compared"]
+        # discrete top-k choices: a rank's micro-batch has another padded shape than 1 process's, so
+        # float32 rounding may flip a near-tie of the free routers; allow 2 token-layer pairs
+        pairs = 2 / m_ref["train/moe/routing_compared"]
+        for key in ("train/moe/routing_agreement", "train/moe/replay_agreement"):
+            assert m_fsdp[key] == pytest.approx(m_ref[key], abs=pairs), key
     if mode == "rollout":
-        assert ref_metrics[0]["train/moe/replay_agreement"] == 1.0
+        assert (
+            ref_metrics[0]["train/moe/replay_agreement"]
+            == 1.0
+            == r0["metrics"][0]["train/moe/replay_agreement"]
+        )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: train/state.py compares a checkpoint's keys with the model's state_dict, but "
-    "transformers 5 saves fused MoE experts as per-expert weights (experts.<i>.gate_proj...), so "
-    "resuming an MoE run fails (docs/moe.md, Known gaps)",
-)
 def test_r3_run_resumes_to_the_straight_runs_weights(tmp_path, moe_model, monkeypatch) -> None:
     from train_testlib import install_reward_module, run_dict, write_prompts
 

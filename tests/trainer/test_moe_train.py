@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from moe_testlib import moe_side
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.errors import ConfigError
@@ -168,7 +170,79 @@ def test_r3_and_r2_train_steps_report_routing_metrics(tied, rollout) -> None:
     side = _side(tied, routing_replay="old_policy")
     r2 = side.train_step(batch)
     assert all(math.isfinite(v) for v in r2.values())
-    assert (side.moe.old.ids >= 0).any()  # the old pass recorded its experts
+
+
+class RouterSpy:
+    """Per forward of the trainer (with its phase): the table row of each laid-out position, the
+    experts each router picked itself (`free`) and those the MoE block then used (`used`), read by
+    hooks before and after the replay hooks, independently of `RouterHooks`."""
+
+    def __init__(self, side: TrainSide) -> None:
+        self.forwards: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._now: dict[str, dict[int, torch.Tensor]] = {"free": {}, "used": {}}
+        for layer, router in find_routers(side.bundle.hf_model):
+            router.register_forward_hook(self._keep("free", layer), prepend=True)
+            router.register_forward_hook(self._keep("used", layer))
+        runtime, around = side.moe, side.moe.around
+
+        @contextmanager
+        def spied(layout, rows, phase, **kw):
+            index = runtime.positions(layout, rows, kw.get("groups")) if rows else None
+            self._now = {"free": {}, "used": {}}
+            with around(layout, rows, phase, **kw):
+                yield
+            if index is not None:
+                free, used = (torch.stack([v[k] for k in sorted(v)], 1) for v in self._now.values())
+                self.forwards.append((phase, index, free, used))
+
+        runtime.around = spied
+
+    def _keep(self, what: str, layer: int):
+        def hook(module, args, output):
+            self._now[what][layer] = output[2].detach().clone()  # top_k_index [N, k]
+
+        return hook
+
+
+def test_r2_replays_the_old_policys_own_experts_exactly(tied, rollout) -> None:
+    """R2 with two updates per rollout and a large step: the second update's routers would pick
+    other experts (their weights moved), yet every current-policy forward uses, at every real
+    position, exactly the experts the old-policy pass chose there."""
+    torch.set_num_threads(1)
+    batch = build_train_batch(rollout)
+    side = moe_side(
+        str(tied),
+        total_steps=1,
+        moe={"routing_replay": "old_policy"},
+        lr=0.05,
+        num_updates_per_rollout=2,
+        micro_batch_size=8,
+        layout="padded",
+    )
+    spy = RouterSpy(side)
+    side.train_step(batch)
+    old_choices: dict[int, list[torch.Tensor]] = {}
+    for phase, index, free, used in spy.forwards:
+        if phase == "old":
+            assert torch.equal(free, used)  # the old pass routes freely
+            for pos, ids in zip(index.tolist(), used, strict=True):
+                if pos >= 0:
+                    old_choices.setdefault(pos, []).append(ids)
+    table = side.moe.old
+    # the old pass recorded every input position (a group's prompt: in its first sample's rows)
+    for i, seq in enumerate(batch.tokens):
+        rows = table.encoded(batch.tokens, batch.response_lengths, [i])[0][: len(seq) - 1]
+        assert all(r in old_choices for r in rows), i
+    for pos, ids in old_choices.items():  # the table holds what the old pass chose
+        assert any(torch.equal(table.ids[pos], c) for c in ids), pos
+    current = [f for f in spy.forwards if f[0] == "current"]
+    assert len(current) >= 2
+    drifted = 0
+    for _, index, free, used in current:
+        real = index >= 0
+        assert torch.equal(used[real], table.ids[index[real]])
+        drifted += int((free[real] != used[real]).any(-1).any(-1).sum())
+    assert drifted > 0  # without replay the routers would have chosen otherwise
 
 
 def _run(model: Path, data: Path, **sections) -> dict:

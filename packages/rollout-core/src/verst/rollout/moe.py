@@ -26,6 +26,7 @@ weights exactly as in the un-replayed forward.
 
 from __future__ import annotations
 
+import ast
 import base64
 import re
 from array import array
@@ -37,6 +38,8 @@ UNRECORDED = -1
 """An expert id of -1: no recorded choice here; the router picks freely."""
 
 _DTYPES = ("uint8", "int16")
+_NPY_CODES = {"<u1": "B", "<i1": "b", "<u2": "H", "<i2": "h", "<i4": "i", "<u4": "I"}
+"""`.npy` little-endian integer dtypes → `array` type codes (vLLM sends uint8, uint16 or int32)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,30 @@ class RoutedExperts:
         if len(ints) % tokens:
             raise ValueError(f"{len(ints)} routed expert ids do not split into {tokens} positions")
         return cls.from_ints(ints.tolist(), len(ints) // tokens)
+
+    @classmethod
+    def from_npy(cls, b64: str) -> RoutedExperts:
+        """vLLM's `choices[i].routed_experts`: base64 of a `.npy` file holding a C-order array
+        `[tokens, layers, k]` of uint8, uint16 or int32 (`numpy2base64`); read without numpy
+        (a little-endian host, as every machine vLLM runs on)."""
+        raw = base64.b64decode(b64)
+        if raw[:6] != b"\x93NUMPY":
+            raise ValueError("routed experts are not a .npy array (no NUMPY magic)")
+        field_end = 10 if raw[6] == 1 else 12  # header length: uint16 in format 1.0, else uint32
+        data_start = field_end + int.from_bytes(raw[8:field_end], "little")
+        header = ast.literal_eval(raw[field_end:data_start].decode("latin1"))
+        code = _NPY_CODES.get(header["descr"].replace("|", "<"))
+        shape = tuple(header["shape"])
+        if code is None or header["fortran_order"] or len(shape) != 3:
+            raise ValueError(
+                f"unexpected routed experts array {header} (want C-order [tokens, layers, k] ints)"
+            )
+        ints = array(code)
+        ints.frombytes(raw[data_start:])
+        width = shape[1] * shape[2]
+        if len(ints) != shape[0] * width:
+            raise ValueError(f"{len(ints)} routed expert ids do not fill the shape {shape}")
+        return cls.from_ints(ints.tolist(), width) if shape[0] else cls(0, max(1, width), "uint8", b"")
 
     def to_sglang(self) -> str:
         """The SGLang wire form: base64 of int32 `[tokens, layers, k]`."""

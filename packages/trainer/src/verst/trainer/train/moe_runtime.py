@@ -53,8 +53,11 @@ class MoeRuntime:
         self._tokens: Sequence[Sequence[int]] = ()
         self._lens: Sequence[int] = ()
         self._measured: set[int] = set()
+        self._measure_in: Phase = "current"
         self._agree = [0.0, 0.0, 0.0]
         self._load = torch.zeros((len(self.hooks.router_layers), self.num_experts), dtype=torch.float64)
+        self._response_rows = torch.zeros(0, dtype=torch.bool)
+        """Per table row: a response token's own position (`begin_step`)."""
         self.aux_loss: torch.Tensor | None = None
         """The last current-policy forward's load-balancing loss (0-d, with grad)."""
 
@@ -70,13 +73,26 @@ class MoeRuntime:
         return cls(cfg, policy, reference)
 
     # ---------------------------------------------------------------- per step
-    def begin_step(self, tokens: Sequence[Sequence[int]], lens: Sequence[int], routed: Sequence[Any]) -> None:
-        """A new step's samples (their tokens, response lengths and recorded routing)."""
-        self._tokens, self._lens = tokens, lens
+    def begin_step(
+        self,
+        tokens: Sequence[Sequence[int]],
+        lens: Sequence[int],
+        routed: Sequence[Any],
+        *,
+        measure_in: Phase = "old",
+    ) -> None:
+        """A new step's samples (their tokens, response lengths and recorded routing).
+        `measure_in`: the pass whose forwards measure agreement and load ('old' when the step
+        runs one, else 'current'): each sample is in exactly one rank's micro-batches of a pass,
+        so under FSDP every sample is counted once."""
+        self._tokens, self._lens, self._measure_in = tokens, lens, measure_in
         self.rollout = RoutingTable.from_samples(tokens, lens, routed, self.layers, self.k)
         self.old = (
             RoutingTable.empty(tokens, lens, self.layers, self.k) if self.mode == "old_policy" else None
         )
+        self._response_rows = torch.zeros(self.rollout.ids.shape[0], dtype=torch.bool)
+        for start, seq, r in zip(self.rollout.offsets, tokens, lens, strict=True):
+            self._response_rows[start + len(seq) - r : start + len(seq)] = True
         self._measured = set()
         self._agree = [0.0, 0.0, 0.0]
         self._load.zero_()
@@ -110,7 +126,7 @@ class MoeRuntime:
                     h.replay = None
             yield
             return
-        index = self.rollout.index_for(layout, self._tokens, self._lens, rows, groups)  # [N]
+        index = self.positions(layout, rows, groups)  # [N]
         table = self._replay_table(phase)
         hooks.replay = None if table is None else table.gather(index)  # each router moves its layer
         hooks.clear()
@@ -120,18 +136,29 @@ class MoeRuntime:
         if phase == "old" and self.old is not None:
             self.old.scatter(index, hooks.chosen().cpu())
         fresh = [i for i in rows if i not in self._measured]
-        if phase in ("old", "current") and fresh and not reference:
+        if phase == self._measure_in and fresh and not reference:
             self._measure(hooks, index, real)
             self._measured.update(rows)
         if phase == "current" and not reference and hooks.keep_logits:
             self.aux_loss = load_balancing_loss(hooks.logits, hooks.chosen(), real, self.num_experts)
         hooks.clear()  # the replay stays set: a recomputing backward (checkpointing) sees it
 
+    def positions(self, layout: Any, rows: Sequence[int], groups: Any = None) -> torch.Tensor:
+        """The table row (R3's and R2's tables alike) of every flattened position of `layout`
+        built on `rows` (`[rows * width]`, -1 = padding)."""
+        assert self.rollout is not None, "begin_step first"
+        return self.rollout.index_for(layout, self._tokens, self._lens, rows, groups)
+
     def _measure(self, hooks: RouterHooks, index: torch.Tensor, real: torch.Tensor) -> None:
+        """Agreement over the response tokens' own positions (laid out exactly once, on one
+        rank, in every layout: a group's shared prompt rows would count once or per sample
+        depending on the micro-batch's layout); expert load over every real position."""
         assert self.rollout is not None
-        recorded = self.rollout.gather(index)
-        agree, total = routing_agreement(hooks.free_choice().cpu(), recorded, hooks.router_layers)
-        used, _ = routing_agreement(hooks.chosen().cpu(), recorded, hooks.router_layers)
+        own = real & self._response_rows[index.clamp(min=0)]
+        recorded = self.rollout.gather(index[own])
+        free, chosen = hooks.free_choice().cpu()[own], hooks.chosen().cpu()[own]
+        agree, total = routing_agreement(free, recorded, hooks.router_layers)
+        used, _ = routing_agreement(chosen, recorded, hooks.router_layers)
         self._agree[0] += agree
         self._agree[1] += total
         self._agree[2] += used
@@ -140,7 +167,8 @@ class MoeRuntime:
     # ---------------------------------------------------------------- metrics
     def step_metrics(self) -> dict[str, float]:
         """`moe/*` metrics of the step (summed over ranks): `routing_agreement`, the fraction of
-        recorded token-layer choices the trainer's routers make themselves (without replay);
+        recorded token-layer choices at response positions the trainer's routers make themselves
+        (without replay);
         `replay_agreement`, the fraction they used (1.0 with R3); expert load per router layer
         (`expert_load_max_l<i>`: max / mean assignments, 1 = balanced); positions compared."""
         agree = torch.tensor(self._agree, dtype=torch.float64)

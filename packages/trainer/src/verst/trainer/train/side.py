@@ -207,7 +207,10 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         moe_metrics: dict[str, float] = {}
         if self.moe is not None:
             self.moe.begin_step(
-                batch.tokens, batch.response_lengths, batch.routed_experts or [None] * batch.num_samples
+                batch.tokens,
+                batch.response_lengths,
+                batch.routed_experts or [None] * batch.num_samples,
+                measure_in="old" if self._runs_old_pass() else "current",
             )
             moe_metrics = self._moe_mismatch_without_replay(batch, plan)
         step = self._step_tensors(batch, plan, rollout_lp)
@@ -237,12 +240,12 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         values) and the advantages (the extensions may change them)."""
         algo, cfg = self.algo, self.cfg
         r2 = self.moe is not None and self.moe.mode == "old_policy"
-        if r2:  # the old pass records the old policy's experts before anything replays them
-            old_r2 = self.compute_old_logprobs(batch, plan)
-        ref_lp = self.compute_ref_logprobs(batch, plan)
         precompute_old = algo.needs_old_logprobs and (
             cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward or r2
         )
+        if r2:  # the old pass records the old policy's experts before anything replays them
+            old_r2 = self.compute_old_logprobs(batch, plan)
+        ref_lp = self.compute_ref_logprobs(batch, plan)
         old_all = (old_r2 if r2 else self.compute_old_logprobs(batch, plan)) if precompute_old else None
         kl = None
         if algo.needs_kl_in_reward:
@@ -255,6 +258,13 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
         return _StepTensors(advantages, old_all, ref_lp, rollout_lp, values, returns)
+
+    def _runs_old_pass(self) -> bool:
+        """Whether the step runs the old-log-prob pass before its updates (`_step_tensors`)."""
+        algo, r2 = self.algo, self.moe is not None and self.moe.mode == "old_policy"
+        return r2 or (
+            algo.needs_old_logprobs and (self.cfg.num_updates_per_rollout > 1 or algo.needs_kl_in_reward)
+        )
 
     def _policy_updates(
         self, batch: TrainBatch, plan: StepPlan, step: _StepTensors, *, skip: bool

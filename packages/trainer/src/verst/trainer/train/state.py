@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verst.trainer.train.hf_keys import to_model_keys
 from verst.trainer.train.optim import with_run_flags
 
 
@@ -126,6 +127,7 @@ class TrainStateMixin:
         sd: dict[str, torch.Tensor] = {}
         for f in sorted((path / "model").glob("*.safetensors")):
             sd.update(load_file(f))
+        sd = to_model_keys(self.bundle.hf_model, sd)  # on disk MoE experts are per expert
         if self.bundle.sharding == "none":
             missing, unexpected = self.bundle.hf_model.load_state_dict(sd, strict=False)
             tied = (

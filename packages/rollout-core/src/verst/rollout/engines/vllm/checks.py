@@ -5,7 +5,10 @@ routers.py`): the refit, pause and abort routes exist only with the environment 
 `VLLM_SERVER_DEV_MODE=1`; `/inference/v1/generate` answers 403 "Scale-out endpoints are
 disabled" without `--enable-scale-out`; runtime LoRA needs `--enable-lora` and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (without the variable the load/unload routes are not
-registered); log-probs at the rollout temperature need `--logprobs-mode processed_logprobs`.
+registered); log-probs at the rollout temperature need `--logprobs-mode processed_logprobs`;
+routed experts need `--enable-return-routed-experts` (`aux_output_config`), which vLLM accepts
+only with the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`), prefix caching and an MoE model
+(`VllmConfig._verify_aux_output_compatibility`).
 The server's configuration is read from the dev route `GET /server_info?config_format=json`.
 """
 
@@ -51,7 +54,7 @@ def _env_on(value: Any) -> bool:
 
 
 async def check_server(
-    http: HttpCaller, key: str, *, lora: bool, nccl: bool
+    http: HttpCaller, key: str, *, lora: bool, nccl: bool, routed: bool = False
 ) -> tuple[list[Problem], ServerFacts | None]:
     """Every problem of the server at `http.base_url` (all at once), and its facts."""
     url = http.base_url
@@ -76,7 +79,7 @@ async def check_server(
         return problems, ServerFacts(version)
     config = info.get("vllm_config") or {}
     model = config.get("model_config") or {}
-    problems += _config_problems(url, key, info, lora=lora, nccl=nccl)
+    problems += _config_problems(url, key, info, lora=lora, nccl=nccl, routed=routed)
     parallel = config.get("parallel_config") or {}
     facts = ServerFacts(
         version,
@@ -87,7 +90,9 @@ async def check_server(
     return problems, facts
 
 
-def _config_problems(url: str, key: str, info: dict[str, Any], *, lora: bool, nccl: bool) -> list[Problem]:
+def _config_problems(
+    url: str, key: str, info: dict[str, Any], *, lora: bool, nccl: bool, routed: bool = False
+) -> list[Problem]:
     """What the server's own configuration (`/server_info`) rules out for this run."""
     config = info.get("vllm_config") or {}
     env = info.get("vllm_env") or {}
@@ -121,6 +126,15 @@ def _config_problems(url: str, key: str, info: dict[str, Any], *, lora: bool, nc
                 key,
                 f"weight_sync='distributed' needs {url} started with a weight-transfer backend",
                 'start it with --weight-transfer-config \'{"backend": "nccl"}\' (GPU only)',
+            )
+        )
+    if routed and not (config.get("aux_output_config") or {}).get("enable_return_routed_experts"):
+        problems.append(
+            Problem(
+                key,
+                f"engine.routed_experts is set but {url} does not return routed experts",
+                "start it with --enable-return-routed-experts (and VLLM_USE_V2_MODEL_RUNNER=1), "
+                "or set engine.routed_experts = false and train.moe.routing_replay to 'old_policy' or 'off'",
             )
         )
     return problems

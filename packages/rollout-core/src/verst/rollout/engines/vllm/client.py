@@ -91,10 +91,12 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         return await self.http.call(method, path, body, timeout_s=timeout_s)
 
     # ---- checks ------------------------------------------------------------------------------
-    async def check(self, key: str = "engine", *, lora: bool = False, nccl: bool = False) -> list[Problem]:
-        """The server's problems for this run (dev mode off, scale-out off, no LoRA, too old,
-        unreachable...), all at once; remembers its facts."""
-        problems, self.facts = await check_server(self.http, key, lora=lora, nccl=nccl)
+    async def check(
+        self, key: str = "engine", *, lora: bool = False, nccl: bool = False, routed: bool = False
+    ) -> list[Problem]:
+        """The server's problems for this run (dev mode off, scale-out off, no LoRA, no routed
+        experts, too old, unreachable...), all at once; remembers its facts."""
+        problems, self.facts = await check_server(self.http, key, lora=lora, nccl=nccl, routed=routed)
         return problems
 
     # ---- generation --------------------------------------------------------------------------

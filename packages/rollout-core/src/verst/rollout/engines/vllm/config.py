@@ -46,6 +46,14 @@ class VllmHttpConfig(HttpEngineSection):
     lora: bool = Field(
         False, description="Serve LoRA adapters (set by [train.lora]; the servers must run --enable-lora)."
     )
+    routed_experts: bool = Field(
+        False,
+        description=(
+            "The servers return the MoE experts they chose (vLLM --enable-return-routed-experts; "
+            "vllm_launch adds the flag): declares the routing_replay capability that "
+            "train.moe.routing_replay = 'rollout' needs."
+        ),
+    )
 
     def _modes(self) -> tuple[WeightSyncMode, ...]:
         return ("disk", "distributed") if self.nccl_weight_transfer else ("disk",)
@@ -66,7 +74,10 @@ class VllmHttpConfig(HttpEngineSection):
         share = math.ceil(max_concurrency / max(1, len(urls)))
         clients = [self._client(u, share) for u in urls]
         found = await asyncio.gather(
-            *(c.check(key, lora=self.lora, nccl=self.nccl_weight_transfer) for c in clients)
+            *(
+                c.check(key, lora=self.lora, nccl=self.nccl_weight_transfer, routed=self.routed_experts)
+                for c in clients
+            )
         )
         problems = [p for ps in found for p in ps]
         if problems:
@@ -91,7 +102,12 @@ class VllmEngineConfig(VllmHttpConfig):
     urls: list[str] = Field(default_factory=list, description="Base URLs of running vLLM servers.")
 
     def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(weight_sync=self._modes(), engine_count=len(self.urls), lora=True)
+        return EngineCapabilities(
+            weight_sync=self._modes(),
+            engine_count=len(self.urls),
+            lora=True,
+            routing_replay=self.routed_experts,
+        )
 
     def problems(self, key: str = "engine") -> list[Problem]:
         if self.urls:
@@ -165,6 +181,7 @@ class VllmLaunchEngineConfig(VllmHttpConfig):
             engine_count=self.num_engines,
             launched_gpus=self.num_engines * self.tp_size if gpu else 0,
             lora=True,
+            routing_replay=self.routed_experts,
         )
 
     def problems(self, key: str = "engine") -> list[Problem]:
@@ -226,6 +243,7 @@ class VllmLaunchEngineConfig(VllmHttpConfig):
             lora_max_rank=self.max_lora_rank if self.lora else None,
             max_loras=self.max_loras,
             nccl_weight_transfer=self.nccl_weight_transfer,
+            routed_experts=self.routed_experts,
             extra_args=tuple(self.extra_args),
             env=dict(self.env),
         )

@@ -12,6 +12,12 @@ Request id: the server runs the request under the external id `generate-tokens-<
 ids exactly (`OutputProcessor.abort_requests`); so `engine_request_id(rid)` is what an exact
 abort sends. A log-prob of `-inf` arrives clamped to `-9999.0` (`_clamp_logprob`).
 
+Routed experts (servers started with `--enable-return-routed-experts`): every choice carries
+`routed_experts`, base64 of a `.npy` array `[prompt + output - 1 - start, layers, k]` (uint8 up
+to 256 experts, else uint16), where `start` is the request's
+`sampling_params.routed_experts_prompt_start` (`serving.py`, `numpy2base64`;
+`aux_output_connector/connector.py: take_output`).
+
 Images: collapsed ids + `content_parts`, vLLM expands them, and the answer's expanded ids are
 checked against the request's (`verst.rollout.engines.vllm.images`).
 
@@ -26,6 +32,7 @@ from typing import Any
 
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines.vllm.images import check_expansion, image_fields
+from verst.rollout.moe import RoutedExperts
 
 GENERATE_PATH = "/inference/v1/generate"
 """The token-in / token-out route."""
@@ -64,6 +71,8 @@ def sampling_json(req: GenerateRequest, *, n: int = 1) -> dict[str, Any]:
         out["stop_token_ids"] = list(s.stop_token_ids)
     if s.sampling_seed is not None:
         out["seed"] = s.sampling_seed
+    if req.return_routed_experts and req.routed_experts_start_len:
+        out["routed_experts_prompt_start"] = req.routed_experts_start_len
     return out
 
 
@@ -133,6 +142,22 @@ def _prompt_logprobs(
     return lps, (tops if top else None)
 
 
+def _routed_experts(b64: Any, req: GenerateRequest, prompt: int, output: int) -> RoutedExperts | None:
+    """`choices[i].routed_experts` (servers with `--enable-return-routed-experts`): rows for
+    positions `[routed_experts_prompt_start, prompt + output - 1)`; None when the server sent
+    none (flag off, or aborted before any forward)."""
+    if not b64:
+        return None
+    rows = RoutedExperts.from_npy(b64)
+    want = prompt + output - 1 - req.routed_experts_start_len
+    if rows.tokens != want:
+        raise EngineError(
+            f"vLLM returned routed experts for {rows.tokens} positions, expected {want} "
+            f"(prompt {prompt} + output {output} - 1 - start {req.routed_experts_start_len})"
+        )
+    return rows
+
+
 def parse_choice(
     data: dict[str, Any], choice: dict[str, Any], req: GenerateRequest, fallback_version: int
 ) -> GenerateOutput:
@@ -155,6 +180,8 @@ def parse_choice(
     )
     if req.top_logprobs_num:
         out.output_top_logprobs = [_top(c.get("top_logprobs")) for c in content]
+    if req.return_routed_experts:
+        out.routed_experts = _routed_experts(choice.get("routed_experts"), req, out.prompt_tokens, len(ids))
     if req.logprob_start_len == 0:
         lps, tops = _prompt_logprobs(data.get("prompt_logprobs"), list(req.input_ids), req.top_logprobs_num)
         out.input_logprobs, out.input_top_logprobs = lps, tops
