@@ -24,9 +24,16 @@ The baseline is the same measurement on a small run (10 steps x 50 samples, shor
 in the same process; its line comes before the last. Targets: first_render_s <= 3,
 step_switch_s <= 0.5.
 
+Before those lines, per run, the breakdown (`Probe`): when the page reached each milestone
+(its performance marks), the renderer main thread's busy time (script / layout / style), the
+server's own time and CPU per view (its `Server-Timing` header), this process's CPU time and
+the bytes fetched — for the first render and per step switch — and the first trajectory open,
+which loads plotly.js. On a loaded machine compare those, not the wall times.
+
 Run (about 1-2 min; needs chromium: `apt-get install -y chromium`):
   uv run python benchmarks/dashboard_load.py
   uv run python benchmarks/dashboard_load.py --steps 200 --samples-per-step 250
+  uv run python benchmarks/dashboard_load.py --data-dir /tmp/dashload   # keep the runs for next time
 
 The last line is `first_render_s=<s> step_switch_s=<s> samples_switch_s=<s> trajectory_open_s=<s>`.
 """

@@ -1,7 +1,7 @@
 """The SGLang client over real HTTP on loopback against `verst serve` subprocesses (tiny model).
 
 Set `VERST_TEST_SGLANG_URL` (and `VERST_TEST_SGLANG_MODEL`, the model directory the server
-can read) to run the same tests against a real SGLang server (scripts/gpu_check_sglang.sh);
+can read) to run the same tests against a real SGLang server (scripts/gpu_check.sh, its sglang stage);
 the tests that must kill or stand in for our own processes then skip.
 """
 

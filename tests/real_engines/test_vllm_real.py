@@ -90,8 +90,11 @@ async def test_pause_modes(client):
     ]
     await _started(client, 0.5)
     await client.pause("wait")  # returns once they have finished
-    assert all(t.done() for t in tasks)
-    assert all(t.result().finish_reason == "length" for t in tasks)
+    # their answers may still be on the wire, but nothing runs while paused ("keep" below shows
+    # it): completing now, still paused, means they finished before the pause returned
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    assert await client.is_paused()
+    assert all(o.finish_reason == "length" and len(o.output_ids) == 40 for o in outs)
     await client.resume()
 
     tasks = [asyncio.ensure_future(client.generate(_req(rid=f"pk-{i}", **LONG))) for i in range(4)]

@@ -4,7 +4,8 @@ hypothesis property over image sizes, counts and positions), its sampled log-pro
 trainer's on those ids and pixels, and ids that were already expanded are caught, not scored.
 
 One server per family, this module's own (the session's serves the text-only reverse_digits
-model). LLaVA runs on vLLM's Transformers backend (`--model-impl transformers`): vLLM's native
+model). LLaVA runs on vLLM's Transformers backend (`--model-impl transformers`, which the
+launcher adds for a CPU LLaVA by itself: `launcher.model_impl_args`): vLLM's native
 LLaVA module imports its Pixtral module, which imports transformers' torchvision image
 processor, and no torchvision that runs on CPU torch can be installed from the registry
 (docs/vlm.md). Idefics3 runs on vLLM's native module (the Transformers backend cannot split
@@ -35,7 +36,7 @@ SIZES = [(28, 28), (40, 56), (17, 9), (64, 32), (5, 5), (30, 31)]
 
 
 REUSE = (os.environ.get("VERST_VLLM_VLM_URL"), os.environ.get("VERST_VLLM_VLM_MODEL"))
-SERVER_ARGS = {"llava": ("--model-impl", "transformers"), "idefics3": ()}
+FAMILIES = ("idefics3", "llava")
 
 
 def _reused(family: str) -> bool:
@@ -47,7 +48,7 @@ def _reused(family: str) -> bool:
     return json.loads((Path(REUSE[1]) / "config.json").read_text())["model_type"] == family
 
 
-@pytest.fixture(scope="module", params=sorted(SERVER_ARGS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     return request.param
 
@@ -76,7 +77,6 @@ def llava_url(request, family, llava_dir, tmp_path_factory):
         python=str(python),
         model_path=str(llava_dir),
         max_model_len=256,
-        extra_args=SERVER_ARGS[family],
         env={"OMP_NUM_THREADS": "1"},
     )
     launched = launch_vllm_servers(

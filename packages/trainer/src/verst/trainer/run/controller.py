@@ -325,12 +325,11 @@ class Trainer:
         return metrics, batch
 
     def _rollout(self, step: int) -> RolloutResult | None:
-        """This rank's rollout (rank 0 only); a local rollout side is cancelled by a stop request."""
+        """This rank's rollout (rank 0 only), cancelled by a stop request (the local side and the
+        Ray rollout manager alike: `RolloutInterrupted`, the groups handed back)."""
         if self.rollout is None:
             return None
-        if isinstance(self.rollout, RolloutSide):
-            return self.rollout.rollout(step, self.sync.weight_version, stop=lambda: self.stop.requested)
-        return self.rollout.rollout(step, self.sync.weight_version)
+        return self.rollout.rollout(step, self.sync.weight_version, stop=lambda: self.stop.requested)
 
     def _shared_rollout(self, step: int) -> tuple[RolloutResult | None, Any]:
         """Rank 0's rollout and its groups on every rank. A rollout that fails or is stopped on

