@@ -115,7 +115,11 @@ def _stop(procs: list[subprocess.Popen], temp: str) -> None:
                 p.kill()
 
 
-@pytest.mark.slow  # ~140 s under load 3 (two Ray nodes, two actor processes): .ci/run runs tests/ray's slow tests
+# opt-in (`uv run pytest -m multinode tests/ray`), not in .ci/run: Ray 2.60's multi-node mode
+# registers the machine's interface address and its GCS listens on every interface, and the
+# project's processes listen on 127.0.0.1 only; ~140 s under load 3
+@pytest.mark.slow
+@pytest.mark.multinode
 @pytest.mark.timeout(420)
 def test_verst_train_joins_a_two_node_loopback_cluster_and_uses_both_nodes(tmp_path, tiny_checkpoint):
     temp = tempfile.mkdtemp(prefix="vr2n-", dir="/tmp")  # short: Ray's socket paths have a length limit
