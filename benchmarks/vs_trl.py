@@ -253,21 +253,16 @@ def measure_fair_floor(repeats: int, seed: int) -> dict[str, float]:
 def measure_hf_plain(repeats: int, seed: int) -> dict[str, float]:
     """The plain HF baseline: medians of generate the padded batch, one forward+backward over
     it, one AdamW step."""
-    import random
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
-    train = rows("train.jsonl")
-    rng = random.Random(seed)
     gen, fwd_bwd, step = [], [], []
-    for _ in range(repeats):
-        batch = [r for r in rng.sample(train, PROMPTS) for _ in range(GROUP)]
-        ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in batch]
-        input_ids, attention = left_pad(ids, tok.pad_token_id)  # [batch, width] each
+    for prompts in batches(repeats, seed, tok):
+        batch = [p for p in prompts for _ in range(GROUP)]  # drawn as the fair floor draws its prompts
+        input_ids, attention = left_pad(batch, tok.pad_token_id)  # [batch, width] each
         width = input_ids.shape[1]
         model.eval()
         t0 = time.perf_counter()
