@@ -253,35 +253,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _tiny_groups(vocab: int) -> list[list[Any]]:
-    """3 groups of 4 samples with varied prompt/response lengths and rewards (token ids random)."""
-    import torch
-
-    from verst.rollout.sample import Sample, Status
-
-    gen = torch.Generator().manual_seed(3)
-    groups = []
-    for g in range(3):
-        group = []
-        for j in range(4):
-            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 5
-            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g * j) % 3),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    group_index=g,
-                    sample_index=4 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
-
-
 def stage_fsdp(rec: Recorder, work: Path) -> None:
     """FSDP2 on one GPU through verst's TrainSide, launched like `torchrun --nproc_per_node 1`
     (accelerate turns FSDP on only with LOCAL_RANK set): the parameters are FSDP-managed DTensors
@@ -291,6 +262,7 @@ def stage_fsdp(rec: Recorder, work: Path) -> None:
         import torch
         from torch.distributed.tensor import DTensor
 
+        from verst.rollout.toy import toy_groups
         from verst.trainer.algorithms import AlgorithmConfig
         from verst.trainer.config import TrainConfig
         from verst.trainer.train.batch import build_train_batch
@@ -324,7 +296,7 @@ def stage_fsdp(rec: Recorder, work: Path) -> None:
             lambda _m, _i, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype)
         )
         before = {n: p.full_tensor().detach().clone() for n, p in bundle.hf_model.named_parameters()}
-        metrics = side.train_step(build_train_batch(_tiny_groups(bundle.hf_model.config.vocab_size)))
+        metrics = side.train_step(build_train_batch(toy_groups(bundle.hf_model.config.vocab_size, seed=3)))
         hook.remove()
         state_dtypes = {
             v.dtype

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verst.rollout.sample import Sample, Status
+from verst.rollout.toy import toy_groups
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch, micro_batches, split_even
@@ -78,30 +79,6 @@ def test_micro_batches_cover_rows_once_with_equal_counts_per_rank(n, mbs, world)
     assert all(len(mb) <= mbs for m in per_rank for mb in m)
 
 
-def _groups_for_model(vocab: int) -> list[list[Sample]]:
-    gen = torch.Generator().manual_seed(1)
-    groups = []
-    for g in range(3):
-        group = []
-        for j in range(4):
-            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 5
-            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g + j) % 3),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    group_index=g,
-                    sample_index=4 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
-
-
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
 def test_gradient_accumulation_equals_full_batch(tiny_checkpoint, loss_agg):
     torch.set_num_threads(1)
@@ -121,7 +98,9 @@ def test_gradient_accumulation_equals_full_batch(tiny_checkpoint, loss_agg):
             temperature=1.0,
             env={},
         )
-        batch = build_train_batch(_groups_for_model(side.bundle.hf_model.config.vocab_size))
+        batch = build_train_batch(
+            toy_groups(side.bundle.hf_model.config.vocab_size, seed=1, reward=lambda g, j: float((g + j) % 3))
+        )
         metrics = side.train_step(batch)
         weights.append((metrics["train/grad_norm"], side.state_dict_for_sync()))
     (n0, w0) = weights[0]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verst.rollout.engines.sglang.launcher import free_port
-from verst.rollout.sample import Sample, Status
+from verst.rollout.toy import toy_groups
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
@@ -25,30 +25,6 @@ from verst.trainer.train.side import TrainSide
 STEPS = 2
 # eps=1: AdamW's step is ~linear in small gradients, so weights compare the gradients
 ALGO = {"advantage": "gae", "critic": {"lr": 0.05, "eps": 1.0, "head_init_std": 0.02, "value_clip": 0.5}}
-
-
-def _groups(vocab: int) -> list[list[Sample]]:
-    gen = torch.Generator().manual_seed(11)
-    groups = []
-    for g in range(2):
-        group = []
-        for j in range(3):
-            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 4
-            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g + j) % 2),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    group_index=g,
-                    sample_index=3 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
 
 
 def _side(model: str, env: dict[str, str], fsdp: bool) -> TrainSide:
@@ -66,7 +42,16 @@ def _side(model: str, env: dict[str, str], fsdp: bool) -> TrainSide:
 
 
 def _run(side: TrainSide) -> list[dict[str, float]]:
-    batch = build_train_batch(_groups(side.bundle.hf_model.config.vocab_size))
+    batch = build_train_batch(
+        toy_groups(
+            side.bundle.hf_model.config.vocab_size,
+            seed=11,
+            groups=2,
+            size=3,
+            max_response=4,
+            reward=lambda g, j: float((g + j) % 2),
+        )
+    )
     return [side.train_step(batch) for _ in range(STEPS)]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verst.rollout.engines.sglang.launcher import free_port
-from verst.rollout.sample import Sample, Status
+from verst.rollout.toy import toy_groups
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
@@ -25,30 +25,6 @@ from verst.trainer.train.model import build_policy
 from verst.trainer.train.side import TrainSide
 
 STEPS = 2
-
-
-def _groups(vocab: int) -> list[list[Sample]]:
-    gen = torch.Generator().manual_seed(3)
-    groups = []
-    for g in range(3):
-        group = []
-        for j in range(4):
-            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % 5
-            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
-            group.append(
-                Sample(
-                    prompt=str(g),
-                    tokens=tokens,
-                    response_length=r,
-                    reward=float((g * j) % 3),
-                    status=Status.COMPLETED,
-                    rollout_logprobs=[-2.0] * r,
-                    group_index=g,
-                    sample_index=4 * g + j,
-                )
-            )
-        groups.append(group)
-    return groups
 
 
 def _config(model: str, fsdp: bool) -> TrainConfig:
@@ -66,7 +42,7 @@ def _train(model: str, env: dict[str, str], fsdp: bool) -> tuple[TrainSide, list
         temperature=1.0,
         env=env,
     )
-    batch = build_train_batch(_groups(side.bundle.hf_model.config.vocab_size))
+    batch = build_train_batch(toy_groups(side.bundle.hf_model.config.vocab_size, seed=3))
     return side, [side.train_step(batch) for _ in range(STEPS)]
 
 
@@ -117,7 +93,7 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
         temperature=1.0,
         env={},
     )
-    batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
+    batch = build_train_batch(toy_groups(single.bundle.hf_model.config.vocab_size, seed=3))
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
     for p in procs:

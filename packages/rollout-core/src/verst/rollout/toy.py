@@ -99,3 +99,42 @@ def build_tiny_llama(
 def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_kwargs: Any) -> Path:
     """Build the char tokenizer and a tiny Llama and save both to `path` (HF layout)."""
     return save_with_char_tokenizer(path, functools.partial(build_tiny_llama, seed=seed, **model_kwargs))
+
+
+def toy_groups(
+    vocab: int,
+    *,
+    seed: int,
+    groups: int = 3,
+    size: int = 4,
+    max_response: int = 5,
+    reward: Callable[[int, int], float] = lambda g, j: float((g * j) % 3),
+) -> list[list[Any]]:
+    """Scored groups of random token ids for train-step tests and checks: group `g`, sample `j`
+    has a prompt of `2 + (g + j) % 3` and a response of `1 + (3g + j) % max_response` tokens,
+    reward `reward(g, j)`, rollout log-probs -2."""
+    import torch
+
+    from verst.rollout.sample import Sample, Status
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(groups):
+        group = []
+        for j in range(size):
+            p, r = 2 + (g + j) % 3, 1 + (3 * g + j) % max_response
+            tokens = torch.randint(4, vocab, (p + r,), generator=gen).tolist()
+            group.append(
+                Sample(
+                    prompt=str(g),
+                    tokens=tokens,
+                    response_length=r,
+                    reward=reward(g, j),
+                    status=Status.COMPLETED,
+                    rollout_logprobs=[-2.0] * r,
+                    group_index=g,
+                    sample_index=size * g + j,
+                )
+            )
+        out.append(group)
+    return out
