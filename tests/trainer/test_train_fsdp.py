@@ -139,6 +139,7 @@ import os, sys
 import torch
 torch.set_num_threads(1)
 from pathlib import Path
+sys.path.insert(0, {testroot!r})  # run_testlib, which train_testlib imports
 sys.path.insert(0, {testdir!r})
 sys.path.insert(0, {rewarddir!r})
 from train_testlib import run_dict
@@ -172,6 +173,7 @@ def test_torchrun_fsdp_training_run_and_resume(tmp_path, tiny_checkpoint, monkey
     script = tmp_path / "run.py"
     script.write_text(
         TORCHRUN_SCRIPT.format(
+            testroot=str(Path(__file__).parents[1]),
             testdir=str(Path(__file__).parent),
             rewarddir=str(tmp_path),
             model=str(tiny_checkpoint),
