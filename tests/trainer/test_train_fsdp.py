@@ -27,6 +27,12 @@ from verst.trainer.train.side import TrainSide
 STEPS = 2
 
 
+def _groups(vocab: int) -> list:
+    """The FSDP tests' scored groups (test_lora_fsdp, test_train_lr_schedule and test_train_metrics
+    import them too)."""
+    return toy_groups(vocab, seed=3)
+
+
 def _config(model: str, fsdp: bool) -> TrainConfig:
     # eps=1: the AdamW step is ~linear in small gradients, so weights compare the gradients
     return TrainConfig(model_path=model, fsdp=fsdp, micro_batch_size=2, lr=0.5, eps=1.0, num_threads=1)
@@ -42,7 +48,7 @@ def _train(model: str, env: dict[str, str], fsdp: bool) -> tuple[TrainSide, list
         temperature=1.0,
         env=env,
     )
-    batch = build_train_batch(toy_groups(side.bundle.hf_model.config.vocab_size, seed=3))
+    batch = build_train_batch(_groups(side.bundle.hf_model.config.vocab_size))
     return side, [side.train_step(batch) for _ in range(STEPS)]
 
 
@@ -93,7 +99,7 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
         temperature=1.0,
         env={},
     )
-    batch = build_train_batch(toy_groups(single.bundle.hf_model.config.vocab_size, seed=3))
+    batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
     for p in procs:
