@@ -7,7 +7,8 @@ row it is the padding mask itself), the output dataclasses, and per layer the de
 attention module's own call machinery, the attention-interface lookup and the cache's wrapper. On
 a small model that is a large share of the step. `DirectDecode` runs the same modules in the same
 order — `embed_tokens`, `rotary_emb`, per layer the norm, `q/k/v_proj` (and Qwen3's `q_norm` /
-`k_norm`), RoPE, the cache layer's `update`, the model's attention function, `o_proj`, the norm,
+`k_norm`), RoPE, the cache layer's `update`, the attention (SDPA itself when every query head has
+its own KV head, else the model's attention function), `o_proj`, the norm,
 `mlp`; then `norm` and `lm_head` — with the same arithmetic: RMSNorm as `F.rms_norm` on float32
 (the same operations as the modules' `forward`, bit for bit) and RoPE's `rotate_half(x) · sin` as
 `roll(x) · (±sin)` (the same products). The logits equal the full forward's
@@ -117,8 +118,11 @@ class DirectDecode:
         v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        out, _ = attention(attn, q, k, v, attend, dropout=0.0, scaling=attn.scaling)  # [batch, 1, heads, d]
-        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))
+        if q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling).transpose(1, 2)
+        else:
+            out, _ = attention(attn, q, k, v, attend, dropout=0.0, scaling=attn.scaling)
+        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))  # out [batch, 1, heads, d]
         return hidden + layer.mlp(post(hidden))
 
 
