@@ -10,7 +10,9 @@ the engine reports `log_softmax(logits / T)` of each sampled token, so the train
 
 A micro-batch arrives in one of the layouts of `verst.trainer.train.layout` (right-padded rows, one
 packed row, or one row per shared prompt with a 4D mask); all give the same log-probs (tested
-against the right-padded layout).
+against the right-padded layout). A shared-prompt micro-batch also carries its `RowPieces`: on a
+model switched to `verst.trainer.train.pieces.pieces_sdpa` they go to every attention call, which
+then scores only the pairs the rows need instead of the dense mask.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from verst.trainer.train.layout import LAYOUTS, PackedInputs, additive_mask
 from verst.trainer.train.logit_head import LogitHead, logit_head
+from verst.trainer.train.pieces import uses_pieces_attention
 
 __all__ = ["PackedInputs", "PolicyLogprobs", "hidden_logprobs", "pack_sequences", "unflatten"]
 
@@ -158,6 +161,8 @@ class PolicyLogprobs(nn.Module):
             if inputs.vision is None
             else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
         )
+        if inputs.pieces is not None and uses_pieces_attention(self.policy):  # the pieces, not the mask
+            tokens["shared_pieces"] = inputs.pieces.to(device)
         out = decoder(
             **tokens,
             position_ids=inputs.position_ids.to(device),
