@@ -47,8 +47,8 @@ def tiny_llama(attn: str, **overrides) -> LlamaForCausalLM:
 MODELS = {attn: PolicyLogprobs(tiny_llama(attn), backend="torch", chunk_size=7) for attn in ("sdpa", "eager")}
 _on_pieces = tiny_llama("sdpa")
 assert use_pieces_attention(_on_pieces)
-MODELS["pieces"] = PolicyLogprobs(_on_pieces, backend="torch", chunk_size=7)
-"""SDPA switched to the pieces attention: shared-prompt rows skip the dense mask (`train/pieces.py`)."""
+MODELS["pieces"] = PolicyLogprobs(_on_pieces, backend="torch", chunk_size=7, pieces_min_saved=0)
+"""SDPA switched to the pieces attention, used for every shared-prompt row (`train/pieces.py`)."""
 
 
 def run(model: PolicyLogprobs, inputs: PackedInputs, weights: torch.Tensor):

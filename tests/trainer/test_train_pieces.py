@@ -78,20 +78,26 @@ def test_a_switched_model_runs_the_pieces_for_shared_prompts_only(monkeypatch):
     real = pieces_module.pieces_attention
     monkeypatch.setattr(pieces_module, "pieces_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     tokens, resp = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [9, 8, 7]], [2, 1, 1]
-    wrapped = PolicyLogprobs(model, backend="torch")
+    wrapped = PolicyLogprobs(model, backend="torch", pieces_min_saved=0)
     shared = wrapped(LAYOUTS["shared_prompt"].build(tokens, resp))[0]
     assert len(calls) == cfg.num_hidden_layers
     padded = wrapped(LAYOUTS["padded"].build(tokens, resp))[0]
     assert len(calls) == cfg.num_hidden_layers  # padded rows: transformers' SDPA, unchanged
     torch.testing.assert_close(shared, padded, atol=1e-5, rtol=1e-5)
+    PolicyLogprobs(model, backend="torch")(LAYOUTS["shared_prompt"].build(tokens, resp))
+    assert len(calls) == cfg.num_hidden_layers  # rows this small save too little: the dense mask
 
 
-def test_the_cost_counts_the_pieces_pairs():
-    shape = DecoderShape(layer_params=0, attn_width=1)  # attention only
+def test_the_cost_counts_the_pieces_pairs_when_they_save_enough():
+    shape = DecoderShape(layer_params=0, attn_width=256)  # attention only
     tokens, resp = [[1] * 100 + [2] * 50] * 8, [50] * 8
     layout = LAYOUTS["shared_prompt"]
     dense = layout.cost(tokens, resp, shape, "sdpa")
     pieces = layout.cost(tokens, resp, shape, ATTENTION_NAME)
-    assert dense == pytest.approx(2 * 500**2)
-    assert pieces == pytest.approx(2 * (100**2 + 8 * 50 * 150))
-    assert pieces == pytest.approx(2 * layout.build(tokens, resp).pieces.pairs())
+    assert dense == pytest.approx(2 * 256 * 500**2)
+    assert pieces == pytest.approx(2 * 256 * (100**2 + 8 * 50 * 150))
+    built = layout.build(tokens, resp).pieces
+    assert pieces == pytest.approx(2 * 256 * built.pairs()) and built.worth_it(256)
+    small = [[1] * 10 + [2] * 6] * 8, [6] * 8  # saves < MIN_SAVED_MACS: costed (and run) dense
+    assert layout.cost(*small, shape, ATTENTION_NAME) == layout.cost(*small, shape, "sdpa")
+    assert not layout.build(*small).pieces.worth_it(256)

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from verst.trainer.train.pieces import ATTENTION_NAME as PIECES_ATTENTION
-from verst.trainer.train.pieces import RowPieces
+from verst.trainer.train.pieces import RowPieces, pieces_pairs, worth_pieces
 
 LAYOUT_NAMES = ("padded", "packed", "shared_prompt")
 Seqs = Sequence[Sequence[int]]
@@ -326,15 +326,13 @@ class SharedPromptLayout:
         rows = self.rows(tokens, response_lengths, groups)
         widths = self.row_widths(tokens, response_lengths, rows)
         width = max(widths)
-        if attn != PIECES_ATTENTION:  # SDPA/eager over the dense 4D mask
-            return _cost(shape, len(widths) * width, len(widths) * width * width)
-        longest_prompt = max(len(tokens[g[0]]) - response_lengths[g[0]] for g in rows)
-        longest_response = max(response_lengths[i] for g in rows for i in g)
-        per_row = max(map(len, rows))
-        pairs = len(rows) * (
-            longest_prompt**2 + per_row * longest_response * (longest_prompt + longest_response)
-        )
-        return _cost(shape, len(widths) * width, pairs)
+        dense = len(widths) * width * width  # SDPA/eager over the 4D mask
+        if attn == PIECES_ATTENTION:
+            longest_prompt = max(len(tokens[g[0]]) - response_lengths[g[0]] for g in rows)
+            longest_response = max(response_lengths[i] for g in rows for i in g)
+            pairs = pieces_pairs(len(rows), longest_prompt, max(map(len, rows)), longest_response)
+            dense = pairs if worth_pieces(dense, pairs, shape.attn_width) else dense
+        return _cost(shape, len(widths) * width, dense)
 
 
 LAYOUTS: dict[str, Layout] = {c.name: c() for c in (PaddedLayout, PackedLayout, SharedPromptLayout)}

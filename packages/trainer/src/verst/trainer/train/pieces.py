@@ -41,6 +41,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 ATTENTION_NAME = "verst_shared_prompt_sdpa"
 """The name `pieces_sdpa` (and transformers' SDPA mask function) is registered under."""
 
+MIN_SAVED_MACS = 1 << 24
+"""Multiply-adds per layer (scored pairs saved × attention width) the pieces must save over the
+dense mask to be worth their extra operations (gathers, two attention calls, a scatter). Measured
+on the 2-core CPU box: the tiny benchmark's rows (~3.4M saved) train 15% slower on the pieces,
+the 31.5M benchmark's (~415M saved) 10–15% faster."""
+
+
+def pieces_pairs(rows: int, longest_prompt: int, per_row: int, longest_response: int) -> int:
+    """Query-key pairs the pieces score per head for `rows` rows of the grid's sizes."""
+    return rows * (longest_prompt**2 + per_row * longest_response * (longest_prompt + longest_response))
+
+
+def worth_pieces(dense_pairs: int, pairs: int, attn_width: int, min_saved: int = MIN_SAVED_MACS) -> bool:
+    """Whether scoring `pairs` instead of `dense_pairs` saves at least `min_saved` multiply-adds a layer."""
+    return (dense_pairs - pairs) * attn_width >= min_saved
+
 
 @dataclass(frozen=True)
 class RowPieces:
@@ -94,7 +110,11 @@ class RowPieces:
         """Query-key pairs `pieces_sdpa` scores per head (what the layout's cost counts)."""
         rows, big_l = self.prompt_index.shape
         _, big_k, big_r = self.response_index.shape
-        return rows * big_l * big_l + rows * big_k * big_r * (big_l + big_r)
+        return pieces_pairs(rows, big_l, big_k, big_r)
+
+    def worth_it(self, attn_width: int, min_saved: int = MIN_SAVED_MACS) -> bool:
+        """Whether these rows save enough over the dense mask (`worth_pieces`)."""
+        return worth_pieces(self.prompt_index.shape[0] * self.width**2, self.pairs(), attn_width, min_saved)
 
 
 def _folded_sdpa(
