@@ -3,7 +3,8 @@
 `PromptDataSource` is the training `DataSource`: each epoch visits every prompt once in an
 order shuffled with `seed + epoch`, groups handed back with `add_samples` are served first, and
 `state_dict()` (epoch, offset, returned groups) restores it exactly, so a resumed run sees the
-very prompts it would have seen. `load_prompt_samples` / `build_eval_datasets` read eval sets.
+very prompts it would have seen. `load_prompt_samples` reads eval sets
+(`verst.rollout.data_sources.build_eval_sets`).
 
 A row is a JSON object (one per line) or a Parquet record. `input_key` holds the prompt: a
 string, or chat messages (`[{"role": ..., "content": ...}]`); `label_key` the reference answer
@@ -19,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.config import DataConfig, EvalConfig
+from verst.rollout.config import DataConfig
 from verst.rollout.errors import DataError, MissingOptionalDependency
 from verst.rollout.sample import Sample, Status
 
@@ -246,30 +247,6 @@ def load_prompt_samples(
     if config.shuffle:
         random.Random(config.seed).shuffle(samples)
     return samples
-
-
-def build_eval_datasets(
-    eval_config: EvalConfig,
-    *,
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    vision: Any = None,
-) -> dict[str, list[Sample]]:
-    """Named eval sets (one PENDING sample per prompt; the strategy makes the groups).
-
-    An eval file without rows is a `DataError` (it would silently give no eval metrics).
-    """
-    out = {}
-    for name, ds in eval_config.datasets.items():
-        out[name] = load_prompt_samples(
-            ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
-        )
-        if not out[name]:
-            raise DataError(
-                f"{ds.path}: eval dataset {name!r} has no rows; fix: add prompts to it, or remove "
-                f"rollout.eval.datasets.{name}"
-            )
-    return out
 
 
 class PromptDataSource:

@@ -7,6 +7,7 @@ from typing import Any
 
 from verst.rollout.config import DataConfig
 from verst.rollout.data import PromptDataSource
+from verst.rollout.data_sources import GeneratedSource
 from verst.rollout.sample import Sample
 
 
@@ -66,3 +67,22 @@ class ListSource(PromptDataSource):
         if self.config.shuffle:
             random.Random(self.config.seed).shuffle(out)
         return out
+
+
+class LoadedSource(GeneratedSource, ListSource):
+    """A generated source whose rows the adapter reads at once (`_rows()`), then served as a
+    `ListSource`: shuffled each epoch with `options.seed` when `_shuffles()`."""
+
+    def _start(self) -> None:
+        rows = self._rows()
+        ListSource.__init__(
+            self, rows, self.n_samples_per_prompt, shuffle=self._shuffles(), seed=self.options.seed
+        )
+
+    def _rows(self) -> list[Sample]:
+        """Every row of the source as a PENDING sample."""
+        raise NotImplementedError(f"{type(self).__name__}._rows")
+
+    def _shuffles(self) -> bool:
+        """Whether epochs are shuffled (`options.shuffle`)."""
+        return bool(self.options.shuffle)

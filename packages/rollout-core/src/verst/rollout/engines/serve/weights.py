@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from verst.rollout.engine import WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.serve.state import (
     MEMORY_TAGS,
@@ -161,7 +162,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or any(k not in body for k in keys):
         raise InvalidRequest(f"init_weights_update_group takes {{{', '.join(keys)}, 'backend'?}}")
     try:
-        await request.app[REFIT].init_group(
+        group = WeightGroupSpec(
             str(body["master_address"]),
             int(body["master_port"]),
             int(body["rank_offset"]),
@@ -169,6 +170,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
             str(body["group_name"]),
             str(body.get("backend", "nccl")),
         )
+        await request.app[REFIT].init_group(group)
     except InvalidRequest as exc:
         return failure(str(exc))
     except (RuntimeError, TimeoutError, ValueError) as exc:  # rendezvous failed / timed out / name taken
@@ -190,11 +192,10 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     refit = request.app[REFIT]
+    bucket = WeightBucket(body["names"], body["dtypes"], body["shapes"], body["group_name"])
 
     async def update(version: int) -> int:
-        named = await asyncio.to_thread(
-            refit.receive, body["group_name"], body["names"], body["dtypes"], body["shapes"]
-        )
+        named = await asyncio.to_thread(refit.receive, bucket)
         return await state.engine.update_weights_from_tensors(named, version)
 
     return await _apply(state, body, update)

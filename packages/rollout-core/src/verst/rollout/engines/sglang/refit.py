@@ -16,9 +16,10 @@ import asyncio
 import base64
 import pickle
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, replace
 from typing import Any
 
-from verst.rollout.engine import EngineError
+from verst.rollout.engine import EngineError, WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.common.wire import model_info_version
 
@@ -262,36 +263,21 @@ class SGLangWeightsMixin:
         if continue_generation:
             self._held = False
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
-        """Every worker joins the trainer's group: worker i takes ranks from `rank_offset` plus the
-        GPUs of the workers before it (SGLang: server rank = rank_offset + tp_rank)."""
+    async def init_weights_update_group(self, group: WeightGroupSpec) -> None:
+        """Every worker joins the trainer's group: worker i takes ranks from `group.rank_offset` plus
+        the GPUs of the workers before it (SGLang: server rank = rank_offset + tp_rank)."""
         gpus = await self._worker_gpus()
-        offsets, offset = {}, rank_offset
+        offsets, offset = {}, group.rank_offset
         for url, g in gpus.items():
             offsets[url], offset = offset, offset + g
-        if offset > world_size:
+        if offset > group.world_size:
             raise InvalidRequest(
-                f"init_weights_update_group: the workers need ranks {rank_offset}..{offset - 1} "
-                f"but world_size is {world_size}"
+                f"init_weights_update_group: the workers need ranks {group.rank_offset}..{offset - 1} "
+                f"but world_size is {group.world_size}"
             )
 
         def call(url: str) -> Awaitable[Any]:
-            body = {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": offsets[url],
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            }
+            body = asdict(replace(group, rank_offset=offsets[url]))
             return self._checked("init_weights_update_group", url, body)
 
         await self._each_worker("init_weights_update_group", call)
@@ -305,55 +291,37 @@ class SGLangWeightsMixin:
         )
 
     async def update_weights_from_distributed_bucket(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: int | None = None,
-        flush_cache: bool = False,
+        self, bucket: WeightBucket, *, weight_version: int | None = None, flush_cache: bool = False
     ) -> None:
         """One bucket of a distributed refit inside an open session (`begin_weight_update`); the
         trainer broadcasts the bucket's tensors, in order, while this call waits."""
-        body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        version = None if weight_version is None else str(weight_version)
+        body = _distributed_body(bucket, flush_cache, version)
         await self._each_worker(
             "update_weights_from_distributed",
             lambda u: self._checked("update_weights_from_distributed", u, body),
         )
 
     async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: int | None = None,
+        self, bucket: WeightBucket, weight_version: int | None = None
     ) -> int:
         """A whole distributed refit in one bucket (begin → receive → end); the trainer
         broadcasts while this call waits. The trainer's `WeightSync` drives buckets itself."""
 
         async def call(url: str, version: str | None) -> Any:
-            body: dict[str, Any] = {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": group_name,
-                "flush_cache": True,
-            }
-            if version is not None:
-                body["weight_version"] = version
+            body = _distributed_body(bucket, True, version)
             return await self._checked("update_weights_from_distributed", url, body)
 
         return await self._refit_session("update_weights_from_distributed", weight_version, [call])
+
+
+def _distributed_body(bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
+    """SGLang's `/update_weights_from_distributed` body: names, dtypes, shapes, group_name,
+    flush_cache, and weight_version when one is sent."""
+    body: dict[str, Any] = {**asdict(bucket), "flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
 
 
 def serialize_named_tensors(named: dict[str, Any]) -> str:
