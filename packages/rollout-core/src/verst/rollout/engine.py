@@ -334,6 +334,13 @@ class EngineCapabilities:
     routing_replay: bool = False
     """It returns the MoE experts it chose per token (`return_routed_experts`), which
     `train.moe.routing_replay = 'rollout'` needs."""
+    weight_dtype: str | None = None
+    """The dtype it holds its weights in ('float32', 'bfloat16', 'float16'; None = not known
+    here): the trainer casts float32 weights to a narrower one before sending them (the engine
+    would cast them anyway)."""
+    partial_weights: bool = False
+    """A tensor refit may carry only some of its weights (the others stay as they are): the
+    trainer then sends frozen weights once, not every push."""
 
 
 def engine_capabilities(engine: Any) -> EngineCapabilities:
