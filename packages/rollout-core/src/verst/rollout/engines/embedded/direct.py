@@ -36,7 +36,8 @@ layer pre-norm attention (optional q/k norm, standard RoPE) plus a pre-norm MLP,
 _ATTENTION = frozenset({"sdpa", ATTENTION_NAME})
 """Attention implementations whose mask is a boolean `[batch, 1, query, keys]` (True = attend)."""
 
-_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+_LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 
 
 def _rms_norm_fn(norm: Any, fused: bool) -> Any:
@@ -84,8 +85,9 @@ class DirectDecode:
             return None
         for layer in body.layers:
             attn = getattr(layer, "self_attn", None)
-            norms = ("input_layernorm", "post_attention_layernorm", "mlp")
-            if attn is None or not all(hasattr(attn, p) for p in _PARTS) or not all(hasattr(layer, n) for n in norms):
+            if attn is None or not all(hasattr(attn, p) for p in _ATTN_PARTS):
+                return None
+            if not all(hasattr(layer, p) for p in _LAYER_PARTS):
                 return None
         return cls(model)
 
@@ -99,16 +101,15 @@ class DirectDecode:
         cos, sin = self.body.rotary_emb(hidden, position_ids=pos)  # [batch, 1, head_dim] each
         half = cos.shape[-1] // 2
         rope = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]  # [b, 1, 1, d]
-        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        ctx = (rope, attend, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(i, layer, hidden, rope, attend, cache.layers[layer.self_attn.layer_idx], attention)
+            hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
         return self.lm_head(self.final_norm(hidden))[:, -1]
 
-    def _layer(
-        self, i: int, layer: Any, hidden: torch.Tensor, rope: Any, attend: torch.Tensor, kv: Any, attention: Any
-    ) -> torch.Tensor:
-        """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined)."""
-        attn, (pre, post) = layer.self_attn, self.norms[i]
+    def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
+        """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
+        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, attention function)."""
+        (rope, attend, attention), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
         b, d = hidden.shape[0], attn.head_dim
         x = pre(hidden)
         q = attn.q_proj(x).view(b, 1, -1, d)  # [batch, 1, heads, d]
@@ -119,7 +120,8 @@ class DirectDecode:
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
         if q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling)
+            out = out.transpose(1, 2)
         else:
             out, _ = attention(attn, q, k, v, attend, dropout=0.0, scaling=attn.scaling)
         hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))  # out [batch, 1, heads, d]
