@@ -89,11 +89,9 @@ class RowPieces:
         prompt_valid = cols[None, :] < prompt_len  # [rows, L]
         base = (torch.arange(rows) * width)[:, None]  # [rows, 1]
         prompt_index = torch.where(prompt_valid, base + cols[None, :], 0)
-        starts = torch.zeros(rows, big_k, dtype=torch.long)
-        lengths = torch.zeros(rows, big_k, dtype=torch.long)
-        for row, parts in enumerate(responses):
-            for j, (start, n) in enumerate(parts):
-                starts[row, j], lengths[row, j] = start, n
+        fill = [(0, 0)] * big_k
+        grid = torch.tensor([list(parts) + fill[len(parts) :] for parts in responses], dtype=torch.long)
+        starts, lengths = grid[..., 0], grid[..., 1]  # [rows, K] each
         offs = torch.arange(big_r)
         response_valid = offs[None, None, :] < lengths[:, :, None]  # [rows, K, R]
         response_index = torch.where(response_valid, base[:, :, None] + starts[:, :, None] + offs, 0)
