@@ -136,7 +136,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from verst.trainer.train.layout import LayoutChooser
+    from verst.trainer.train.layout_choice import LayoutChooser
 
     model = build_model(args)
     batch = build_batch(args)

@@ -311,7 +311,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="GRPO steps per run (both sides)")
     parser.add_argument("--runs", type=int, default=2, help="runs per side (seeds 0..runs-1)")
     parser.add_argument("--warmup", type=int, default=3, help="steps excluded from the step-time median")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (both sides)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (both sides; 1 is faster for both on 2 cores)"
+    )
     parser.add_argument("--floor-repeats", type=int, default=20)
     args = parser.parse_args()
 

@@ -204,6 +204,7 @@ def child_verst(a: argparse.Namespace) -> dict[str, Any]:
 
     if a.profile:
         import verst.trainer.train.logprobs as logprobs
+        import verst.trainer.train.side as side
         from verst.rollout.engines.embedded.batch import DecodeBatch
         from verst.trainer.train.logprobs import PolicyLogprobs
         from verst.trainer.train.side import TrainSide
@@ -212,7 +213,7 @@ def child_verst(a: argparse.Namespace) -> dict[str, Any]:
         timers.wrap(DecodeBatch, "step", "decode")
         timers.wrap(PolicyLogprobs, "forward", "forward")
         timers.wrap(logprobs, "hidden_logprobs", "logprobs")
-        timers.wrap(TrainSide, "_backward", "backward")
+        timers.wrap(side, "backward", "backward")  # the step's calls of train/optim.backward
         timers.wrap(TrainSide, "_optimizer_step", "optimizer")
 
     config = work / "verst.toml"

@@ -20,7 +20,7 @@ from legacy_testkit import (
 )
 
 from verst.rollout.config import EvalConfig, EvalDatasetConfig, RewardConfig
-from verst.rollout.data import build_eval_datasets
+from verst.rollout.data_sources import build_eval_sets
 from verst.rollout.protocols import RolloutRequest
 from verst.rollout.rewards.registry import build_reward_fns
 from verst.rollout.sample import Status
@@ -43,7 +43,7 @@ async def test_v1_generate_function_runs_on_the_legacy_path_train_and_eval(tmp_p
         generate_function_path="legacy_v1_functions:v1_generate",
         eval=EvalConfig(datasets={"small": EvalDatasetConfig(path=str(eval_file))}, max_response_len=3),
     )
-    ctx.eval_datasets = build_eval_datasets(ctx.config.eval)
+    ctx.eval_datasets = build_eval_sets(ctx.config.eval)
     strategy = LegacyRolloutStrategy(ctx)
     result = await strategy(RolloutRequest(rollout_id=3, weight_version=2))
     samples = [s for g in result.groups for s in g]

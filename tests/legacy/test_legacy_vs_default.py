@@ -15,7 +15,8 @@ import pytest
 from legacy_testkit import assert_complete_streams, write_prompts
 
 from verst.rollout.config import DataConfig, EvalConfig, EvalDatasetConfig, RewardConfig, RolloutConfig
-from verst.rollout.data import PromptDataSource, build_eval_datasets
+from verst.rollout.data import PromptDataSource
+from verst.rollout.data_sources import build_eval_sets
 from verst.rollout.lifecycle import ListSink
 from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResult
 from verst.rollout.rewards.registry import build_reward_fns
@@ -65,7 +66,7 @@ def _context(config: RolloutConfig, engine: Any) -> RolloutContext:
         reward_fn=reward_fn,
         group_reward_fn=group_fn,
         sink=ListSink(),
-        eval_datasets=build_eval_datasets(config.eval, tokenizer=engine.tokenizer),
+        eval_datasets=build_eval_sets(config.eval, tokenizer=engine.tokenizer),
     )
 
 

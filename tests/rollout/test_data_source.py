@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verst.rollout.config import DataConfig, EvalConfig, EvalDatasetConfig
-from verst.rollout.data import PromptDataSource, build_eval_datasets, load_prompt_samples
+from verst.rollout.data import PromptDataSource, load_prompt_samples
+from verst.rollout.data_sources import build_eval_sets
 from verst.rollout.errors import DataError
 from verst.rollout.sample import Sample, Status
 
@@ -200,9 +201,9 @@ def test_buffer_state_round_trips_samples(data_file):
     assert isinstance(other.get_samples(1)[0][0], Sample)
 
 
-def test_build_eval_datasets(tmp_path):
+def test_build_eval_sets_from_files(tmp_path):
     path = _write_jsonl(tmp_path / "e.jsonl", _rows(3))
-    sets = build_eval_datasets(EvalConfig(datasets={"held_out": EvalDatasetConfig(path=path)}))
+    sets = build_eval_sets(EvalConfig(datasets={"held_out": EvalDatasetConfig(path=path)}))
     assert list(sets) == ["held_out"]
     assert [s.prompt for s in sets["held_out"]] == ["p0", "p1", "p2"]
 
@@ -219,7 +220,7 @@ def test_empty_eval_file_is_a_clear_error(tmp_path):
     empty.write_text("\n")
     config = EvalConfig(datasets={"held": EvalDatasetConfig(path=str(empty))})
     with pytest.raises(DataError, match=r"empty\.jsonl: eval dataset 'held' has no rows"):
-        build_eval_datasets(config)
+        build_eval_sets(config)
 
 
 class _CharTokenizer:

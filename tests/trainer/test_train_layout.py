@@ -4,7 +4,8 @@ A real tiny Hugging Face Llama (random weights, built from a config) runs the sa
 the padded, packed and shared-prompt layouts; log-probs, entropy and the gradients of a loss
 over them w.r.t. every parameter must agree within float32 tolerance — for mixed micro-batches
 (groups sharing a prompt, singletons, interleaved order, different prompt and response lengths,
-agentic responses whose tool tokens are loss-masked), SDPA and eager attention.
+agentic responses whose tool tokens are loss-masked), SDPA, eager and the pieces attention
+(`verst.trainer.train.pieces`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from verst.rollout.errors import ConfigError
 from verst.trainer.train.batch import micro_batches
-from verst.trainer.train.layout import (
-    LAYOUTS,
-    DecoderShape,
-    LayoutChooser,
-    PackedInputs,
-    SharedPromptLayout,
-    prompt_groups,
-    shared_prompt_unsupported,
-)
+from verst.trainer.train.layout import LAYOUTS, DecoderShape, PackedInputs, SharedPromptLayout, prompt_groups
+from verst.trainer.train.layout_choice import LayoutChooser, shared_prompt_unsupported
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences
+from verst.trainer.train.pieces import use_pieces_attention
 
 VOCAB = 61
 
@@ -50,6 +45,10 @@ def tiny_llama(attn: str, **overrides) -> LlamaForCausalLM:
 
 
 MODELS = {attn: PolicyLogprobs(tiny_llama(attn), backend="torch", chunk_size=7) for attn in ("sdpa", "eager")}
+_on_pieces = tiny_llama("sdpa")
+assert use_pieces_attention(_on_pieces)
+MODELS["pieces"] = PolicyLogprobs(_on_pieces, backend="torch", chunk_size=7, pieces_min_saved=0)
+"""SDPA switched to the pieces attention, used for every shared-prompt row (`train/pieces.py`)."""
 
 
 def run(model: PolicyLogprobs, inputs: PackedInputs, weights: torch.Tensor):
@@ -79,7 +78,7 @@ def micro_batch(draw):
     return [tokens[i] for i in order], [resp[i] for i in order], [w for i in order for w in weights[i]]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "pieces"])
 @settings(max_examples=15, deadline=None)
 @given(batch=micro_batch())
 def test_shared_prompt_and_packed_equal_padded(attn, batch):

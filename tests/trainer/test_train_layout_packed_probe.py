@@ -18,7 +18,8 @@ from transformers import (
 )
 
 from verst.rollout.errors import ConfigError
-from verst.trainer.train.layout import LAYOUTS, LayoutChooser, packed_unsupported
+from verst.trainer.train.layout import LAYOUTS
+from verst.trainer.train.layout_choice import LayoutChooser, packed_unsupported
 from verst.trainer.train.logprobs import PolicyLogprobs
 
 VOCAB = 61

@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 import verst.trainer.train.layout as layout_module
+import verst.trainer.train.layout_choice as choice_module
 import verst.trainer.train.plan as plan_module
 from verst.trainer.train.batch import TrainBatch, micro_batches, split_even
-from verst.trainer.train.layout import LayoutChooser, prompt_groups, prompt_keys
+from verst.trainer.train.layout import prompt_groups, prompt_keys
+from verst.trainer.train.layout_choice import LayoutChooser
 from verst.trainer.train.plan import StepPlan
 
 CONFIG = LlamaConfig(
@@ -105,6 +107,7 @@ def test_a_step_groups_once_and_picks_each_layout_once(monkeypatch):
 
     monkeypatch.setattr(layout_module, "prompt_groups", counting_groups)
     monkeypatch.setattr(plan_module, "prompt_groups", counting_groups)
+    monkeypatch.setattr(choice_module, "prompt_groups", counting_groups)
     monkeypatch.setattr(LayoutChooser, "pick", counting_pick)
     prompt = list(range(1, 21))
     batch = make_batch([(prompt, [7, 8 + j]) for j in range(4)] + [([5] * 9, [3] * 6) for _ in range(4)])

@@ -3,7 +3,8 @@
 `PromptDataSource` is the training `DataSource`: each epoch visits every prompt once in an
 order shuffled with `seed + epoch`, groups handed back with `add_samples` are served first, and
 `state_dict()` (epoch, offset, returned groups) restores it exactly, so a resumed run sees the
-very prompts it would have seen. `load_prompt_samples` / `build_eval_datasets` read eval sets.
+very prompts it would have seen. `load_prompt_samples` reads eval sets
+(`verst.rollout.data_sources.build_eval_sets`).
 
 A row is a JSON object (one per line) or a Parquet record. `input_key` holds the prompt: a
 string, or chat messages (`[{"role": ..., "content": ...}]`); `label_key` the reference answer
@@ -19,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.config import DataConfig, EvalConfig
+from verst.rollout.config import DataConfig
 from verst.rollout.errors import DataError, MissingOptionalDependency
 from verst.rollout.sample import Sample, Status
 
@@ -248,28 +249,10 @@ def load_prompt_samples(
     return samples
 
 
-def build_eval_datasets(
-    eval_config: EvalConfig,
-    *,
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    vision: Any = None,
-) -> dict[str, list[Sample]]:
-    """Named eval sets (one PENDING sample per prompt; the strategy makes the groups).
-
-    An eval file without rows is a `DataError` (it would silently give no eval metrics).
-    """
-    out = {}
-    for name, ds in eval_config.datasets.items():
-        out[name] = load_prompt_samples(
-            ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
-        )
-        if not out[name]:
-            raise DataError(
-                f"{ds.path}: eval dataset {name!r} has no rows; fix: add prompts to it, or remove "
-                f"rollout.eval.datasets.{name}"
-            )
-    return out
+def check_group_size(n_samples_per_prompt: int) -> None:
+    """A `ValueError` unless a group has at least one sample."""
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
 
 
 class PromptDataSource:
@@ -289,18 +272,23 @@ class PromptDataSource:
         vision: Any = None,
     ) -> None:
         """`vision`: the model's `MultimodalProcessor`, for rows with images (docs/vlm.md)."""
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        self.config = config
-        """The dataset section of the config."""
-        self.n_samples_per_prompt = n_samples_per_prompt
-        """Samples per group."""
+        check_group_size(n_samples_per_prompt)
         file_config = config.model_copy(update={"shuffle": False})
-        self._prompts = load_prompt_samples(
+        prompts = load_prompt_samples(
             file_config, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
         )
-        if not self._prompts:
+        if not prompts:
             raise DataError(f"{config.path}: the dataset has no rows; fix: add prompts to it")
+        self._serve(config, prompts, n_samples_per_prompt)
+
+    def _serve(self, config: DataConfig, prompts: list[Sample], n_samples_per_prompt: int) -> None:
+        """Serve `prompts` in groups of `n_samples_per_prompt`, epochs ordered by `config`'s
+        `shuffle` and `seed`, from the start."""
+        self.config = config
+        """The dataset section of the config (`shuffle`, `seed`)."""
+        self.n_samples_per_prompt = n_samples_per_prompt
+        """Samples per group."""
+        self._prompts = prompts
         self.epoch = 0
         """Current epoch (0-based)."""
         self.offset = 0

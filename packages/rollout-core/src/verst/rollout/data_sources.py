@@ -5,7 +5,8 @@ from `DATA_SOURCES` (one table entry per source), or an import path `pkg.module:
 generated source class takes `(options, n_samples_per_prompt, tokenizer=, apply_chat_template=)`,
 validates `rollout.data.options` with its nested pydantic `Config` (plus an optional static
 `problems(options, key) -> list[Problem]`), and, to serve an eval set, has `samples()` (every
-item of a finite source).
+item of a finite source). `GeneratedSource` is that constructor, written once: subclass it and
+set the source up in `_start()`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from verst.rollout.config import DataConfig, EvalConfig
-from verst.rollout.data import PromptDataSource, build_eval_datasets
-from verst.rollout.errors import ConfigError, MissingOptionalDependency, Problem
+from verst.rollout.data import PromptDataSource, check_group_size, load_prompt_samples
+from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
 from verst.rollout.importing import ImportPathError, import_object
 from verst.rollout.sample import Sample
 
@@ -27,6 +28,34 @@ DATA_SOURCES: dict[str, str] = {
     "nemo_gym": "verst.rollout.integrations.nemo_gym_env:NemoGymSource",
 }
 """Built-in generated data sources: name → import path of the class."""
+
+
+class GeneratedSource:
+    """The constructor a generated source is called with, `(options, n_samples_per_prompt,
+    tokenizer=, apply_chat_template=)`: it keeps them and calls `_start()`, where a subclass sets
+    itself up from `self.options`."""
+
+    def __init__(
+        self,
+        options: Any,
+        n_samples_per_prompt: int,
+        *,
+        tokenizer: Any = None,
+        apply_chat_template: bool = False,
+    ) -> None:
+        check_group_size(n_samples_per_prompt)
+        self.options = options
+        """`rollout.data.options`, validated by the class's nested `Config`."""
+        self.n_samples_per_prompt = n_samples_per_prompt
+        """Samples per group."""
+        self.tokenizer = tokenizer
+        """The policy's tokenizer (None in tests that need none)."""
+        self.apply_chat_template = apply_chat_template
+        """Render prompts with the tokenizer's chat template (`rollout.data.apply_chat_template`)."""
+        self._start()
+
+    def _start(self) -> None:
+        """Set the source up from `self.options` (read its rows, check them, …)."""
 
 
 def _class(source: str, key: str) -> tuple[Any, list[Problem]]:
@@ -140,16 +169,22 @@ def build_eval_sets(
     max_prompt_tokens: int | None = None,
     vision: Any = None,
 ) -> dict[str, list[Sample]]:
-    """Named eval sets (one PENDING sample per prompt), from files or finite generated sources."""
+    """Named eval sets (one PENDING sample per prompt; the strategy makes the groups), from files
+    or finite generated sources.
+
+    An eval file without rows is a `DataError` (it would silently give no eval metrics).
+    """
     out: dict[str, list[Sample]] = {}
     for name, ds in eval_config.datasets.items():
         if ds.source == FILE:
-            one = EvalConfig(datasets={name: ds})
-            out.update(
-                build_eval_datasets(
-                    one, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
-                )
+            out[name] = load_prompt_samples(
+                ds, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
             )
+            if not out[name]:
+                raise DataError(
+                    f"{ds.path}: eval dataset {name!r} has no rows; fix: add prompts to it, or remove "
+                    f"rollout.eval.datasets.{name}"
+                )
             continue
         cls, options = _build(ds, f"rollout.eval.datasets.{name}")
         out[name] = cls(options, 1, tokenizer=tokenizer, apply_chat_template=ds.apply_chat_template).samples()

@@ -58,12 +58,18 @@ class SamplingParams:
             "spaces_between_special_tokens": False,
             "skip_special_tokens": False,
         }
+        return {**out, **self.stops_and_seed("sampling_seed")}
+
+    def stops_and_seed(self, seed_key: str) -> dict[str, Any]:
+        """`stop`, `stop_token_ids` and the seed (as `seed_key`), each only when set: the part of
+        a wire `sampling_params` that SGLang's and vLLM's share."""
+        out: dict[str, Any] = {}
         if self.stop:
             out["stop"] = list(self.stop)
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.sampling_seed is not None:
-            out["sampling_seed"] = self.sampling_seed
+            out[seed_key] = self.sampling_seed
         return out
 
 
@@ -231,12 +237,46 @@ class LoraAdapterServer(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class WeightGroupSpec:
+    """A weight-update group to join, in the fields (and order) of SGLang 0.5.23's
+    `/init_weights_update_group` body (`InitWeightsUpdateGroupReqInput`): `asdict(spec)` is it."""
+
+    master_address: str
+    """Host of the group's store (the trainer, rank 0), as the engines see it."""
+    master_port: int
+    """Port of that store."""
+    rank_offset: int
+    """The first rank this member takes (the trainer: 0; an engine's workers count up from it)."""
+    world_size: int
+    """Members in total: the trainer plus every engine rank."""
+    group_name: str
+    """The group's name (also its store prefix)."""
+    backend: str = "nccl"
+    """`nccl` (GPU) or `gloo` (CPU)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBucket:
+    """The tensors of one `update_weights_from_distributed` call, broadcast from rank 0 in this
+    order (SGLang 0.5.23's `UpdateWeightsFromDistributedReqInput` fields of the same names)."""
+
+    names: list[str]
+    """Parameter names."""
+    dtypes: list[str]
+    """Their dtypes, torch's names without `torch.` (`"bfloat16"`)."""
+    shapes: list[list[int]]
+    """Their shapes."""
+    group_name: str
+    """The weight-update group they come through."""
+
+
 @runtime_checkable
 class DistributedWeightReceiver(Protocol):
     """An engine in another process that receives weights by broadcast over a weight group.
 
     SGLang 0.5.23's shape: the engine's workers take `weight_group_ranks()` ranks from
-    `rank_offset`; a push is one session (`begin_weight_update` … `end_weight_update`) of
+    `group.rank_offset`; a push is one session (`begin_weight_update` … `end_weight_update`) of
     `update_weights_from_distributed_bucket` calls, each received while the trainer broadcasts.
     """
 
@@ -249,14 +289,7 @@ class DistributedWeightReceiver(Protocol):
         ...
 
     async def update_weights_from_distributed_bucket(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: int | None = None,
-        flush_cache: bool = False,
+        self, bucket: WeightBucket, *, weight_version: int | None = None, flush_cache: bool = False
     ) -> None:
         """Receive one bucket (one broadcast per tensor) inside the open session."""
         ...
@@ -265,25 +298,12 @@ class DistributedWeightReceiver(Protocol):
         """Close the session, check the version, continue generation."""
         ...
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: WeightGroupSpec) -> None:
         """Join the trainer's weight-update group (the trainer is rank 0)."""
         ...
 
     async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: int | None = None,
+        self, bucket: WeightBucket, weight_version: int | None = None
     ) -> int:
         """A whole push in one bucket and one session; returns the new weight version."""
         ...
@@ -320,6 +340,13 @@ class EngineCapabilities:
     routing_replay: bool = False
     """It returns the MoE experts it chose per token (`return_routed_experts`), which
     `train.moe.routing_replay = 'rollout'` needs."""
+    weight_dtype: str | None = None
+    """The dtype it holds its weights in ('float32', 'bfloat16', 'float16'; None = not known
+    here): the trainer casts float32 weights to a narrower one before sending them (the engine
+    would cast them anyway)."""
+    partial_weights: bool = False
+    """A tensor refit may carry only some of its weights (the others stay as they are): the
+    trainer then sends frozen weights once, not every push."""
 
 
 def engine_capabilities(engine: Any) -> EngineCapabilities:

@@ -64,17 +64,21 @@ def decoder_fields(
     }
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """`pad_token_id`, `bos_token_id` and `eos_token_id` of `tokenizer` (`decoder_fields`' keywords)."""
+    return {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def save_with_char_tokenizer(path: str | Path, build: Callable[..., Any]) -> Path:
     """`build(vocab_size, pad_token_id=, bos_token_id=, eos_token_id=)` with the char
     tokenizer's ids, then the model and the tokenizer saved to `path` (HF layout)."""
     path = Path(path)
     tokenizer = build_char_tokenizer()
-    model = build(
-        len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    model = build(len(tokenizer), **special_token_ids(tokenizer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

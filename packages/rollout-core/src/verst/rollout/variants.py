@@ -41,6 +41,13 @@ class VariantTable(Generic[C]):
         self.builtins = dict(builtins)
         self.default = default
 
+    @classmethod
+    def of_classes(
+        cls, family: str, base: type[C], classes: Mapping[str, type], *, default: str
+    ) -> VariantTable[C]:
+        """The table of variant classes that each nest their `Config` (name → `classes[name].Config`)."""
+        return cls(family, base, {name: variant.Config for name, variant in classes.items()}, default=default)
+
     def __repr__(self) -> str:
         return f"VariantTable({self.family!r}, {sorted(self.builtins)})"
 

@@ -61,6 +61,8 @@ class EmbeddedEngineConfig(EngineSection):
             engine_count=self.num_engines,
             lora=True,
             routing_replay=True,
+            weight_dtype=None if self.dtype == "auto" else self.dtype,
+            partial_weights=True,
         )
 
     async def build(self, *, max_concurrency: int) -> InferenceEngine:
@@ -132,6 +134,7 @@ class SGLangEngineConfig(HttpEngineConfig):
             engine_count=None if self.router_url else len(self.urls),
             lora=True,  # servers launched with --enable-lora (docs/lora.md)
             routing_replay=self.routed_experts,
+            partial_weights=True,  # SGLang's load_weights / verst serve take any subset
         )
 
     def problems(self, key: str = "engine") -> list[Problem]:
@@ -184,6 +187,7 @@ class SGLangLaunchEngineConfig(HttpEngineConfig):
             launched_gpus=self.num_engines * self.tp_size,
             lora=True,
             routing_replay=self.routed_experts,
+            partial_weights=True,
         )
 
     def with_lora(self, *, max_rank: int, target_modules: list[str], adapters: int) -> EngineSection:

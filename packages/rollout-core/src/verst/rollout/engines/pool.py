@@ -53,6 +53,8 @@ class EnginePool(AdapterLoading):
             release_memory=any(c.release_memory for c in caps),
             engine_count=None if None in counts else sum(counts),  # type: ignore[arg-type]
             lora=all(c.lora for c in caps),
+            weight_dtype=caps[0].weight_dtype if len({c.weight_dtype for c in caps}) == 1 else None,
+            partial_weights=all(c.partial_weights for c in caps),
         )
 
     def _pick(self) -> int:
@@ -116,6 +118,20 @@ class EnginePool(AdapterLoading):
     async def get_weight_version(self) -> int:
         """The highest version any engine reports."""
         return max(await asyncio.gather(*(e.get_weight_version() for e in self.engines)))
+
+    async def reported_weight_dtype(self) -> str | None:
+        """The engines' common weight dtype (None when they differ or one does not say)."""
+        from verst.rollout.engines.common.replicas import reported_weight_dtype
+
+        dtypes = set(await asyncio.gather(*(reported_weight_dtype(e) for e in self.engines)))
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    async def replica_states(self) -> list[tuple[Any, ...]]:
+        """Every engine's replicas, each under its engine's index (`common.replicas`)."""
+        from verst.rollout.engines.common.replicas import replica_states
+
+        states = await asyncio.gather(*(replica_states(e) for e in self.engines))
+        return [(i, *r) for i, rs in enumerate(states) for r in rs]
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Every engine that can frees its device memory (`tags`: SGLang's; None = all); others

@@ -6,7 +6,8 @@ import random
 from typing import Any
 
 from verst.rollout.config import DataConfig
-from verst.rollout.data import PromptDataSource
+from verst.rollout.data import PromptDataSource, check_group_size
+from verst.rollout.data_sources import GeneratedSource
 from verst.rollout.sample import Sample
 
 
@@ -45,20 +46,10 @@ class ListSource(PromptDataSource):
     shuffling, hand-back buffer and exact resume."""
 
     def __init__(self, samples: list[Sample], n_samples_per_prompt: int, *, shuffle: bool, seed: int) -> None:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_group_size(n_samples_per_prompt)
         if not samples:
             raise ValueError("the environment's dataset has no rows")
-        from collections import deque
-
-        self.config = DataConfig(shuffle=shuffle, seed=seed)
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self._prompts = samples
-        self.epoch = 0
-        self.offset = 0
-        self._buffer = deque()
-        self._order_epoch = -1
-        self._order = []
+        self._serve(DataConfig(shuffle=shuffle, seed=seed), samples, n_samples_per_prompt)
 
     def samples(self) -> list[Sample]:
         """Every sample (an eval set), shuffled with the seed when `shuffle`."""
@@ -66,3 +57,22 @@ class ListSource(PromptDataSource):
         if self.config.shuffle:
             random.Random(self.config.seed).shuffle(out)
         return out
+
+
+class LoadedSource(GeneratedSource, ListSource):
+    """A generated source whose rows the adapter reads at once (`_rows()`), then served as a
+    `ListSource`: shuffled each epoch with `options.seed` when `_shuffles()`."""
+
+    def _start(self) -> None:
+        rows = self._rows()
+        ListSource.__init__(
+            self, rows, self.n_samples_per_prompt, shuffle=self._shuffles(), seed=self.options.seed
+        )
+
+    def _rows(self) -> list[Sample]:
+        """Every row of the source as a PENDING sample."""
+        raise NotImplementedError(f"{type(self).__name__}._rows")
+
+    def _shuffles(self) -> bool:
+        """Whether epochs are shuffled (`options.shuffle`)."""
+        return bool(self.options.shuffle)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
 from verst.rollout.errors import DataError
-from verst.rollout.integrations._common import EnvFailure, ListSource, assistant_message
+from verst.rollout.integrations._common import EnvFailure, LoadedSource, assistant_message
 from verst.rollout.sample import Sample, Status
 
 
@@ -77,7 +77,7 @@ def chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-class NemoGymSource(ListSource):
+class NemoGymSource(LoadedSource):
     """NeMo Gym task rows (JSONL) as verst prompts; each sample's `label` is its row."""
 
     class Config(BaseModel):
@@ -91,15 +91,10 @@ class NemoGymSource(ListSource):
         shuffle: bool = Field(True, description="Shuffle every epoch.")
         seed: int = Field(0, description="Seed of the shuffle.")
 
-    def __init__(
-        self,
-        options: Config,
-        n_samples_per_prompt: int,
-        *,
-        tokenizer: Any = None,
-        apply_chat_template: bool = False,
-    ) -> None:
-        path = Path(options.path)
+    options: Config
+
+    def _rows(self) -> list[Sample]:
+        path = Path(self.options.path)
         if not path.is_file():
             raise DataError(f"{path}: no such file; fix: check rollout.data.options.path")
         samples = []
@@ -116,7 +111,7 @@ class NemoGymSource(ListSource):
                     '{"responses_create_params": {"input": [{"role": ..., "content": ...}]}, ...}'
                 ) from None
             samples.append(Sample(prompt=prompt, label=row, metadata={}, status=Status.PENDING))
-        super().__init__(samples, n_samples_per_prompt, shuffle=options.shuffle, seed=options.seed)
+        return samples
 
 
 class NemoGymOptions(BaseModel):

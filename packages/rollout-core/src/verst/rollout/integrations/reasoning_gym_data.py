@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from verst.rollout.data_sources import GeneratedSource
 from verst.rollout.engines.common.errors import require
 from verst.rollout.errors import DataError, Problem
 from verst.rollout.sample import Sample, Status
@@ -40,7 +41,7 @@ def _rg() -> Any:
     return require("reasoning_gym", extra=EXTRA, feature=FEATURE)
 
 
-class ReasoningGymSource:
+class ReasoningGymSource(GeneratedSource):
     """A seeded, resumable (and, without `size`, infinite) stream of reasoning-gym tasks."""
 
     class Config(BaseModel):
@@ -67,25 +68,14 @@ class ReasoningGymSource:
         """Deeper checks than the schema: the dataset exists and accepts `config`."""
         return options_problems(options, key)
 
-    def __init__(
-        self,
-        options: Config,
-        n_samples_per_prompt: int,
-        *,
-        tokenizer: Any = None,
-        apply_chat_template: bool = False,
-    ) -> None:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        self.options = options
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.tokenizer = tokenizer
-        self.apply_chat_template = apply_chat_template
+    options: Config
+
+    def _start(self) -> None:
         self.index = 0
         """Items handed out so far (the next item's index)."""
         self._buffer: deque[list[Sample]] = deque()
         self._chunk: tuple[int, Any] | None = None
-        problems = options_problems(options, "rollout.data.options")
+        problems = options_problems(self.options, "rollout.data.options")
         if problems:
             raise DataError("; ".join(f"{p.key}: {p.why} (fix: {p.fix})" for p in problems))
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
 from verst.rollout.engines.common.errors import require
 from verst.rollout.errors import ConfigError, MissingOptionalDependency, Problem
-from verst.rollout.integrations._common import EnvFailure, ListSource, assistant_message
+from verst.rollout.integrations._common import EnvFailure, LoadedSource, assistant_message
 from verst.rollout.sample import Sample, Status
 
 EXTRA = "verifiers"
@@ -232,7 +232,7 @@ class VerifiersEnvironment:
             self.state = None
 
 
-class VerifiersSource(ListSource):
+class VerifiersSource(LoadedSource):
     """The environment's dataset (`get_dataset` / `get_eval_dataset`) as verst prompts."""
 
     class Config(BaseModel):
@@ -251,14 +251,10 @@ class VerifiersSource(ListSource):
         shuffle: bool = Field(True, description="Shuffle every epoch (train).")
         seed: int = Field(0, description="Seed of the shuffle.")
 
-    def __init__(
-        self,
-        options: Config,
-        n_samples_per_prompt: int,
-        *,
-        tokenizer: Any = None,
-        apply_chat_template: bool = False,
-    ) -> None:
+    options: Config
+
+    def _rows(self) -> list[Sample]:
+        options = self.options
         env = load_vf_env(options.env_id, options.env_args)
         ds = (
             env.get_dataset(options.num_examples)
@@ -278,9 +274,8 @@ class VerifiersSource(ListSource):
                     status=Status.PENDING,
                 )
             )
-        super().__init__(
-            samples,
-            n_samples_per_prompt,
-            shuffle=options.shuffle and options.split == "train",
-            seed=options.seed,
-        )
+        return samples
+
+    def _shuffles(self) -> bool:
+        """Only the train split is shuffled."""
+        return self.options.shuffle and self.options.split == "train"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from verst.rollout.toy import build_char_tokenizer
+from verst.rollout.toy import build_char_tokenizer, decoder_fields, special_token_ids
 
 IMAGE_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>")
 """Tokens the tiny VLM tokenizers add (the first is the placeholder and the image token)."""
@@ -28,19 +28,15 @@ def build_vlm_tokenizer() -> Any:
 def _text_config(tokenizer: Any, hidden: int, layers: int, heads: int, max_positions: int) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
+    fields = decoder_fields(
+        len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_layers=layers,
+        num_heads=heads,
         max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        **special_token_ids(tokenizer),
     )
+    return LlamaConfig(**fields, intermediate_size=2 * hidden)
 
 
 def _vision(hidden: int, image_size: int, patch_size: int) -> dict[str, Any]:

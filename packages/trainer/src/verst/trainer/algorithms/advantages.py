@@ -342,10 +342,7 @@ ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
 }
 """Advantage estimators by config name (`[algorithm.advantage] type`)."""
 
-ADVANTAGES: VariantTable[AdvantageConfig] = VariantTable(
-    "advantage estimator",
-    AdvantageConfig,
-    {name: cls.Config for name, cls in ADVANTAGE_ESTIMATORS.items()},  # type: ignore[attr-defined]
-    default="grpo",
+ADVANTAGES: VariantTable[AdvantageConfig] = VariantTable.of_classes(
+    "advantage estimator", AdvantageConfig, ADVANTAGE_ESTIMATORS, default="grpo"
 )
 """The config table of `[algorithm.advantage]` (built-in names, or import paths)."""

@@ -222,11 +222,8 @@ class Cispo:
 POLICY_LOSSES: dict[str, type[PolicyLoss]] = {"ppo": PpoClip, "gspo": Gspo, "cispo": Cispo}
 """Policy losses by config name (`[algorithm.policy_loss] type`)."""
 
-POLICY_LOSS_CONFIGS: VariantTable[PolicyLossConfig] = VariantTable(
-    "policy loss",
-    PolicyLossConfig,
-    {name: cls.Config for name, cls in POLICY_LOSSES.items()},  # type: ignore[attr-defined]
-    default="ppo",
+POLICY_LOSS_CONFIGS: VariantTable[PolicyLossConfig] = VariantTable.of_classes(
+    "policy loss", PolicyLossConfig, POLICY_LOSSES, default="ppo"
 )
 """The config table of `[algorithm.policy_loss]` (built-in names, or import paths)."""
 

@@ -294,11 +294,8 @@ ROLLOUT_CORRECTIONS: dict[str, type[RolloutCorrection]] = {
 }
 """Rollout corrections by config name (`[algorithm.rollout_correction] type`)."""
 
-ROLLOUT_CORRECTION_CONFIGS: VariantTable[RolloutCorrectionConfig] = VariantTable(
-    "rollout correction",
-    RolloutCorrectionConfig,
-    {name: cls.Config for name, cls in ROLLOUT_CORRECTIONS.items()},  # type: ignore[attr-defined]
-    default="none",
+ROLLOUT_CORRECTION_CONFIGS: VariantTable[RolloutCorrectionConfig] = VariantTable.of_classes(
+    "rollout correction", RolloutCorrectionConfig, ROLLOUT_CORRECTIONS, default="none"
 )
 """The config table of `[algorithm.rollout_correction]`."""
 

@@ -211,11 +211,14 @@ class TrainActor(ActorBase):
     def step_detail(self) -> Any:
         return self.side.step_detail()
 
-    def state_dict_for_sync(self) -> dict:
-        return self.side.state_dict_for_sync()
+    def state_dict_for_sync(self, plan: Any = None) -> dict:
+        return self.side.state_dict_for_sync(plan)
 
-    def state_nbytes(self) -> int:
-        return self.side.state_nbytes()
+    def state_nbytes(self, plan: Any = None) -> int:
+        return self.side.state_nbytes(plan)
+
+    def static_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        return self.side.static_names()
 
     def save_hf(self, path: str, state_dict: dict | None) -> None:
         self.side.save_hf(path, state_dict)
@@ -326,6 +329,13 @@ class RolloutManagerActor(ActorBase):
 
     def weight_version(self) -> int:
         return self.side.weight_version()
+
+    def replica_states(self) -> list | None:
+        """The engines' replicas (`RolloutSide.replica_states`); None while released weights
+        wait for a refit (a refit then sends every tensor)."""
+        if self.memory.weights_pending:
+            return None
+        return self.side.replica_states()
 
     def state_dict(self) -> dict:
         return self.side.state_dict()

@@ -49,11 +49,19 @@ class TrainProxy:
         """Rank 0's per-sample values of the last step (`TrainSide.step_detail`)."""
         return self._p.call(self._p.train_actors[:1], "step_detail")[0]
 
-    def state_dict_for_sync(self) -> RemoteStateDict:
-        """Gather the full weights (a collective over the ranks); they stay in the object store."""
-        refs = self._p.call(self._p.train_actors, "state_dict_for_sync", fetch=False)
-        nbytes = self._p.call(self._p.train_actors[:1], "state_nbytes")[0]
+    remote = True
+    """The weights leave this process on their way to the engine (`WeightSync` casts for it)."""
+
+    def state_dict_for_sync(self, plan: Any = None) -> RemoteStateDict:
+        """Gather the full weights (a collective over the ranks; with a refit's `plan`, as it
+        says); they stay in the object store."""
+        refs = self._p.call(self._p.train_actors, "state_dict_for_sync", plan, fetch=False)
+        nbytes = self._p.call(self._p.train_actors[:1], "state_nbytes", plan)[0]
         return RemoteStateDict(refs[0], nbytes)
+
+    def static_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        """Train rank 0's (frozen, tied aliases) names (`verst.trainer.sync.plan`)."""
+        return self._p.call(self._p.train_actors[:1], "static_names")[0]
 
     def save_hf(self, path: str | Path, state_dict: Any = None) -> None:
         """Rank 0 writes a Hugging Face checkpoint of these weights (gathered now if not given)."""
@@ -145,6 +153,9 @@ class RolloutProxy:
 
     def weight_version(self) -> int:
         return self._call("weight_version")
+
+    def replica_states(self) -> list | None:
+        return self._call("replica_states")
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")

@@ -255,6 +255,7 @@ class Trainer:
         )
         if self.sync.last_bytes is not None:
             metrics["sync/bytes"] = float(self.sync.last_bytes)
+        metrics["sync/full"] = float(self.sync.last_full)
         interval = cfg.rollout.eval.interval
         if interval and done % interval == 0:
             metrics.update(self._evaluate(done, summary, log=False))

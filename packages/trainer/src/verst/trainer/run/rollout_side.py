@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 from verst.rollout.data_sources import build_data_source, build_eval_sets
 from verst.rollout.engine import EngineCapabilities, EngineError, InferenceEngine, engine_capabilities
+from verst.rollout.engines.common.replicas import reported_weight_dtype
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
@@ -134,8 +136,12 @@ class RolloutSide:
         self.engine_capabilities: EngineCapabilities = (
             engine_capabilities(engine) if engine is not None else config.engine.capabilities()
         )
-        """What the engine can do: the config's declaration, or a given engine's own."""
+        """What the engine can do: the config's declaration, or a given engine's own; the weight
+        dtype as the engine reports it when it does (`common.replicas.reported_weight_dtype`)."""
         self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
+        reported = self._run(reported_weight_dtype(self.engine))
+        if reported is not None:
+            self.engine_capabilities = dataclasses.replace(self.engine_capabilities, weight_dtype=reported)
         rc = config.rollout
         strategy_engine: InferenceEngine = self.engine
         if config.train.lora is not None:  # requests use the trained adapter unless a sample names one
@@ -267,6 +273,12 @@ class RolloutSide:
     def weight_version(self) -> int:
         """The engine's current weight version."""
         return self._run(self.engine.get_weight_version())
+
+    def replica_states(self) -> list[tuple[Any, ...]]:
+        """Who each engine replica is and the version it holds (`common.replicas`)."""
+        from verst.rollout.engines.common.replicas import replica_states
+
+        return list(self._run(replica_states(self.engine)))
 
     def state_dict(self) -> dict[str, Any]:
         """Data source and strategy state (buffered samples included).

@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from verst.rollout.engine import DistributedWeightReceiver
+from verst.rollout.engine import DistributedWeightReceiver, WeightGroupSpec
 from verst.trainer.sync.protocols import RolloutSurface, WeightSyncError
 
 if TYPE_CHECKING:
@@ -74,18 +75,14 @@ class DistributedTransport:
                 rollout, engines, offsets, world_size, backend, c.group_timeout_s
             )
             return self.group
-        port = _free_port(c.master_address)
         name = f"verst-refit-{uuid.uuid4().hex[:8]}"
+        spec = WeightGroupSpec(c.master_address, _free_port(c.master_address), 0, world_size, name, backend)
         calls = [
-            rollout.submit(
-                e.init_weights_update_group(c.master_address, port, off, world_size, name, backend=backend)
-            )
+            rollout.submit(e.init_weights_update_group(replace(spec, rank_offset=off)))
             for e, off in zip(engines, offsets, strict=True)
         ]
         try:
-            group = join_weight_group(
-                c.master_address, port, 0, world_size, name, backend, timeout_s=c.group_timeout_s
-            )
+            group = join_weight_group(spec, timeout_s=c.group_timeout_s)
             for call in calls:
                 call.result(timeout=c.group_timeout_s)  # each engine's answer (raises its error)
         except BaseException:
@@ -96,7 +93,7 @@ class DistributedTransport:
         return group
 
     def push(self, rollout: RolloutSurface, state: dict, version: int) -> int:
-        from verst.rollout.engines.common.weight_group import buckets, dtype_name
+        from verst.rollout.engines.common.weight_group import bucket_of, buckets
 
         group = self.ensure_group(rollout)
         engines = self._engines(rollout)
@@ -112,15 +109,11 @@ class DistributedTransport:
             )
             for i, names in enumerate(parts):
                 last = i == len(parts) - 1
+                bucket = bucket_of(state, names, group.name)
                 calls = [
                     submit(
                         e.update_weights_from_distributed_bucket(
-                            names,
-                            [dtype_name(state[n].dtype) for n in names],
-                            [list(state[n].shape) for n in names],
-                            group.name,
-                            weight_version=version if last else None,
-                            flush_cache=last,
+                            bucket, weight_version=version if last else None, flush_cache=last
                         )
                     )
                     for e in engines

@@ -43,6 +43,7 @@ __all__ = [
     "DiskSyncConfig",
     "DistributedSyncConfig",
     "RolloutSurface",
+    "ShippedModeConfig",
     "SyncContext",
     "TensorsSyncConfig",
     "TrainSurface",
@@ -55,6 +56,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from verst.trainer.sync.distributed import DistributedTransport
+    from verst.trainer.sync.plan import Planner
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """distributed: tensor bytes per update call (SGLang's own refit bucket size)."""
@@ -120,23 +122,61 @@ class AutoSyncConfig(WeightSyncSection):
         return WEIGHT_SYNCS.parse(caps.weight_sync[0])
 
 
-class TensorsSyncConfig(EngineModeConfig):
-    """In process, no disk: the engine copies the full state dict (`update_weights_from_tensors`)."""
+class ShippedModeConfig(EngineModeConfig):
+    """A mode that ships the state dict itself (tensors, disk): what it may leave out or cast
+    (`verst.trainer.sync.plan`)."""
+
+    wire_dtype: Literal["engine", "trained"] = Field(
+        "engine",
+        description=(
+            "engine: float32 weights go in the engine's 16-bit dtype when it reports one "
+            "(it would cast them anyway; half the bytes); trained: as trained."
+        ),
+    )
+    every_tensor: bool = Field(
+        False,
+        description=(
+            "Send every state-dict tensor each push, tied aliases and frozen weights too "
+            "(false: each tensor once, frozen ones only when the engine may have lost them)."
+        ),
+    )
+    partial: ClassVar[bool] = False
+    """The transport can hand the engine a subset of its weights (frozen ones stay home)."""
+    written: ClassVar[bool] = False
+    """The weights are written out even for an engine in this process (a cast saves bytes)."""
+
+    def planner(self, caps: EngineCapabilities, *, crosses_process: bool) -> Planner:
+        """The push planner for an engine of these capabilities (`crosses_process`: the weights
+        leave this process, so a cast saves bytes)."""
+        from verst.trainer.sync.plan import Planner
+
+        cast = self.wire_dtype == "engine" and (crosses_process or self.written)
+        return Planner(
+            wire_dtype=caps.weight_dtype if cast else None,
+            partial=self.partial and caps.partial_weights and not self.every_tensor,
+            aliases=not self.every_tensor,
+        )
+
+
+class TensorsSyncConfig(ShippedModeConfig):
+    """In process, no disk: the engine copies the state dict (`update_weights_from_tensors`)."""
 
     type: Literal["tensors"] = Field("tensors", description="The state dict in memory.")
     needs: ClassVar[str] = "'tensors' hands the engine in-memory weights"
     adapters: ClassVar[bool] = True
+    partial: ClassVar[bool] = True
 
     def build(self, context: SyncContext) -> WeightTransport:
         return TensorsTransport()
 
 
-class DiskSyncConfig(EngineModeConfig):
+class DiskSyncConfig(ShippedModeConfig):
     """A Hugging Face checkpoint under `<run>/weights/v<N>/` that the engine loads (`update_weights_from_disk`)."""
 
     type: Literal["disk"] = Field("disk", description="A checkpoint directory per version.")
     needs: ClassVar[str] = "'disk' makes the engine load a checkpoint directory"
     adapters: ClassVar[bool] = True
+    written: ClassVar[bool] = True
 
     def build(self, context: SyncContext) -> WeightTransport:
         return DiskTransport(context.train, context.staging_dir)

@@ -19,7 +19,12 @@ class WeightSyncError(RuntimeError):
 class TrainSurface(Protocol):
     """What a transport needs of the train side."""
 
-    def state_dict_for_sync(self) -> dict: ...
+    def state_dict_for_sync(self, plan: Any = None) -> dict:
+        """The full weights; with a `verst.trainer.sync.plan.ShipPlan`, as it says (names left
+        out, float32 cast). A train side may also offer `static_names() -> (frozen, aliases)`
+        (`plan.static_names`); without it nothing is left out but the cast."""
+        ...
+
     def save_hf(self, path: str | Path, state_dict: dict | None = None) -> None: ...
 
 
@@ -33,6 +38,9 @@ class RolloutSurface(Protocol):
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int: ...
     def update_weights_from_disk(self, path: str, weight_version: int) -> int: ...
+
+    # optional: `replica_states() -> list[tuple] | None` (`verst.rollout.engines.common.replicas`;
+    # None = not known, e.g. released weights): without it every push sends frozen weights too.
 
 
 @dataclass(frozen=True)

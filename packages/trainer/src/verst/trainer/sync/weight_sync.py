@@ -31,6 +31,7 @@ from typing import Any
 
 from verst.trainer.sync.modes import (
     RolloutSurface,
+    ShippedModeConfig,
     SyncContext,
     TrainSurface,
     WeightSyncError,
@@ -38,6 +39,7 @@ from verst.trainer.sync.modes import (
     WeightTransport,
     parse_weight_sync,
 )
+from verst.trainer.sync.plan import Planner
 from verst.trainer.train.fsdp import DistInfo, broadcast_object
 
 __all__ = ["WeightSync", "WeightSyncError"]
@@ -85,11 +87,18 @@ class WeightSync:
         self.last_bytes: int | None = 0
         """Bytes of the tensors the last push moved (the adapter's only with LoRA; rank 0's count;
         None when not known here)."""
+        self.last_full = True
+        """The last push sent every tensor (False: frozen weights the engines hold stayed home)."""
         self.transport: WeightTransport | None = None
         """The mode's transport, on the rank that talks to the engine (None elsewhere)."""
+        self.planner: Planner | None = None
+        """What each push leaves out or casts (`verst.trainer.sync.plan`; tensors and disk modes)."""
         if rollout is not None:
             context = SyncContext(train, self.staging_dir, shares_gpu_with_engine=shares_gpu_with_engine)
             self.transport = self.config.build(context)
+            if isinstance(self.config, ShippedModeConfig) and caps is not None:
+                crosses = not caps.in_process or bool(getattr(train, "remote", False))
+                self.planner = self.config.planner(caps, crosses_process=crosses)
 
     @property
     def mode(self) -> str:
@@ -111,16 +120,21 @@ class WeightSync:
 
             got = push_adapter(self, target)
             return self._settle(got, target)
-        state = self.train.state_dict_for_sync()  # collective under FSDP
+        plan = self.planner.plan(self.train, self.rollout) if self.planner is not None else None
+        state = self.train.state_dict_for_sync(plan) if plan is not None else self.train.state_dict_for_sync()
         self.last_bytes = (
             sum(t.numel() * t.element_size() for t in state.values())
             if isinstance(state, Mapping)
             else getattr(state, "nbytes", None)  # Ray: the weights stay in the object store
         )
+        self.last_full = plan is None or plan.full
         got = None
         if self.dist.is_main and self.rollout is not None and self.transport is not None:
             got = self.transport.push(self.rollout, state, target)
-        return self._settle(got, target)
+        version = self._settle(got, target)
+        if self.planner is not None:
+            self.planner.done(self.rollout)
+        return version
 
     def _settle(self, got: int | None, target: int) -> int:
         """Check the engine's reported version (rank 0) and share it with every rank."""

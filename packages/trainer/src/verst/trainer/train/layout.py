@@ -20,23 +20,26 @@ the decoder's work from the shapes alone), in one table, `LAYOUTS`:
   Not for flash-attention 2 (no custom masks), nor for models whose attention is not plain
   full causal attention (sliding windows, recurrent/SSM layers): `shared_prompt_unsupported`.
 
-`LayoutChooser` picks one layout per micro-batch: a fixed one, or with `auto` the cheapest by
-`cost`. The estimate is per decoder layer (every layer is alike): linear work ∝ tokens processed
+`LayoutChooser` (`verst.trainer.train.layout_choice`) picks one layout per micro-batch: a fixed
+one, or with `auto` the cheapest by `cost`. The estimate is per decoder layer (every layer is alike): linear work ∝ tokens processed
 (padding included) × the layer's weights, attention ∝ Σ over rows of the pairs of positions it
 scores × the attention width — dense `width²` for SDPA/eager with a mask, half that when
 transformers can drop the mask (padded rows of equal length: causal kernel), `Σ len²/2` for
-flash-attention's varlen kernels. The LM head and loss are the same for every layout
+flash-attention's varlen kernels, and for `shared_prompt` on the pieces attention
+(`verst.trainer.train.pieces`) the pairs of its pieces. The LM head and loss are the same for every layout
 (only response positions reach them) and are left out.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+
+from verst.trainer.train.pieces import ATTENTION_NAME as PIECES_ATTENTION
+from verst.trainer.train.pieces import RowPieces, pieces_pairs, worth_pieces
 
 LAYOUT_NAMES = ("padded", "packed", "shared_prompt")
 Seqs = Sequence[Sequence[int]]
@@ -67,6 +70,8 @@ class PackedInputs:
     """The layout's name (one of `LAYOUT_NAMES`)."""
     vision: Any = None
     """`verst.trainer.train.vision.VisionBatch` when the sequences hold images (None: text only)."""
+    pieces: RowPieces | None = None
+    """Shared prompt: where each row's prompt and responses sit, for `pieces_sdpa` (None otherwise)."""
 
 
 # ---------------------------------------------------------------- shapes and cost
@@ -267,25 +272,29 @@ class SharedPromptLayout:
         _check(tokens, response_lengths)
         groups = self.rows(tokens, response_lengths, groups)
         width = max(self.row_widths(tokens, response_lengths, groups))
-        ids = torch.full((len(groups), width), pad_id, dtype=torch.long)  # [rows, width]
-        pos = torch.zeros((len(groups), width), dtype=torch.long)  # [rows, width]
-        # segment of each position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
-        seg = -(torch.arange(width, dtype=torch.long) + 1).repeat(len(groups), 1)  # [rows, width]
+        # per row, as lists (one tensor each at the end): ids, positions, and the segment of each
+        # position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
+        ids, pos, seg = [], [], []
         first: dict[int, int] = {}  # sequence -> flat index predicting its first response token
         starts: dict[int, int] = {}  # sequence -> flat index of its first response token
+        prompts, parts = [], []  # per row: prompt length; (start column, length) of each response
         for row, g in enumerate(groups):
             p = len(tokens[g[0]]) - response_lengths[g[0]]
-            ids[row, :p] = torch.tensor(list(tokens[g[0]][:p]), dtype=torch.long)
-            pos[row, :p] = torch.arange(p)
-            seg[row, :p] = 0
-            col = p
+            row_ids, row_pos, row_seg = list(tokens[g[0]][:p]), list(range(p)), [0] * p
+            prompts.append(p)
+            parts.append([])
             for k, i in enumerate(g, start=1):
-                r = response_lengths[i]
-                ids[row, col : col + r] = torch.tensor(list(tokens[i][p:]), dtype=torch.long)
-                pos[row, col : col + r] = torch.arange(p, p + r)
-                seg[row, col : col + r] = k
+                r, col = response_lengths[i], len(row_ids)
+                row_ids.extend(tokens[i][p:])
+                row_pos.extend(range(p, p + r))
+                row_seg.extend([k] * r)
                 first[i], starts[i] = row * width + p - 1, row * width + col
-                col += r
+                parts[-1].append((col, r))
+            used = len(row_ids)
+            ids.append(row_ids + [pad_id] * (width - used))
+            pos.append(row_pos + [0] * (width - used))
+            seg.append(row_seg + list(range(-used - 1, -width - 1, -1)))
+        ids, pos, seg = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, seg))  # [rows, width] each
         gather, targets = [], []
         for i, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
             if r:
@@ -303,6 +312,7 @@ class SharedPromptLayout:
             target_ids=torch.tensor(targets, dtype=torch.long),
             response_lengths=list(response_lengths),
             layout=self.name,
+            pieces=RowPieces.build(prompts, parts, width),
         )
 
     def cost(
@@ -313,9 +323,16 @@ class SharedPromptLayout:
         attn: str,
         groups: Groups = None,
     ) -> float:
-        widths = self.row_widths(tokens, response_lengths, self.rows(tokens, response_lengths, groups))
+        rows = self.rows(tokens, response_lengths, groups)
+        widths = self.row_widths(tokens, response_lengths, rows)
         width = max(widths)
-        return _cost(shape, len(widths) * width, len(widths) * width * width)
+        dense = len(widths) * width * width  # SDPA/eager over the 4D mask
+        if attn == PIECES_ATTENTION:
+            longest_prompt = max(len(tokens[g[0]]) - response_lengths[g[0]] for g in rows)
+            longest_response = max(response_lengths[i] for g in rows for i in g)
+            pairs = pieces_pairs(len(rows), longest_prompt, max(map(len, rows)), longest_response)
+            dense = pairs if worth_pieces(dense, pairs, shape.attn_width) else dense
+        return _cost(shape, len(widths) * width, dense)
 
 
 LAYOUTS: dict[str, Layout] = {c.name: c() for c in (PaddedLayout, PackedLayout, SharedPromptLayout)}
@@ -327,172 +344,3 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, torch.finfo(dtype).min
     )
-
-
-# ---------------------------------------------------------------- which models can share prompts
-
-
-def shared_prompt_unsupported(
-    config: Any, probe: Callable[[PackedInputs], torch.Tensor] | None = None, *, tolerance: float = 1e-3
-) -> str | None:
-    """Why `shared_prompt` would give wrong log-probs for this model, or None when it is safe.
-
-    The config must describe plain full causal attention in every layer (no sliding window, no
-    chunked attention, no `layer_types` other than full attention). `probe(inputs)` — the
-    model's response log-probs of a `PackedInputs` — is then run on a tiny group in both the
-    padded and the shared layout: a model that mixes tokens outside attention (recurrent or
-    SSM layers) or ignores a custom 4D mask disagrees by more than `tolerance` and is refused.
-    """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kinds = set(getattr(cfg, "layer_types", None) or ())
-    if kinds - {"full_attention"}:
-        return f"its layers are not all full attention (layer_types {sorted(kinds)})"
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True):
-        return f"it uses sliding-window attention (sliding_window={window})"
-    if getattr(cfg, "attention_chunk_size", None) is not None:
-        return "it uses chunked attention (attention_chunk_size)"
-    if probe is None:
-        return None
-    vocab = int(getattr(cfg, "vocab_size", 64) or 64)
-    ids = [(7 * j + 3) % min(vocab, 97) for j in range(13)]
-    tokens = [ids[:9], ids[:5] + ids[9:13], ids[:5] + ids[2:4]]
-    resp = [4, 4, 2]
-    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
-    lp_shared = probe(LAYOUTS["shared_prompt"].build(tokens, resp)).float()
-    diff = float((lp_padded - lp_shared).abs().max())
-    if not math.isfinite(diff) or diff > tolerance:
-        return (
-            f"a probe's log-probs differ between the padded and the shared-prompt layout (max {diff:.3g}): "
-            "the model mixes tokens outside its attention mask"
-        )
-    return None
-
-
-def packed_unsupported(
-    probe: Callable[[PackedInputs], torch.Tensor] | None, *, vocab: int = 64, tolerance: float = 1e-3
-) -> str | None:
-    """Why `packed` would give wrong log-probs for this model, or None when it is exact (or
-    there is no `probe` to tell).
-
-    `packed` passes no mask and trusts the model to find sequence boundaries from the restarting
-    position ids; models whose attention ignores them (OPT, Falcon, ... under SDPA/eager) let
-    every sequence attend the ones before it in the row. The probe runs three distinct sequences
-    of uneven lengths in the padded and the packed layout and compares their log-probs.
-    """
-    if probe is None:
-        return None
-    ids = [(5 * j + 2) % min(vocab, 97) for j in range(13)]
-    tokens = [ids[:9], ids[3:8], ids[1:12]]
-    resp = [4, 2, 5]
-    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
-    lp_packed = probe(LAYOUTS["packed"].build(tokens, resp)).float()
-    diff = float((lp_padded - lp_packed).abs().max())
-    if not math.isfinite(diff) or diff > tolerance:
-        return (
-            f"a probe's log-probs differ between the padded and the packed layout (max {diff:.3g}): "
-            "the model's attention does not separate packed sequences by their position ids"
-        )
-    return None
-
-
-def _refuse(layout: str, reason: str) -> None:
-    from verst.rollout.errors import ConfigError, Problem
-
-    others = [n for n in ("auto", *LAYOUT_NAMES) if n != layout]
-    raise ConfigError(
-        [
-            Problem(
-                "train.layout",
-                f"{layout!r} would not give this model's log-probs: {reason}",
-                f"set train.layout to {', '.join(repr(n) for n in others[:-1])} or {others[-1]!r}",
-            )
-        ]
-    )
-
-
-# ---------------------------------------------------------------- the choice
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutChooser:
-    """Lays out each micro-batch in the requested layout, or ('auto') the cheapest candidate."""
-
-    candidates: tuple[str, ...]
-    """Layouts to choose from (one = fixed)."""
-    shape: DecoderShape
-    """The decoder's layer shape, for `cost`."""
-    attn: str
-    """The resolved attention implementation ('sdpa', 'eager', 'flash_attention_2')."""
-
-    @classmethod
-    def build(
-        cls,
-        requested: str,
-        *,
-        config: Any,
-        attn: str,
-        probe: Callable[[PackedInputs], torch.Tensor] | None = None,
-        tolerance: float = 1e-3,
-    ) -> LayoutChooser:
-        """The chooser for `requested` ('auto' or a layout name) on a model with this config.
-
-        'auto' chooses among padded, packed where it is exact (`packed_unsupported`: the probe
-        compares it with padded), and shared_prompt where it is exact (not with flash-attention 2,
-        see `shared_prompt_unsupported`); asking for packed or shared_prompt where it is not exact
-        raises a `ConfigError` under `train.layout` naming the reason.
-        """
-        if requested != "auto" and requested not in LAYOUTS:
-            raise ValueError(f"unknown layout {requested!r}; choose one of 'auto', {', '.join(LAYOUT_NAMES)}")
-        shape = DecoderShape.from_config(config)
-        reason = None
-        if requested in ("auto", "shared_prompt"):
-            if attn == "flash_attention_2":
-                reason = "flash_attention_2 takes no custom attention mask"
-            else:
-                reason = shared_prompt_unsupported(config, probe, tolerance=tolerance)
-        if requested == "shared_prompt" and reason is not None:
-            _refuse("shared_prompt", reason)
-        packed_reason = None
-        if requested in ("auto", "packed"):
-            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-            vocab = int(getattr(cfg, "vocab_size", 64) or 64)
-            packed_reason = packed_unsupported(probe, vocab=vocab, tolerance=tolerance)
-        if requested == "packed" and packed_reason is not None:
-            _refuse("packed", packed_reason)
-        if requested != "auto":
-            return cls((requested,), shape, attn)
-        names = ("padded",) + (("packed",) if packed_reason is None else ())
-        names += ("shared_prompt",) if reason is None else ()
-        return cls(names, shape, attn)
-
-    def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
-        """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
-        prompts also weigh splitting a group into rows of 2, 4, 8, ... responses. `groups`: the
-        sequences' prompt groups when the caller has them (else computed here, once)."""
-        options: list[Layout] = []
-        for name in self.candidates:
-            options.append(LAYOUTS[name])
-            if name == "shared_prompt":
-                if groups is None:
-                    groups = prompt_groups(tokens, response_lengths)
-                largest = max(map(len, groups))
-                k = 2
-                while k < largest:
-                    options.append(SharedPromptLayout(per_row=k))
-                    k *= 2
-        if len(options) == 1:
-            return options[0]
-        costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
-        return options[costs.index(min(costs))]
-
-    def choose(self, tokens: Seqs, response_lengths: Sequence[int]) -> str:
-        """The name of the layout `pick` takes."""
-        return self.pick(tokens, response_lengths).name
-
-    def lay_out(
-        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
-    ) -> PackedInputs:
-        """`tokens` in the chosen layout."""
-        layout = self.pick(tokens, response_lengths, groups=groups)
-        return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)

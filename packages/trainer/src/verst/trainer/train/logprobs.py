@@ -10,7 +10,9 @@ the engine reports `log_softmax(logits / T)` of each sampled token, so the train
 
 A micro-batch arrives in one of the layouts of `verst.trainer.train.layout` (right-padded rows, one
 packed row, or one row per shared prompt with a 4D mask); all give the same log-probs (tested
-against the right-padded layout).
+against the right-padded layout). A shared-prompt micro-batch also carries its `RowPieces`: on a
+model switched to `verst.trainer.train.pieces.pieces_sdpa` they go to every attention call, which
+then scores only the pairs the rows need instead of the dense mask.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from verst.trainer.train.layout import LAYOUTS, PackedInputs, additive_mask
+from verst.trainer.train.layout import LAYOUTS, DecoderShape, PackedInputs, additive_mask
 from verst.trainer.train.logit_head import LogitHead, logit_head
+from verst.trainer.train.pieces import MIN_SAVED_MACS, uses_pieces_attention
 
 __all__ = ["PackedInputs", "PolicyLogprobs", "hidden_logprobs", "pack_sequences", "unflatten"]
 
@@ -128,17 +131,28 @@ class PolicyLogprobs(nn.Module):
         backend: str = "auto",
         chunk_size: int = 256,
         compute_dtype: torch.dtype | None = None,
+        pieces_min_saved: int = MIN_SAVED_MACS,
         keep_logits_mib: float | None = None,
     ) -> None:
         """`compute_dtype`: cast the hidden states and the LM-head weight to it for the log-prob
         kernels (fp32 masters, bf16 compute; the cast is differentiable). None = as they are.
-        `keep_logits_mib`: see `hidden_logprobs` (`train.logprob_keep_logits_mib`)."""
+        `pieces_min_saved`: on the pieces attention, what a shared-prompt micro-batch must save
+        to use it (`verst.trainer.train.pieces.worth_pieces`). `keep_logits_mib`: see
+        `hidden_logprobs` (`train.logprob_keep_logits_mib`)."""
         super().__init__()
         self.policy = policy
         self.backend = backend
         self.chunk_size = chunk_size
         self.compute_dtype = compute_dtype
+        self.pieces_min_saved = pieces_min_saved
         self.keep_logits_mib = keep_logits_mib
+
+    @property
+    def _pieces_width(self) -> int:
+        """The attention width (heads × head dim) when the policy runs the pieces attention, else 0."""
+        if not uses_pieces_attention(self.policy):
+            return 0
+        return DecoderShape.from_config(self.policy.config).attn_width
 
     def forward(
         self,
@@ -166,6 +180,12 @@ class PolicyLogprobs(nn.Module):
             if inputs.vision is None
             else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
         )
+        if (
+            self._pieces_width
+            and inputs.pieces is not None
+            and inputs.pieces.worth_it(self._pieces_width, self.pieces_min_saved)
+        ):
+            tokens["shared_pieces"] = inputs.pieces.to(device)  # attention over the pieces, not the mask
         out = decoder(
             **tokens,
             position_ids=inputs.position_ids.to(device),

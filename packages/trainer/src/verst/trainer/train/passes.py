@@ -18,11 +18,14 @@ import torch
 
 from verst.trainer.train.batch import TrainBatch
 from verst.trainer.train.fsdp import sum_over_ranks
-from verst.trainer.train.layout import LayoutChooser, PackedInputs
+from verst.trainer.train.layout import PackedInputs
+from verst.trainer.train.layout_choice import LayoutChooser
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences, unflatten
 from verst.trainer.train.moe import outside_clip
 from verst.trainer.train.moe_runtime import MoeRuntime, Phase
 from verst.trainer.train.optim import eval_mode
+from verst.trainer.train.pieces import ATTENTION_NAME as PIECES_ATTENTION
+from verst.trainer.train.pieces import use_pieces_attention
 from verst.trainer.train.plan import MicroBatch, StepPlan
 
 
@@ -56,10 +59,10 @@ class ForwardPassesMixin:
 
     def _set_up_layouts(self, attn: str) -> None:
         """The layout choosers of the policy and the separate reference (probed on each model)."""
-        self.layout = self._chooser(self.bundle.module, self.bundle.hf_model.config, attn)
+        self.layout = self._chooser(self.bundle.module, self.bundle.hf_model, attn)
         """Lays out the policy's micro-batches (`train.layout`; per micro-batch with 'auto')."""
         self.ref_layout = (
-            self._chooser(self.ref, self.ref.policy.config, attn) if self.ref is not None else self.layout
+            self._chooser(self.ref, self.ref.policy, attn) if self.ref is not None else self.layout
         )
         """The same for the separate reference (its own model may share prompts or not)."""
         self.vision = None
@@ -67,9 +70,15 @@ class ForwardPassesMixin:
         self.layout_counts = Counter()
         """Micro-batches run in each layout so far (all forwards)."""
 
-    def _chooser(self, module: torch.nn.Module, config: Any, attn: str) -> LayoutChooser:
-        """`train.layout` for `module`; whether it may share prompts is probed on it (in eval mode,
-        the same tiny forward on every rank; FSDP units resharded after)."""
+    def _chooser(self, module: torch.nn.Module, hf_model: Any, attn: str) -> LayoutChooser:
+        """`train.layout` for `module` (wrapping `hf_model`); whether it may share prompts is probed
+        on it (in eval mode, the same tiny forward on every rank; FSDP units resharded after). A
+        text model on SDPA that may share prompts is switched to the pieces attention first
+        (`verst.trainer.train.pieces`), so the probe checks that path too."""
+        config = hf_model.config
+        text_only = getattr(config, "vision_config", None) is None
+        if self.cfg.effective_layout in ("auto", "shared_prompt") and attn == "sdpa" and text_only:
+            attn = PIECES_ATTENTION if use_pieces_attention(hf_model) else attn
 
         def probe(inputs: PackedInputs) -> torch.Tensor:
             with torch.no_grad():

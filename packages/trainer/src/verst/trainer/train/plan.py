@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from verst.trainer.train.batch import micro_batches, split_even
-from verst.trainer.train.layout import Layout, LayoutChooser, PackedInputs, prompt_groups
+from verst.trainer.train.layout import Layout, PackedInputs, prompt_groups
+from verst.trainer.train.layout_choice import LayoutChooser
 
 if TYPE_CHECKING:
     from verst.trainer.train.batch import TrainBatch

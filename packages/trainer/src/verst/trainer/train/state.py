@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verst.trainer.sync.plan import ShipPlan, apply_plan, planned_nbytes, static_names
 from verst.trainer.train.hf_keys import to_model_keys
 from verst.trainer.train.optim import with_run_flags
 
@@ -28,19 +29,24 @@ class TrainStateMixin:
     model_path: str
     optimizer_steps: int
 
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+    def state_dict_for_sync(self, plan: ShipPlan | None = None) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights with the Hugging Face names; a collective under FSDP.
+        With a `plan` (a refit's): its names left out, float32 cast to its dtype.
 
         Under FSDP only rank 0 receives tensors (the others get an empty dict).
         """
         if self.bundle.sharding == "none":
-            return {k: v.detach() for k, v in self.bundle.hf_model.state_dict().items()}
+            return apply_plan({k: v.detach() for k, v in self.bundle.hf_model.state_dict().items()}, plan)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(
             self.bundle.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {k.removeprefix("policy."): v for k, v in sd.items()}
+        return apply_plan({k.removeprefix("policy."): v for k, v in sd.items()}, plan)
+
+    def static_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(frozen, tied aliases) among the weights' names (`verst.trainer.sync.plan`)."""
+        return static_names(self.bundle.hf_model)
 
     def save_hf(self, path: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write the current weights as a Hugging Face checkpoint (config, weights, tokenizer)."""
@@ -70,9 +76,9 @@ class TrainStateMixin:
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
 
-    def state_nbytes(self) -> int:
-        """Bytes of the full weights a refit ships (counted from the model, no gather)."""
-        return sum(t.numel() * t.element_size() for t in self.bundle.hf_model.state_dict().values())
+    def state_nbytes(self, plan: ShipPlan | None = None) -> int:
+        """Bytes of the weights a refit with `plan` ships (counted from the model, no gather)."""
+        return planned_nbytes(self.bundle.hf_model.state_dict(), plan)
 
     def adapter_state_for_sync(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter's tensors (PEFT names), gathered whole; a collective under FSDP (only

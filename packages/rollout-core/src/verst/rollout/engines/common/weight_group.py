@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from verst.rollout.engine import WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -128,42 +129,36 @@ def init_custom_process_group(
     return pg, store
 
 
-def join_weight_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    *,
-    timeout_s: float = 120.0,
-) -> WeightGroup:
-    """Join (rank 0: host the store at `master_address:master_port`) the group `group_name`.
+def join_weight_group(group: WeightGroupSpec, *, timeout_s: float = 120.0) -> WeightGroup:
+    """Join `group` as rank `group.rank_offset` (rank 0 hosts the store at
+    `master_address:master_port`).
 
     Returns once this member's side is built; the rendezvous completes when all `world_size`
     members have joined (NCCL connects lazily, at the first broadcast).
     """
     import torch
 
+    backend, rank, world_size = group.backend, group.rank_offset, group.world_size
     if backend not in ("gloo", "nccl"):
         raise InvalidRequest(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise InvalidRequest(f"rank {rank} is outside the group of world_size {world_size}")
-    if not group_name:
+    if not group.group_name:
         raise InvalidRequest("group_name must not be empty")
     if backend == "nccl" and not torch.cuda.is_available():
         raise InvalidRequest("backend 'nccl' needs CUDA; use 'gloo' on CPU")
-    host = f"[{master_address}]" if ":" in master_address else master_address
+    address = group.master_address
+    host = f"[{address}]" if ":" in address else address
     pg, store = init_custom_process_group(
         backend=backend,
-        init_method=f"tcp://{host}:{int(master_port)}",
+        init_method=f"tcp://{host}:{int(group.master_port)}",
         world_size=world_size,
         rank=rank,
-        group_name=group_name,
+        group_name=group.group_name,
         timeout=timedelta(seconds=timeout_s),
     )
     device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
-    return WeightGroup(group_name, rank, world_size, backend, device, pg, store)
+    return WeightGroup(group.group_name, rank, world_size, backend, device, pg, store)
 
 
 def engine_rank_offsets(gpus_per_engine: Iterable[int]) -> tuple[list[int], int]:
@@ -176,6 +171,17 @@ def engine_rank_offsets(gpus_per_engine: Iterable[int]) -> tuple[list[int], int]
         raise InvalidRequest(f"every engine needs at least one GPU (rank), got {sizes}")
     offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
     return offsets, 1 + sum(sizes)
+
+
+def bucket_of(state: dict[str, Any], names: list[str], group_name: str) -> WeightBucket:
+    """The `WeightBucket` describing `state[name]` for each of `names` (in that order)."""
+    tensors = [state[n] for n in names]
+    return WeightBucket(
+        names=list(names),
+        dtypes=[dtype_name(t.dtype) for t in tensors],
+        shapes=[list(t.shape) for t in tensors],
+        group_name=group_name,
+    )
 
 
 def buckets(sizes: Iterable[tuple[str, int]], max_bytes: int) -> Iterator[list[str]]:
@@ -206,44 +212,26 @@ class DistributedRefit:
         self.groups: dict[str, WeightGroup] = {}
         """Joined groups by name."""
 
-    async def init_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        *,
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Join `group_name` as rank `rank_offset` (blocking rendezvous in a thread)."""
+    async def init_group(self, group: WeightGroupSpec, *, timeout_s: float = 120.0) -> None:
+        """Join `group` as rank `group.rank_offset` (blocking rendezvous in a thread)."""
         import asyncio
 
-        if group_name in self.groups:
-            raise InvalidRequest(f"already in weight update group {group_name!r}; pick a new group_name")
-        group = await asyncio.to_thread(
-            join_weight_group,
-            master_address,
-            master_port,
-            rank_offset,
-            world_size,
-            group_name,
-            backend,
-            timeout_s=timeout_s,
-        )
-        self.groups[group_name] = group
+        if group.group_name in self.groups:
+            raise InvalidRequest(
+                f"already in weight update group {group.group_name!r}; pick a new group_name"
+            )
+        member = await asyncio.to_thread(join_weight_group, group, timeout_s=timeout_s)
+        self.groups[group.group_name] = member
 
-    def receive(
-        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
-    ) -> dict[str, Any]:
+    def receive(self, bucket: WeightBucket) -> dict[str, Any]:
         """Receive each tensor by `broadcast(src=0)` into a fresh buffer (blocking)."""
         import torch
 
-        group = self.groups.get(group_name)
+        names, dtypes, shapes = bucket.names, bucket.dtypes, bucket.shapes
+        group = self.groups.get(bucket.group_name)
         if group is None:
             raise InvalidRequest(
-                f"no weight update group {group_name!r}; call /init_weights_update_group first "
+                f"no weight update group {bucket.group_name!r}; call /init_weights_update_group first "
                 f"(joined: {sorted(self.groups)})"
             )
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -264,21 +252,6 @@ class DistributedRefit:
         if group.backend == "nccl":  # pragma: no cover - needs a GPU
             torch.cuda.current_stream().synchronize()
         return out
-
-    async def update(
-        self,
-        engine: Any,
-        group_name: str,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        weight_version: int | None = None,
-    ) -> int:
-        """Receive the broadcast, then apply it to `engine`; returns the engine's new version."""
-        import asyncio
-
-        named = await asyncio.to_thread(self.receive, group_name, names, dtypes, shapes)
-        return await engine.update_weights_from_tensors(named, weight_version)
 
     def destroy(self, group_name: str) -> None:
         """Leave `group_name` (SGLang's /destroy_weights_update_group)."""

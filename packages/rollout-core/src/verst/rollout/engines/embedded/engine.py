@@ -116,7 +116,18 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
             ray_engine_actors=True,
             lora=True,
             routing_replay=True,
+            weight_dtype=self.weight_dtype,
+            partial_weights=True,
         )
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype of the model's floating weights ('float32', 'bfloat16', ...)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    async def replica_states(self) -> list[tuple[str, int, int]]:
+        """This engine (its identity within the process) at its version (`common.replicas`)."""
+        return [("embedded", id(self), self._weight_version)]
 
     @classmethod
     def from_pretrained(

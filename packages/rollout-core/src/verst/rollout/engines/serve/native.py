@@ -154,6 +154,8 @@ async def server_info(request: web.Request) -> web.Response:
     info = {**state.info, "version": VERSION, "weight_version": state.version_label(), "tp_size": 1}
     info["context_length"] = state.engine.context_len
     info["max_batch_size"] = state.engine.max_batch_size
+    info["dtype"] = state.engine.weight_dtype  # resolved ('auto' becomes the model's)
+    info["startup_time"] = state.startup_time
     return web.json_response(info)
 
 

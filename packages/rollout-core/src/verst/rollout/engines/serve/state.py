@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -70,6 +71,8 @@ class ServerState:
         """Memory tags released and not yet resumed."""
         self.weights_lost = False
         """Weights were released without a CPU backup and no refit has loaded new ones."""
+        self.startup_time = time.time()
+        """When this server started (SGLang's `/server_info` field: a restart changes it)."""
 
     def version_label(self, version: int | None = None) -> str:
         """The version as SGLang reports it: a string, "default" until one was set."""

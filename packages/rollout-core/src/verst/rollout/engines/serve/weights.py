@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from verst.rollout.engine import WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.serve.state import (
     MEMORY_TAGS,
@@ -161,7 +162,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or any(k not in body for k in keys):
         raise InvalidRequest(f"init_weights_update_group takes {{{', '.join(keys)}, 'backend'?}}")
     try:
-        await request.app[REFIT].init_group(
+        group = WeightGroupSpec(
             str(body["master_address"]),
             int(body["master_port"]),
             int(body["rank_offset"]),
@@ -169,6 +170,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
             str(body["group_name"]),
             str(body.get("backend", "nccl")),
         )
+        await request.app[REFIT].init_group(group)
     except InvalidRequest as exc:
         return failure(str(exc))
     except (RuntimeError, TimeoutError, ValueError) as exc:  # rendezvous failed / timed out / name taken
@@ -190,11 +192,10 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     refit = request.app[REFIT]
+    bucket = WeightBucket(body["names"], body["dtypes"], body["shapes"], body["group_name"])
 
     async def update(version: int) -> int:
-        named = await asyncio.to_thread(
-            refit.receive, body["group_name"], body["names"], body["dtypes"], body["shapes"]
-        )
+        named = await asyncio.to_thread(refit.receive, bucket)
         return await state.engine.update_weights_from_tensors(named, version)
 
     return await _apply(state, body, update)
@@ -213,14 +214,18 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 def add_weight_routes(app: web.Application) -> None:
-    """Memory occupation and weight-update routes (disk, tensor, distributed, sessions)."""
-    r = app.router
-    r.add_post("/release_memory_occupation", release_memory_occupation)
-    r.add_post("/resume_memory_occupation", resume_memory_occupation)
-    r.add_post("/update_weights_from_disk", update_weights_from_disk)
-    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    r.add_post("/init_weights_update_group", init_weights_update_group)
-    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    r.add_post("/begin_weight_update", begin_weight_update)
-    r.add_post("/end_weight_update", end_weight_update)
+    """Memory occupation and weight-update routes (disk, tensor, distributed, sessions), each a
+    POST at `/<its handler's name>` (SGLang's paths)."""
+    handlers = (
+        release_memory_occupation,
+        resume_memory_occupation,
+        update_weights_from_disk,
+        update_weights_from_tensor,
+        init_weights_update_group,
+        update_weights_from_distributed,
+        destroy_weights_update_group,
+        begin_weight_update,
+        end_weight_update,
+    )
+    for handler in handlers:
+        app.router.add_post(f"/{handler.__name__}", handler)

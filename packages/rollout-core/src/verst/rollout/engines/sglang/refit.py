@@ -16,9 +16,10 @@ import asyncio
 import base64
 import pickle
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, replace
 from typing import Any
 
-from verst.rollout.engine import EngineError
+from verst.rollout.engine import EngineError, WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.common.wire import model_info_version
 
@@ -165,19 +166,23 @@ class SGLangWeightsMixin:
         `bucket_bytes`, inside one begin/end session; returns the version.
 
         CUDA tensors go as CUDA IPC handles (same host; SGLang's device-uuid patch applied
-        here), serialized once per tensor-parallel rank; CPU tensors are pickled by value.
+        here), one payload per tensor-parallel rank; CPU tensors are pickled by value. float32
+        tensors are cast to the worker's 16-bit `dtype` first when its /server_info names one
+        (`server_weight_dtype`).
         """
         from verst.rollout.engines.common.weight_group import buckets
 
         sizes = [(n, _nbytes(t)) for n, t in named_tensors.items()]
-        tp = await self._worker_gpus()
+        infos = await self._worker_infos()
         calls = []
         for names in buckets(sizes, self.bucket_bytes):
             part = {n: named_tensors[n] for n in names}
 
             async def call(url: str, version: str | None, part: dict[str, Any] = part) -> Any:
+                wire = cast_for_wire(part, server_weight_dtype(infos[url]))  # alive until answered
+                tp = self._tp_of(infos[url])
                 body: dict[str, Any] = {
-                    "serialized_named_tensors": [serialize_named_tensors(part) for _ in range(tp[url])],
+                    "serialized_named_tensors": [serialize_named_tensors(wire) for _ in range(tp)],
                     "flush_cache": version is not None,
                 }
                 if version is not None:
@@ -187,16 +192,43 @@ class SGLangWeightsMixin:
             calls.append(call)
         return await self._refit_session("update_weights_from_tensor", weight_version, calls)
 
-    async def _worker_gpus(self) -> dict[str, int]:
-        """GPUs (= ranks in a weight group) per worker: `tp_size` from /server_info, else ours."""
+    async def _worker_infos(self) -> dict[str, dict[str, Any]]:
+        """Each worker's /server_info (an empty dict when the body is not an object)."""
         urls = await self.workers()
 
-        async def one(url: str) -> int:
+        async def one(url: str) -> dict[str, Any]:
             info = await self._call("GET", "/server_info", base=url)
-            tp = info.get("tp_size") if isinstance(info, dict) else None
-            return int(tp) if isinstance(tp, int) and tp > 0 else self.tp_size
+            return info if isinstance(info, dict) else {}
 
         return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
+
+    def _tp_of(self, info: dict[str, Any]) -> int:
+        tp = info.get("tp_size")
+        return int(tp) if isinstance(tp, int) and tp > 0 else self.tp_size
+
+    async def _worker_gpus(self) -> dict[str, int]:
+        """GPUs (= ranks in a weight group) per worker: `tp_size` from /server_info, else ours."""
+        return {url: self._tp_of(info) for url, info in (await self._worker_infos()).items()}
+
+    async def reported_weight_dtype(self) -> str | None:
+        """The workers' common 16-bit weight dtype (`server_weight_dtype` of each /server_info),
+        None when they differ, one is not known to be 16-bit, or /server_info is not served."""
+        try:
+            infos = await self._worker_infos()
+        except (InvalidRequest, EngineError):  # not known: the trainer sends what it trained
+            return None
+        dtypes = {server_weight_dtype(info) for info in infos.values()}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    async def replica_states(self) -> list[tuple[str, Any, int]]:
+        """Per worker: its URL, its `startup_time` (/server_info: a restart changes it) and its
+        weight version (`verst.rollout.engines.common.replicas`)."""
+        infos = await self._worker_infos()
+
+        async def one(url: str) -> tuple[str, Any, int]:
+            return url, infos[url].get("startup_time"), await self._worker_version(url)
+
+        return list(await asyncio.gather(*(one(u) for u in infos)))
 
     async def weight_group_ranks(self) -> int:
         """How many ranks this client's workers take in a weight-update group (Σ GPUs)."""
@@ -231,36 +263,21 @@ class SGLangWeightsMixin:
         if continue_generation:
             self._held = False
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
-        """Every worker joins the trainer's group: worker i takes ranks from `rank_offset` plus the
-        GPUs of the workers before it (SGLang: server rank = rank_offset + tp_rank)."""
+    async def init_weights_update_group(self, group: WeightGroupSpec) -> None:
+        """Every worker joins the trainer's group: worker i takes ranks from `group.rank_offset` plus
+        the GPUs of the workers before it (SGLang: server rank = rank_offset + tp_rank)."""
         gpus = await self._worker_gpus()
-        offsets, offset = {}, rank_offset
+        offsets, offset = {}, group.rank_offset
         for url, g in gpus.items():
             offsets[url], offset = offset, offset + g
-        if offset > world_size:
+        if offset > group.world_size:
             raise InvalidRequest(
-                f"init_weights_update_group: the workers need ranks {rank_offset}..{offset - 1} "
-                f"but world_size is {world_size}"
+                f"init_weights_update_group: the workers need ranks {group.rank_offset}..{offset - 1} "
+                f"but world_size is {group.world_size}"
             )
 
         def call(url: str) -> Awaitable[Any]:
-            body = {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": offsets[url],
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            }
+            body = asdict(replace(group, rank_offset=offsets[url]))
             return self._checked("init_weights_update_group", url, body)
 
         await self._each_worker("init_weights_update_group", call)
@@ -274,55 +291,37 @@ class SGLangWeightsMixin:
         )
 
     async def update_weights_from_distributed_bucket(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: int | None = None,
-        flush_cache: bool = False,
+        self, bucket: WeightBucket, *, weight_version: int | None = None, flush_cache: bool = False
     ) -> None:
         """One bucket of a distributed refit inside an open session (`begin_weight_update`); the
         trainer broadcasts the bucket's tensors, in order, while this call waits."""
-        body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        version = None if weight_version is None else str(weight_version)
+        body = _distributed_body(bucket, flush_cache, version)
         await self._each_worker(
             "update_weights_from_distributed",
             lambda u: self._checked("update_weights_from_distributed", u, body),
         )
 
     async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: int | None = None,
+        self, bucket: WeightBucket, weight_version: int | None = None
     ) -> int:
         """A whole distributed refit in one bucket (begin → receive → end); the trainer
         broadcasts while this call waits. The trainer's `WeightSync` drives buckets itself."""
 
         async def call(url: str, version: str | None) -> Any:
-            body: dict[str, Any] = {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": group_name,
-                "flush_cache": True,
-            }
-            if version is not None:
-                body["weight_version"] = version
+            body = _distributed_body(bucket, True, version)
             return await self._checked("update_weights_from_distributed", url, body)
 
         return await self._refit_session("update_weights_from_distributed", weight_version, [call])
+
+
+def _distributed_body(bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
+    """SGLang's `/update_weights_from_distributed` body: names, dtypes, shapes, group_name,
+    flush_cache, and weight_version when one is sent."""
+    body: dict[str, Any] = {**asdict(bucket), "flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
 
 
 def serialize_named_tensors(named: dict[str, Any]) -> str:
@@ -350,6 +349,31 @@ def serialize_named_tensors(named: dict[str, Any]) -> str:
             "update_weights_from_tensors: tensors must be all on CUDA or all on CPU, not mixed"
         )
     return base64.b64encode(pickle.dumps([(n, t.contiguous()) for n, t in items])).decode()
+
+
+NARROW_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+"""SGLang's `--dtype` values that name a 16-bit weight dtype (`auto`, `float`, `float32` do not)."""
+
+
+def server_weight_dtype(info: dict[str, Any]) -> str | None:
+    """The 16-bit dtype a server holds its weights in, from its /server_info (`dtype`, SGLang's
+    `--dtype`; `verst serve` reports the resolved one), or None: not 16-bit, not known
+    (`auto`), or quantized (a quantizer may use the precision it is given)."""
+    if info.get("quantization") is not None:
+        return None
+    dtype = info.get("dtype")
+    return NARROW_DTYPES.get(dtype) if isinstance(dtype, str) else None
+
+
+def cast_for_wire(named: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """float32 tensors cast to `dtype` (the server would cast them on load anyway; half the
+    bytes on the wire), the others unchanged; `named` itself when `dtype` is None."""
+    if dtype is None:
+        return named
+    import torch
+
+    target = getattr(torch, dtype)
+    return {n: t.to(target) if t.dtype == torch.float32 else t for n, t in named.items()}
 
 
 def _nbytes(t: Any) -> int:

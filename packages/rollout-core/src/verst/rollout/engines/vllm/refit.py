@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from verst.rollout.engine import EngineError
+from verst.rollout.engine import EngineError, WeightBucket, WeightGroupSpec
 
 RENDEZVOUS = "nccl_unique_id"
 """`weight_transfer_rendezvous` of engines that join a weight group from an NCCL unique id."""
@@ -128,15 +128,7 @@ class VllmWeightTransferMixin:
         }
         await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s=None)
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: WeightGroupSpec) -> None:
         """SGLang's torch.distributed group cannot be joined by vLLM's workers."""
         raise EngineError(
             "a vLLM server joins a weight group from an NCCL unique id, not SGLang's TCP group; "
@@ -153,18 +145,12 @@ class VllmWeightTransferMixin:
             raise
 
     async def update_weights_from_distributed_bucket(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: int | None = None,
-        flush_cache: bool = False,
+        self, bucket: WeightBucket, *, weight_version: int | None = None, flush_cache: bool = False
     ) -> None:
         """Receive one bucket (one broadcast per tensor, in order) inside the open session; the
         trainer broadcasts while this call waits."""
-        info = {"names": names, "dtype_names": [d.removeprefix("torch.") for d in dtypes], "shapes": shapes}
+        dtype_names = [d.removeprefix("torch.") for d in bucket.dtypes]
+        info = {"names": bucket.names, "dtype_names": dtype_names, "shapes": bucket.shapes}
         await self._call("POST", "/update_weights", {"update_info": info}, timeout_s=None)
 
     async def end_weight_update(self, weight_version: int | None, *, check: bool = True) -> None:
@@ -185,19 +171,14 @@ class VllmWeightTransferMixin:
                 )
 
     async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: int | None = None,
+        self, bucket: WeightBucket, weight_version: int | None = None
     ) -> int:
         """A whole push in one bucket and one session (the trainer broadcasts meanwhile)."""
         target = (await self.get_weight_version()) + 1 if weight_version is None else int(weight_version)
         await self.begin_weight_update()
         ok = False
         try:
-            await self.update_weights_from_distributed_bucket(names, dtypes, shapes, group_name)
+            await self.update_weights_from_distributed_bucket(bucket)
             ok = True
         finally:
             await self.end_weight_update(target, check=ok)

@@ -1,0 +1,196 @@
+"""Which micro-batch layout a model may use, and the choice of one per micro-batch.
+
+`LayoutChooser.build` probes the model (`shared_prompt_unsupported`, `packed_unsupported`: the
+same tiny sequences in the padded layout and in the candidate, compared) and keeps the layouts
+that give its log-probs; `pick` then takes the cheapest by the layouts' `cost`
+(`verst.trainer.train.layout`) for each micro-batch, or the one `train.layout` names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verst.trainer.train.layout import (
+    LAYOUT_NAMES,
+    LAYOUTS,
+    DecoderShape,
+    Groups,
+    Layout,
+    PackedInputs,
+    Seqs,
+    SharedPromptLayout,
+    prompt_groups,
+)
+
+# ---------------------------------------------------------------- which models can share prompts
+
+
+def shared_prompt_unsupported(
+    config: Any, probe: Callable[[PackedInputs], torch.Tensor] | None = None, *, tolerance: float = 1e-3
+) -> str | None:
+    """Why `shared_prompt` would give wrong log-probs for this model, or None when it is safe.
+
+    The config must describe plain full causal attention in every layer (no sliding window, no
+    chunked attention, no `layer_types` other than full attention). `probe(inputs)` — the
+    model's response log-probs of a `PackedInputs` — is then run on a tiny group in both the
+    padded and the shared layout: a model that mixes tokens outside attention (recurrent or
+    SSM layers) or ignores a custom 4D mask disagrees by more than `tolerance` and is refused.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        return f"its layers are not all full attention (layer_types {sorted(kinds)})"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True):
+        return f"it uses sliding-window attention (sliding_window={window})"
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        return "it uses chunked attention (attention_chunk_size)"
+    if probe is None:
+        return None
+    vocab = int(getattr(cfg, "vocab_size", 64) or 64)
+    ids = [(7 * j + 3) % min(vocab, 97) for j in range(13)]
+    tokens = [ids[:9], ids[:5] + ids[9:13], ids[:5] + ids[2:4]]
+    resp = [4, 4, 2]
+    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
+    lp_shared = probe(LAYOUTS["shared_prompt"].build(tokens, resp)).float()
+    diff = float((lp_padded - lp_shared).abs().max())
+    if not math.isfinite(diff) or diff > tolerance:
+        return (
+            f"a probe's log-probs differ between the padded and the shared-prompt layout (max {diff:.3g}): "
+            "the model mixes tokens outside its attention mask"
+        )
+    return None
+
+
+def packed_unsupported(
+    probe: Callable[[PackedInputs], torch.Tensor] | None, *, vocab: int = 64, tolerance: float = 1e-3
+) -> str | None:
+    """Why `packed` would give wrong log-probs for this model, or None when it is exact (or
+    there is no `probe` to tell).
+
+    `packed` passes no mask and trusts the model to find sequence boundaries from the restarting
+    position ids; models whose attention ignores them (OPT, Falcon, ... under SDPA/eager) let
+    every sequence attend the ones before it in the row. The probe runs three distinct sequences
+    of uneven lengths in the padded and the packed layout and compares their log-probs.
+    """
+    if probe is None:
+        return None
+    ids = [(5 * j + 2) % min(vocab, 97) for j in range(13)]
+    tokens = [ids[:9], ids[3:8], ids[1:12]]
+    resp = [4, 2, 5]
+    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
+    lp_packed = probe(LAYOUTS["packed"].build(tokens, resp)).float()
+    diff = float((lp_padded - lp_packed).abs().max())
+    if not math.isfinite(diff) or diff > tolerance:
+        return (
+            f"a probe's log-probs differ between the padded and the packed layout (max {diff:.3g}): "
+            "the model's attention does not separate packed sequences by their position ids"
+        )
+    return None
+
+
+def _refuse(layout: str, reason: str) -> None:
+    from verst.rollout.errors import ConfigError, Problem
+
+    others = [n for n in ("auto", *LAYOUT_NAMES) if n != layout]
+    raise ConfigError(
+        [
+            Problem(
+                "train.layout",
+                f"{layout!r} would not give this model's log-probs: {reason}",
+                f"set train.layout to {', '.join(repr(n) for n in others[:-1])} or {others[-1]!r}",
+            )
+        ]
+    )
+
+
+# ---------------------------------------------------------------- the choice
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutChooser:
+    """Lays out each micro-batch in the requested layout, or ('auto') the cheapest candidate."""
+
+    candidates: tuple[str, ...]
+    """Layouts to choose from (one = fixed)."""
+    shape: DecoderShape
+    """The decoder's layer shape, for `cost`."""
+    attn: str
+    """The resolved attention implementation ('sdpa', 'eager', 'flash_attention_2')."""
+
+    @classmethod
+    def build(
+        cls,
+        requested: str,
+        *,
+        config: Any,
+        attn: str,
+        probe: Callable[[PackedInputs], torch.Tensor] | None = None,
+        tolerance: float = 1e-3,
+    ) -> LayoutChooser:
+        """The chooser for `requested` ('auto' or a layout name) on a model with this config.
+
+        'auto' chooses among padded, packed where it is exact (`packed_unsupported`: the probe
+        compares it with padded), and shared_prompt where it is exact (not with flash-attention 2,
+        see `shared_prompt_unsupported`); asking for packed or shared_prompt where it is not exact
+        raises a `ConfigError` under `train.layout` naming the reason.
+        """
+        if requested != "auto" and requested not in LAYOUTS:
+            raise ValueError(f"unknown layout {requested!r}; choose one of 'auto', {', '.join(LAYOUT_NAMES)}")
+        shape = DecoderShape.from_config(config)
+        reason = None
+        if requested in ("auto", "shared_prompt"):
+            if attn == "flash_attention_2":
+                reason = "flash_attention_2 takes no custom attention mask"
+            else:
+                reason = shared_prompt_unsupported(config, probe, tolerance=tolerance)
+        if requested == "shared_prompt" and reason is not None:
+            _refuse("shared_prompt", reason)
+        packed_reason = None
+        if requested in ("auto", "packed"):
+            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            vocab = int(getattr(cfg, "vocab_size", 64) or 64)
+            packed_reason = packed_unsupported(probe, vocab=vocab, tolerance=tolerance)
+        if requested == "packed" and packed_reason is not None:
+            _refuse("packed", packed_reason)
+        if requested != "auto":
+            return cls((requested,), shape, attn)
+        names = ("padded",) + (("packed",) if packed_reason is None else ())
+        names += ("shared_prompt",) if reason is None else ()
+        return cls(names, shape, attn)
+
+    def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
+        """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
+        prompts also weigh splitting a group into rows of 2, 4, 8, ... responses. `groups`: the
+        sequences' prompt groups when the caller has them (else computed here, once)."""
+        options: list[Layout] = []
+        for name in self.candidates:
+            options.append(LAYOUTS[name])
+            if name == "shared_prompt":
+                if groups is None:
+                    groups = prompt_groups(tokens, response_lengths)
+                largest = max(map(len, groups))
+                k = 2
+                while k < largest:
+                    options.append(SharedPromptLayout(per_row=k))
+                    k *= 2
+        if len(options) == 1:
+            return options[0]
+        costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
+        return options[costs.index(min(costs))]
+
+    def choose(self, tokens: Seqs, response_lengths: Sequence[int]) -> str:
+        """The name of the layout `pick` takes."""
+        return self.pick(tokens, response_lengths).name
+
+    def lay_out(
+        self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None
+    ) -> PackedInputs:
+        """`tokens` in the chosen layout."""
+        layout = self.pick(tokens, response_lengths, groups=groups)
+        return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)
