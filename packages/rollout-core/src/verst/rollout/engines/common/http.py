@@ -50,11 +50,6 @@ class HttpOptions(TypedDict, total=False):
     backoff_s: float
 
 
-class JsonBytes(bytes):
-    """A request body already encoded as JSON (sent as is, `Content-Type: application/json`):
-    a refit's tens of MiB of base64 need not go through `json.dumps`."""
-
-
 class RetriesExhausted(EngineError):
     """Every try of a retryable call failed (`attempts` of them; `last`: the last failure)."""
 
@@ -121,12 +116,8 @@ class RetryingHttp:
         extra: dict[str, Any] = (
             {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
         )
-        if isinstance(body, JsonBytes):
-            extra.update(data=bytes(body), headers={"Content-Type": "application/json"})
-        else:
-            extra["json"] = body
         try:
-            async with session.request(method, url, **extra) as resp:
+            async with session.request(method, url, json=body, **extra) as resp:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.InvalidURL as exc:  # deterministic: retrying cannot help

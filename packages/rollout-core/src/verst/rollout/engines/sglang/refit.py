@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
@@ -22,7 +21,6 @@ from typing import Any
 
 from verst.rollout.engine import EngineError, WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.http import JsonBytes
 from verst.rollout.engines.common.wire import model_info_version
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -182,11 +180,14 @@ class SGLangWeightsMixin:
 
             async def call(url: str, version: str | None, part: dict[str, Any] = part) -> Any:
                 wire = cast_for_wire(part, server_weight_dtype(infos[url]))  # alive until answered
-                blobs = [serialize_named_tensors(wire, text=False) for _ in range(self._tp_of(infos[url]))]
-                fields: dict[str, Any] = {"flush_cache": version is not None}
+                tp = self._tp_of(infos[url])
+                body: dict[str, Any] = {
+                    "serialized_named_tensors": [serialize_named_tensors(wire) for _ in range(tp)],
+                    "flush_cache": version is not None,
+                }
                 if version is not None:
-                    fields["weight_version"] = version
-                return await self._checked("update_weights_from_tensor", url, tensor_body(blobs, fields))
+                    body["weight_version"] = version
+                return await self._checked("update_weights_from_tensor", url, body)
 
             calls.append(call)
         return await self._refit_session("update_weights_from_tensor", weight_version, calls)
@@ -323,22 +324,12 @@ def _distributed_body(bucket: WeightBucket, flush_cache: bool, weight_version: s
     return body
 
 
-def tensor_body(blobs: list[bytes], fields: dict[str, Any]) -> JsonBytes:
-    """The `/update_weights_from_tensor` JSON body: `serialized_named_tensors` = the base64
-    `blobs` (their alphabet needs no JSON escaping, so they are spliced in, not re-encoded) plus
-    `fields`; the same JSON `json.dumps` would give."""
-    head = json.dumps(fields)[:-1].encode()
-    sep = b", " if fields else b""
-    return JsonBytes(head + sep + b'"serialized_named_tensors": ["' + b'", "'.join(blobs) + b'"]}')
-
-
-def serialize_named_tensors(named: dict[str, Any], *, text: bool = True) -> Any:
+def serialize_named_tensors(named: dict[str, Any]) -> str:
     """base64 of `[(name, tensor), ...]` — SGLang's `MultiprocessingSerializer` format.
 
     All-CUDA: `ForkingPickler` (CUDA IPC handles, nothing copied) with SGLang's reduction patch
     (device uuid instead of index, so a receiver under another `CUDA_VISIBLE_DEVICES` finds the
     GPU). Otherwise the tensors are pickled by value (CPU; `verst serve` only). Mixing is refused.
-    `text=False`: the base64 as bytes (for `tensor_body`).
     """
     items = [(n, t.detach()) for n, t in named.items()]
     cuda = [getattr(t, "is_cuda", False) for _, t in items]
@@ -352,14 +343,12 @@ def serialize_named_tensors(named: dict[str, Any], *, text: bool = True) -> Any:
         patch_sender()
         buf = io.BytesIO()
         ForkingPickler(buf).dump(items)
-        raw = base64.b64encode(buf.getvalue())
-        return raw.decode() if text else raw
+        return base64.b64encode(buf.getvalue()).decode()
     if any(cuda):
         raise InvalidRequest(
             "update_weights_from_tensors: tensors must be all on CUDA or all on CPU, not mixed"
         )
-    raw = base64.b64encode(pickle.dumps([(n, t.contiguous()) for n, t in items]))
-    return raw.decode() if text else raw
+    return base64.b64encode(pickle.dumps([(n, t.contiguous()) for n, t in items])).decode()
 
 
 NARROW_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
