@@ -249,6 +249,12 @@ def load_prompt_samples(
     return samples
 
 
+def check_group_size(n_samples_per_prompt: int) -> None:
+    """A `ValueError` unless a group has at least one sample."""
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+
+
 class PromptDataSource:
     """The training `DataSource` over one prompt file.
 
@@ -266,18 +272,23 @@ class PromptDataSource:
         vision: Any = None,
     ) -> None:
         """`vision`: the model's `MultimodalProcessor`, for rows with images (docs/vlm.md)."""
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        self.config = config
-        """The dataset section of the config."""
-        self.n_samples_per_prompt = n_samples_per_prompt
-        """Samples per group."""
+        check_group_size(n_samples_per_prompt)
         file_config = config.model_copy(update={"shuffle": False})
-        self._prompts = load_prompt_samples(
+        prompts = load_prompt_samples(
             file_config, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, vision=vision
         )
-        if not self._prompts:
+        if not prompts:
             raise DataError(f"{config.path}: the dataset has no rows; fix: add prompts to it")
+        self._serve(config, prompts, n_samples_per_prompt)
+
+    def _serve(self, config: DataConfig, prompts: list[Sample], n_samples_per_prompt: int) -> None:
+        """Serve `prompts` in groups of `n_samples_per_prompt`, epochs ordered by `config`'s
+        `shuffle` and `seed`, from the start."""
+        self.config = config
+        """The dataset section of the config (`shuffle`, `seed`)."""
+        self.n_samples_per_prompt = n_samples_per_prompt
+        """Samples per group."""
+        self._prompts = prompts
         self.epoch = 0
         """Current epoch (0-based)."""
         self.offset = 0

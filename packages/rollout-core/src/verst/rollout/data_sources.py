@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from verst.rollout.config import DataConfig, EvalConfig
-from verst.rollout.data import PromptDataSource, load_prompt_samples
+from verst.rollout.data import PromptDataSource, check_group_size, load_prompt_samples
 from verst.rollout.errors import ConfigError, DataError, MissingOptionalDependency, Problem
 from verst.rollout.importing import ImportPathError, import_object
 from verst.rollout.sample import Sample
@@ -43,8 +43,7 @@ class GeneratedSource:
         tokenizer: Any = None,
         apply_chat_template: bool = False,
     ) -> None:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_group_size(n_samples_per_prompt)
         self.options = options
         """`rollout.data.options`, validated by the class's nested `Config`."""
         self.n_samples_per_prompt = n_samples_per_prompt

@@ -58,12 +58,18 @@ class SamplingParams:
             "spaces_between_special_tokens": False,
             "skip_special_tokens": False,
         }
+        return {**out, **self.stops_and_seed("sampling_seed")}
+
+    def stops_and_seed(self, seed_key: str) -> dict[str, Any]:
+        """`stop`, `stop_token_ids` and the seed (as `seed_key`), each only when set: the part of
+        a wire `sampling_params` that SGLang's and vLLM's share."""
+        out: dict[str, Any] = {}
         if self.stop:
             out["stop"] = list(self.stop)
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.sampling_seed is not None:
-            out["sampling_seed"] = self.sampling_seed
+            out[seed_key] = self.sampling_seed
         return out
 
 

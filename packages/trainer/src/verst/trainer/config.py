@@ -21,6 +21,7 @@ from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.algorithms.optimizer_config import AdamWSection
 from verst.trainer.algorithms.rollout_correction import TokenTis
 from verst.trainer.config_checks import (
     finite_problems,
@@ -65,8 +66,8 @@ class VisionSection(Section):
     )
 
 
-class TrainConfig(Section):
-    """The policy model, its optimizer and how a step is computed."""
+class TrainConfig(AdamWSection):
+    """The policy model, its optimizer (AdamW: `AdamWSection`'s fields) and how a step is computed."""
 
     model_path: str | None = path_field(
         description="Hugging Face model directory loaded with from_pretrained (None = the engine's model)."
@@ -82,17 +83,7 @@ class TrainConfig(Section):
             "is stored in this dtype."
         ),
     )
-    lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    scheduler: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="Learning-rate schedule after warmup (decays over run.num_steps)."
-    )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many optimizer steps.")
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="Final lr of cosine/linear decay, as a fraction of lr."
-    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (None = off).")
     micro_batch_size: int = Field(
         8, ge=1, description="Samples per forward/backward; gradients accumulate over the rollout's samples."

@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from verst.rollout.config import DataConfig
-from verst.rollout.data import PromptDataSource
+from verst.rollout.data import PromptDataSource, check_group_size
 from verst.rollout.data_sources import GeneratedSource
 from verst.rollout.sample import Sample
 
@@ -46,20 +46,10 @@ class ListSource(PromptDataSource):
     shuffling, hand-back buffer and exact resume."""
 
     def __init__(self, samples: list[Sample], n_samples_per_prompt: int, *, shuffle: bool, seed: int) -> None:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        check_group_size(n_samples_per_prompt)
         if not samples:
             raise ValueError("the environment's dataset has no rows")
-        from collections import deque
-
-        self.config = DataConfig(shuffle=shuffle, seed=seed)
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self._prompts = samples
-        self.epoch = 0
-        self.offset = 0
-        self._buffer = deque()
-        self._order_epoch = -1
-        self._order = []
+        self._serve(DataConfig(shuffle=shuffle, seed=seed), samples, n_samples_per_prompt)
 
     def samples(self) -> list[Sample]:
         """Every sample (an eval set), shuffled with the seed when `shuffle`."""

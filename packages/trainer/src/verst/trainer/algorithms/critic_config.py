@@ -11,32 +11,23 @@ module is only the config, so `AlgorithmConfig` stays free of model code.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
-from verst.rollout.config import Section, path_field
+from verst.rollout.config import path_field
+from verst.trainer.algorithms.optimizer_config import AdamWSection
 
 
-class CriticConfig(Section):
-    """The value model: where it starts from, how it is trained, when the policy joins in."""
+class CriticConfig(AdamWSection):
+    """The value model: where it starts from, how it is trained (its own AdamW: `AdamWSection`'s
+    fields), when the policy joins in."""
 
     model_path: str | None = path_field(
         None,
         description="The critic's starting checkpoint (its decoder; a fresh value head). None = train.model_path.",
     )
-    lr: float = Field(1e-5, gt=0, description="The critic's AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="The critic's AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="The critic's AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="The critic's AdamW epsilon.")
-    scheduler: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="The critic's learning-rate schedule after its warmup."
-    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of the critic's AdamW.")
     lr_warmup_steps: int = Field(
         0, ge=0, description="Linear learning-rate warmup of the critic (optimizer steps)."
-    )
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="Floor of the decayed critic learning rate, as a ratio."
     )
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Gradient clipping of the critic (None = off)."

@@ -272,29 +272,29 @@ class SharedPromptLayout:
         _check(tokens, response_lengths)
         groups = self.rows(tokens, response_lengths, groups)
         width = max(self.row_widths(tokens, response_lengths, groups))
-        ids = torch.full((len(groups), width), pad_id, dtype=torch.long)  # [rows, width]
-        pos = torch.zeros((len(groups), width), dtype=torch.long)  # [rows, width]
-        # segment of each position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
-        seg = -(torch.arange(width, dtype=torch.long) + 1).repeat(len(groups), 1)  # [rows, width]
+        # per row, as lists (one tensor each at the end): ids, positions, and the segment of each
+        # position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
+        ids, pos, seg = [], [], []
         first: dict[int, int] = {}  # sequence -> flat index predicting its first response token
         starts: dict[int, int] = {}  # sequence -> flat index of its first response token
         prompts, parts = [], []  # per row: prompt length; (start column, length) of each response
         for row, g in enumerate(groups):
             p = len(tokens[g[0]]) - response_lengths[g[0]]
-            ids[row, :p] = torch.tensor(list(tokens[g[0]][:p]), dtype=torch.long)
-            pos[row, :p] = torch.arange(p)
-            seg[row, :p] = 0
-            col = p
+            row_ids, row_pos, row_seg = list(tokens[g[0]][:p]), list(range(p)), [0] * p
             prompts.append(p)
             parts.append([])
             for k, i in enumerate(g, start=1):
-                r = response_lengths[i]
-                ids[row, col : col + r] = torch.tensor(list(tokens[i][p:]), dtype=torch.long)
-                pos[row, col : col + r] = torch.arange(p, p + r)
-                seg[row, col : col + r] = k
+                r, col = response_lengths[i], len(row_ids)
+                row_ids.extend(tokens[i][p:])
+                row_pos.extend(range(p, p + r))
+                row_seg.extend([k] * r)
                 first[i], starts[i] = row * width + p - 1, row * width + col
                 parts[-1].append((col, r))
-                col += r
+            used = len(row_ids)
+            ids.append(row_ids + [pad_id] * (width - used))
+            pos.append(row_pos + [0] * (width - used))
+            seg.append(row_seg + list(range(-used - 1, -width - 1, -1)))
+        ids, pos, seg = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, seg))  # [rows, width] each
         gather, targets = [], []
         for i, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
             if r:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from verst.trainer.train.fsdp import clip_grad_norm
 
 if TYPE_CHECKING:
+    from verst.trainer.algorithms.optimizer_config import AdamWSection
     from verst.trainer.config import TrainConfig
 
 
@@ -60,18 +61,9 @@ def fused_adamw(params: list[nn.Parameter], *, fsdp: bool) -> bool | None:
     return True if ok else None
 
 
-class AdamWSettings(Protocol):
-    """AdamW's hyper-parameters (`[train]`, `[algorithm.critic]`)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-
 def adamw(
     params: list[nn.Parameter],
-    settings: AdamWSettings,
+    settings: AdamWSection,
     *,
     fsdp: bool,
     schedule: TrainConfig,

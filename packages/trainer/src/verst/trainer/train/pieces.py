@@ -21,8 +21,10 @@ W² — at the 31.5M benchmark's shapes (P 64–256, 8 responses of 128) about 5
 
 `use_pieces_attention(model)` registers `pieces_sdpa` under `ATTENTION_NAME` (with transformers'
 SDPA mask function, so every other layout builds the masks SDPA would) and switches the model to
-it. Without a `shared_pieces` keyword — padded and packed micro-batches, or the layout's own
-forward without pieces — the call is transformers' SDPA, unchanged. `PolicyLogprobs` passes the
+it. Without a `shared_pieces` keyword — padded and packed micro-batches, or rows too small to
+gain — the call is SDPA over the mask transformers built, with the query heads folded onto their
+KV head as the embedded engine does (`grouped_sdpa`: the same attention without repeating the
+keys and values). `PolicyLogprobs` passes the
 pieces of a shared-prompt micro-batch as `shared_pieces=` through the decoder's forward, which
 hands its keyword arguments to every attention call; it still passes the 4D mask, so a model
 that is not on this attention computes the same function the slow way.
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from verst.rollout.engines.embedded.attention import grouped_sdpa
 
 ATTENTION_NAME = "verst_shared_prompt_sdpa"
 """The name `pieces_sdpa` (and transformers' SDPA mask function) is registered under."""
@@ -86,11 +89,9 @@ class RowPieces:
         prompt_valid = cols[None, :] < prompt_len  # [rows, L]
         base = (torch.arange(rows) * width)[:, None]  # [rows, 1]
         prompt_index = torch.where(prompt_valid, base + cols[None, :], 0)
-        starts = torch.zeros(rows, big_k, dtype=torch.long)
-        lengths = torch.zeros(rows, big_k, dtype=torch.long)
-        for row, parts in enumerate(responses):
-            for j, (start, n) in enumerate(parts):
-                starts[row, j], lengths[row, j] = start, n
+        fill = [(0, 0)] * big_k
+        grid = torch.tensor([list(parts) + fill[len(parts) :] for parts in responses], dtype=torch.long)
+        starts, lengths = grid[..., 0], grid[..., 1]  # [rows, K] each
         offs = torch.arange(big_r)
         response_valid = offs[None, None, :] < lengths[:, :, None]  # [rows, K, R]
         response_index = torch.where(response_valid, base[:, :, None] + starts[:, :, None] + offs, 0)
@@ -190,19 +191,10 @@ def pieces_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; `pieces_attention` when `shared_pieces` is
-    given (and no dropout), transformers' SDPA otherwise."""
+    given (and no dropout), else SDPA with the query heads folded onto their KV head
+    (`grouped_sdpa`, the embedded engine's: transformers' SDPA where folding does not apply)."""
     if shared_pieces is None or dropout > 0.0 or query.shape[2] != shared_pieces.width:
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
+        return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     return pieces_attention(query, key, value, shared_pieces, scaling=scaling), None
 
 

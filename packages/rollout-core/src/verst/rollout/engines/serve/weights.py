@@ -214,14 +214,18 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 def add_weight_routes(app: web.Application) -> None:
-    """Memory occupation and weight-update routes (disk, tensor, distributed, sessions)."""
-    r = app.router
-    r.add_post("/release_memory_occupation", release_memory_occupation)
-    r.add_post("/resume_memory_occupation", resume_memory_occupation)
-    r.add_post("/update_weights_from_disk", update_weights_from_disk)
-    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    r.add_post("/init_weights_update_group", init_weights_update_group)
-    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    r.add_post("/begin_weight_update", begin_weight_update)
-    r.add_post("/end_weight_update", end_weight_update)
+    """Memory occupation and weight-update routes (disk, tensor, distributed, sessions), each a
+    POST at `/<its handler's name>` (SGLang's paths)."""
+    handlers = (
+        release_memory_occupation,
+        resume_memory_occupation,
+        update_weights_from_disk,
+        update_weights_from_tensor,
+        init_weights_update_group,
+        update_weights_from_distributed,
+        destroy_weights_update_group,
+        begin_weight_update,
+        end_weight_update,
+    )
+    for handler in handlers:
+        app.router.add_post(f"/{handler.__name__}", handler)

@@ -65,12 +65,7 @@ def sampling_json(req: GenerateRequest, *, n: int = 1) -> dict[str, Any]:
         out["prompt_logprobs"] = req.top_logprobs_num
     if req.token_ids_logprob:
         out["logprob_token_ids"] = list(req.token_ids_logprob)
-    if s.stop:
-        out["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        out["stop_token_ids"] = list(s.stop_token_ids)
-    if s.sampling_seed is not None:
-        out["seed"] = s.sampling_seed
+    out.update(s.stops_and_seed("seed"))
     if req.return_routed_experts and req.routed_experts_start_len:
         out["routed_experts_prompt_start"] = req.routed_experts_start_len
     return out
