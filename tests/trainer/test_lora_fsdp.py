@@ -4,15 +4,12 @@ adapter-only checkpoint written by the sharded run loads into a 1-process model.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
 from pathlib import Path
 
 import torch
+from fsdp_testlib import TwoRanks
 from test_train_fsdp import _groups
 
-from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
@@ -45,18 +42,8 @@ def _run(side: TrainSide):
     return batch, metrics
 
 
-def _worker(rank: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(env: dict[str, str], model: str, out: str) -> dict:
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
     side = _side(model, env, fsdp=True)
     batch, metrics = _run(side)
     result = {
@@ -67,35 +54,18 @@ def _worker(rank: int, port: int, model: str, out: str) -> None:
         "ref": side.compute_ref_logprobs(batch),
     }
     side.save(Path(out) / "ckpt")
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump(result, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return result
 
 
 def test_lora_fsdp_two_processes_match_one(tmp_path, tiny_checkpoint):
     torch.set_num_threads(1)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
+    ranks = TwoRanks(_worker, str(tiny_checkpoint), str(tmp_path), out=tmp_path)
     torch.manual_seed(0)
     single = _side(str(tiny_checkpoint), {}, fsdp=False)
     batch, ref_metrics = _run(single)
     ref_adapter = single.adapter_state_for_sync()
     ref_ref = single.compute_ref_logprobs(batch)
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
-    r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
+    r0, r1 = ranks.results()
     assert r0["sharding"] == "fsdp2-direct"
     assert r0["trainable"] and all(".lora_" in n for n in r0["trainable"])
     assert r1["adapter"] == {}  # gathered to rank 0 only

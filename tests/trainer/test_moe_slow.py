@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from fsdp_testlib import TwoRanks
 from moe_testlib import moe_side, routed_groups
 from safetensors.torch import load_file
 
-from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.toy_moe import make_tiny_moe_checkpoint
 from verst.trainer.train.batch import build_train_batch
 from verst.trainer.train.side import TrainSide
@@ -44,50 +41,22 @@ def _side(model: str, mode: str, env: dict[str, str], fsdp: bool) -> TrainSide:
     )
 
 
-def _worker(rank: int, port: int, model: str, mode: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+def _worker(env: dict[str, str], model: str, mode: str) -> dict:
     side = _side(model, mode, env, fsdp=True)
     batch = build_train_batch(routed_groups())
     metrics = [side.train_step(batch) for _ in range(STEPS)]
-    weights = side.state_dict_for_sync()
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump({"metrics": metrics, "weights": weights}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return {"metrics": metrics, "weights": side.state_dict_for_sync()}
 
 
 @pytest.mark.parametrize("mode", ["rollout", "old_policy"])
 def test_two_process_fsdp_replay_matches_one_process(tmp_path, moe_model, mode) -> None:
     torch.set_num_threads(1)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, str(moe_model), mode, str(tmp_path))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
+    ranks = TwoRanks(_worker, str(moe_model), mode, out=tmp_path, timeout_s=300)
     single = _side(str(moe_model), mode, {}, fsdp=False)
     batch = build_train_batch(routed_groups())
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
-    for p in procs:
-        p.join(300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
-    r0 = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    r0, _ = ranks.results()
     for k, v in ref.items():
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):

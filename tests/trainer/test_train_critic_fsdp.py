@@ -7,15 +7,12 @@ Marked slow: `uv run pytest -m slow tests/trainer/test_train_critic_fsdp.py`.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from fsdp_testlib import TwoRanks
 
-from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.toy import toy_groups
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
@@ -55,49 +52,27 @@ def _run(side: TrainSide) -> list[dict[str, float]]:
     return [side.train_step(batch) for _ in range(STEPS)]
 
 
-def _worker(rank: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(env: dict[str, str], model: str, out: str) -> dict:
     from verst.trainer.train.fsdp import is_sharded
 
-    torch.set_num_threads(1)
-    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(port)
     side = _side(model, env, fsdp=True)
     metrics = _run(side)
     assert side.critic is not None
     sharded = {n: is_sharded(p) for n, p in side.critic.module.named_parameters() if p.shape[0] >= 2}
     state = side.critic.state()  # a collective: full state on every rank (cpu_offload: rank 0)
     side.save(Path(out) / "ckpt")  # a collective; rank 0 writes critic/state.pt
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump({"metrics": metrics, "sharded": sharded, "critic": state["model"]}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # exit right after destroy (PLATFORM.md: rare aborts in FSDP teardown otherwise)
+    return {"metrics": metrics, "sharded": sharded, "critic": state["model"]}
 
 
 @pytest.mark.slow  # ~20 s on 2 cores (two forked trainers and a reference, each with a critic)
 def test_critic_under_two_process_fsdp_matches_one_process(tmp_path, tiny_checkpoint):
     torch.set_num_threads(1)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
+    ranks = TwoRanks(_worker, str(tiny_checkpoint), str(tmp_path), out=tmp_path)
     single = _side(str(tiny_checkpoint), {}, fsdp=False)
     ref_metrics = _run(single)
     assert single.critic is not None
     ref = single.critic.state()["model"]
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
-    r0 = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    r0, _ = ranks.results()
     assert r0["sharded"] and all(r0["sharded"].values()), r0["sharded"]
     assert r0["critic"].keys() == ref.keys()
     for k, v in ref.items():

@@ -1,19 +1,17 @@
 """FSDP on CPU: 2 processes over gloo really shard, and train like 1 process.
 
 accelerate ignores its FSDP plugin on CPU; verst shards with FSDP2 `fully_shard` directly. The
-workers are real processes (forked, so they inherit the imported modules instead of spending
-seconds re-importing transformers), one torch thread each, rendezvous over TCP on loopback.
+workers are real processes (forked, one torch thread each, rendezvous over TCP on loopback:
+`fsdp_testlib.TwoRanks`).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from fsdp_testlib import TwoRanks
 
 from verst.rollout.engines.sglang.launcher import free_port
 from verst.rollout.toy import toy_groups
@@ -52,43 +50,21 @@ def _train(model: str, env: dict[str, str], fsdp: bool) -> tuple[TrainSide, list
     return side, [side.train_step(batch) for _ in range(STEPS)]
 
 
-def _worker(rank: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(env: dict[str, str], model: str, out: str) -> dict:
     from verst.trainer.train.fsdp import is_sharded
 
-    torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
     side, metrics = _train(model, env, fsdp=True)
     shards = {
         n: (p.to_local().numel(), p.numel(), is_sharded(p)) for n, p in side.bundle.module.named_parameters()
     }
     weights = side.state_dict_for_sync()  # a collective: full weights on rank 0
     side.save(Path(out) / "ckpt")  # a collective too; rank 0 writes
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump(
-            {"shards": shards, "metrics": metrics, "weights": weights, "sharding": side.bundle.sharding}, fh
-        )
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # exit right after destroy (see PLATFORM.md: rare aborts in FSDP teardown otherwise)
+    return {"shards": shards, "metrics": metrics, "weights": weights, "sharding": side.bundle.sharding}
 
 
 def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_checkpoint):
     torch.set_num_threads(1)
-    port = free_port()
-    ctx = mp.get_context("fork")  # children inherit the imported modules (a spawn re-imports transformers)
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
+    ranks = TwoRanks(_worker, str(tiny_checkpoint), str(tmp_path), out=tmp_path)
     # the 1-process reference trains while the workers run
     single = TrainSide(
         _config(str(tiny_checkpoint), False),
@@ -102,14 +78,7 @@ def test_two_process_cpu_fsdp_shards_and_matches_one_process(tmp_path, tiny_chec
     batch = build_train_batch(_groups(single.bundle.hf_model.config.vocab_size))
     ref_metrics = [single.train_step(batch) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():  # a hung worker fails the test instead of hanging the suite
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed (see captured stderr)"
-    r0, r1 = (pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2))
+    r0, r1 = ranks.results()
 
     assert r0["sharding"] == "fsdp2-direct"
     # every parameter is a DTensor split across the two ranks (large ones really sharded)

@@ -9,16 +9,12 @@ environment — and compares each step's lr with the 1-process schedule.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import pickle
-from pathlib import Path
 
 import pytest
-import torch
+from fsdp_testlib import TwoRanks
 from test_train_fsdp import _groups
 
-from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
@@ -29,13 +25,10 @@ STEPS, TOTAL = 3, 10
 CFG = {"lr": 1.0, "warmup_steps": 4, "scheduler": "cosine", "min_lr_ratio": 0.1}
 
 
-def _worker(rank: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
+def _worker(env: dict[str, str], model: str) -> dict:
     from accelerate.state import AcceleratorState
 
-    torch.set_num_threads(1)
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**env, "LOCAL_WORLD_SIZE": "2"}
     os.environ.update(env)  # what torchrun gives each rank (accelerate reads os.environ itself)
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's 1-process state, forked
     cfg = TrainConfig(model_path=model, micro_batch_size=2, num_threads=1, **CFG)
@@ -50,35 +43,19 @@ def _worker(rank: int, port: int, model: str, out: str) -> None:
     )
     batch = build_train_batch(_groups(side.bundle.hf_model.config.vocab_size))
     lrs = [side.train_step(batch)["train/lr"] for _ in range(STEPS)]
-    result = {
+    return {
         "sharding": side.bundle.sharding,
         "world": side.bundle.accelerator.num_processes,
         "lrs": lrs,
         "last_epoch": side.bundle.raw_scheduler().last_epoch,
     }
-    (Path(out) / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 def test_lr_schedule_steps_once_per_optimizer_step_with_two_accelerate_processes(tmp_path, tiny_checkpoint):
-    port = free_port()
-    ctx = mp.get_context("fork")  # children inherit the imported modules (a spawn re-imports transformers)
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tiny_checkpoint), str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():  # a hung worker fails the test instead of hanging the suite
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "a worker failed (see captured stderr)"
+    results = TwoRanks(_worker, str(tiny_checkpoint), out=tmp_path).results()
     fn = lr_lambda(TrainConfig(**CFG), TOTAL)
     expected = [CFG["lr"] * fn(step) for step in range(STEPS)]  # the 1-process schedule
-    for rank in (0, 1):
-        r = pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes())
+    for rank, r in enumerate(results):
         assert r["sharding"] == "none" and r["world"] == 2, r  # the accelerate (DDP) path, 2 ranks
         assert r["lrs"] == pytest.approx(expected, rel=1e-9), f"rank {rank}: {r['lrs']} != {expected}"
         assert r["last_epoch"] == STEPS, f"rank {rank} stepped its scheduler {r['last_epoch']} times"

@@ -6,16 +6,11 @@ empty micro-batch): the projector must still line up across ranks."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-from pathlib import Path
-
 import pytest
 import torch
+from fsdp_testlib import TwoRanks
 from vlm_testlib import image_groups
 
-from verst.rollout.engines.sglang.launcher import free_port
 from verst.trainer.algorithms import AlgorithmConfig
 from verst.trainer.config import TrainConfig
 from verst.trainer.train.batch import build_train_batch
@@ -39,50 +34,25 @@ def _side(model: str, env: dict[str, str], fsdp: bool) -> TrainSide:
     )
 
 
-def _worker(rank: int, port: int, model: str, groups, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+def _worker(env: dict[str, str], model: str, groups) -> dict:
     side = _side(model, env, fsdp=True)
     metrics = [side.train_step(build_train_batch(groups)) for _ in range(STEPS)]
     weights = side.state_dict_for_sync()  # a collective: full weights on rank 0
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump({"metrics": metrics, "weights": weights, "sharding": side.bundle.sharding}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # exit right after destroy (PLATFORM.md: rare aborts in FSDP teardown otherwise)
+    return {"metrics": metrics, "weights": weights, "sharding": side.bundle.sharding}
 
 
 def test_two_process_fsdp_with_images_matches_one_process(tmp_path, vlm_checkpoints, image_files):
     torch.set_num_threads(1)
     model = str(vlm_checkpoints["llava"])
     groups = image_groups(model, image_files, groups=3, text_only=(1,))
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, port, model, groups, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
+    ranks = TwoRanks(_worker, model, groups, out=tmp_path, timeout_s=300)
     single = _side(model, {}, fsdp=False)
     frozen = {n for n, p in single.bundle.module.named_parameters() if not p.requires_grad}
     assert frozen and all("vision_tower" in n for n in frozen)  # train.vision.freeze (default)
     before = {k: v.clone() for k, v in single.state_dict_for_sync().items()}
     ref_metrics = [single.train_step(build_train_batch(groups)) for _ in range(STEPS)]
     ref = single.state_dict_for_sync()
-    for p in procs:
-        p.join(300)
-    for p in procs:
-        if p.is_alive():  # a hung worker (collectives out of step) fails the test, not the suite
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "an FSDP worker failed or hung (see captured stderr)"
-    r0 = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    r0, _ = ranks.results()
     assert r0["sharding"] == "fsdp2-direct"
     for m_fsdp, m_ref in zip(r0["metrics"], ref_metrics, strict=True):
         assert m_fsdp["train/grad_norm"] == pytest.approx(m_ref["train/grad_norm"], rel=1e-4)
