@@ -35,7 +35,8 @@ second (process time, all threads) are printed too (steadier on a loaded machine
 
 The model is the tiny test checkpoint unless `--vocab/--hidden/--layers` give a random Llama
 of that shape (e.g. `--vocab 49152 --hidden 384 --layers 8`, ~30M parameters, SmolLM2's
-vocabulary size). `--profile` prints a cProfile of one engine run instead of timing.
+vocabulary size). `--profile` prints a cProfile of the engine's worker thread over `--repeats`
+runs of one case (the headline's unless `--case`) instead of timing.
 
 Run:  uv run python benchmarks/engine_throughput.py [--requests 64 --group-size 8 --threads 1]
 Last line: `engine_vs_hf_generate=<equal_distinct> shared_prompt=<r> drawn=<r>`, each the engine's
@@ -181,21 +182,22 @@ CASES = {  # name: (rows per prompt, lengths)
 }
 
 
+def case_lengths(args, mode: str, seed: int) -> list[int] | None:
+    """Every row's new tokens in one run of a case (None: `natural`, each row stops at EOS)."""
+    if mode == "natural":
+        return None
+    if mode == "equal":
+        return [int(args.mean_new_tokens)] * args.requests
+    return draw_lengths(args.requests, args.mean_new_tokens, args.max_new_tokens, seed)
+
+
 async def measure(engine, args, group_size: int, lengths_mode: str, pad_id: int, eos: int | None) -> float:
     """Interleaved timed pairs of one case; prints its lines and returns the median ratio."""
     model = engine.model
     prompts = make_prompts(args.requests, group_size, *args.prompt_len, engine.vocab_size)
-
-    def lengths_for(seed: int) -> list[int] | None:
-        if lengths_mode == "natural":
-            return None
-        if lengths_mode == "equal":
-            return [int(args.mean_new_tokens)] * args.requests
-        return draw_lengths(args.requests, args.mean_new_tokens, args.max_new_tokens, seed)
-
     hf, eng, hf_cpu, eng_cpu, toks = [], [], [], [], []
     for rep in range(args.repeats):  # interleaved, so machine load hits both alike
-        lengths = lengths_for(rep)
+        lengths = case_lengths(args, lengths_mode, rep)
         n, t, c = run_hf(model, prompts, lengths, args.max_new_tokens, pad_id, eos)
         hf.append(n / t)
         hf_cpu.append(n / c)
@@ -248,10 +250,14 @@ async def main() -> None:
             f"max_new_tokens={args.max_new_tokens} mean_new_tokens={args.mean_new_tokens} threads={args.threads} "
             f"params={params / 1e6:.2f}M vocab={engine.vocab_size}"
         )
-        if args.profile:  # the worker thread's profile, warm-up included
-            prompts = make_prompts(args.requests, args.group_size, *args.prompt_len, engine.vocab_size)
-            for _ in range(args.repeats):
-                lengths = draw_lengths(args.requests, args.mean_new_tokens, args.max_new_tokens, 0)
+        if args.profile:  # the worker thread over one case (the headline's unless --case), warm-up included
+            group, mode = CASES[args.case or "equal_distinct"]
+            mode = args.lengths or mode
+            prompts = make_prompts(
+                args.requests, group or args.group_size, *args.prompt_len, engine.vocab_size
+            )
+            for rep in range(args.repeats):
+                lengths = case_lengths(args, mode, rep)
                 await run_engine(engine, prompts, lengths, args.max_new_tokens)
             await engine.close()
             pstats.Stats(engine.profile).sort_stats("tottime").print_stats(30)

@@ -44,3 +44,20 @@ def test_one_hot_rows_and_mixed_greedy_and_seeded_rows():
     tokens, lps = sample(logits, BatchSampling.build(rows, vocab, "cpu"))
     assert tokens.tolist() == [299, 0, 256, 17]
     assert torch.allclose(lps, torch.log_softmax(logits, -1))
+
+
+def test_one_block_vocabulary_draws_its_edges_and_never_a_dropped_token():
+    """A vocabulary of one block (the plain-CDF path): first and last tokens are drawn, and a
+    top-k row never draws past its k even when every dropped token sits before it."""
+    vocab = 64
+    logits = torch.full((4, vocab), -30.0)
+    logits[0, 0] = logits[1, 63] = 30.0
+    logits[2] = torch.arange(vocab, dtype=torch.float32) * 0.01  # top-2: only 62 and 63
+    logits[3, 5] = logits[3, 6] = 0.0  # two equal tokens, the rest negligible
+    rows = [RowSampling(1.0, 1.0, -1, None)] * 2 + [
+        RowSampling(1.0, 1.0, 2, None),
+        RowSampling(1.0, 1.0, -1, None),
+    ]
+    draws = [sample(logits, BatchSampling.build(rows, vocab, "cpu"))[0].tolist() for _ in range(200)]
+    assert {d[0] for d in draws} == {0} and {d[1] for d in draws} == {63}
+    assert {d[2] for d in draws} == {62, 63} and {d[3] for d in draws} == {5, 6}

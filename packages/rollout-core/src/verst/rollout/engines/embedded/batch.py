@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
+from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.kv_cache import growing_cache
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
@@ -68,6 +69,18 @@ class Row:
     """The engine's completion handle (future, loop, stream queue)."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """MoE models: the experts chosen at each fed position, in chunks (`[n, layers × k]`, CPU)."""
+    limit: int = 0
+    """Output tokens after which the row ends by length (its budget, or the context's room)."""
+    extras: bool = False
+    """It asks for more than the sampled token's log-prob (top-k or `token_ids_logprob` pairs)."""
+    stop_strings: bool = False
+    """It has stop strings (checked on the decoded tail after every token)."""
+
+    def __post_init__(self) -> None:
+        req = self.request
+        self.limit = min(req.sampling.max_new_tokens, self.context_len - len(req.input_ids))
+        self.extras = req.top_logprobs_num > 0 or bool(req.token_ids_logprob)
+        self.stop_strings = bool(req.sampling.stop)
 
     @property
     def prompt_len(self) -> int:
@@ -166,6 +179,8 @@ class DecodeBatch:
         self.routers = RouterHooks.of(model)
         """MoE models: records every forward's expert choices (rows keep theirs, `Row.routing`)."""
         growing_cache(model.config)  # fail at construction for unsupported cache layouts
+        self.direct: DirectDecode | None = DirectDecode.of(model)
+        """The decode step without the model's wrappers (`embedded.direct`); None: `model(...)`."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -281,13 +296,16 @@ class DecodeBatch:
         n = self.mask.shape[0]  # slots, dead ones included
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
         self._route(self.slot_rows)
-        out = self.model(
-            input_ids=self.last[:, None],
-            attention_mask=self.mask,
-            position_ids=self.next_pos[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        if self.direct is not None:
+            logits = self.direct(self.last[:, None], self.mask, self.next_pos[:, None], self.cache)
+        else:
+            logits = self.model(
+                input_ids=self.last[:, None],
+                attention_mask=self.mask,
+                position_ids=self.next_pos[:, None],
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[:, -1, :]  # [slots, vocab]
         self.next_pos = self.next_pos + 1
         if self.routers is not None:  # [slots, layers × k]
             routed, at = (
@@ -297,7 +315,7 @@ class DecodeBatch:
             for r, j in zip(self.rows, at, strict=True):
                 r.routing.append(routed[j : j + 1])
         assert self.sampling is not None
-        tokens, lps = sample(out.logits[:, -1, :], self.sampling)
+        tokens, lps = sample(logits, self.sampling)
         self.last = tokens
         self._record(self.rows, tokens, lps, self.slots)
 
@@ -310,6 +328,18 @@ class DecodeBatch:
         at = slots if slots is not None else range(len(rows))
         toks = tokens.tolist()
         chosen = lps.gather(-1, tokens[:, None])[:, 0].tolist()
+        if any(r.extras for r in rows):
+            self._record_extras(rows, lps, at)
+        for r, j in zip(rows, at, strict=True):
+            tok = toks[j]
+            r.output_ids.append(tok)
+            r.output_logprobs.append(chosen[j])
+            if tok in r.stop_ids or r.stop_strings or len(r.output_ids) >= r.limit:
+                self._check_finish(r)
+
+    @staticmethod
+    def _record_extras(rows: list[Row], lps: torch.Tensor, at: Any) -> None:
+        """Top-k and `token_ids_logprob` pairs of the rows that ask for them.  lps: [slots, vocab]."""
         need_top = [i for i, r in enumerate(rows) if r.request.top_logprobs_num > 0]
         if need_top:
             k = max(rows[i].request.top_logprobs_num for i in need_top)
@@ -319,9 +349,6 @@ class DecodeBatch:
         for r, j in zip(rows, at, strict=True):
             if r.request.token_ids_logprob:
                 r.output_ids_lp.append(ids_logprobs(lps[j : j + 1], r.request.token_ids_logprob)[0])
-            r.output_ids.append(toks[j])
-            r.output_logprobs.append(chosen[j])
-            self._check_finish(r)
 
     def _check_finish(self, r: Row) -> None:
         tok = r.output_ids[-1]

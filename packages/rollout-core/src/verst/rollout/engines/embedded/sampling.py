@@ -142,6 +142,10 @@ def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> torch.Tensor:
     out: the draw lands in (cdf[i-1], cdf[i]] of exactly one token i (its block searched first)."""
     n, vocab = scores.shape
     blk, nb = _block(vocab), _blocks(vocab)
+    if nb == 1:  # a vocabulary of one block: the plain CDF (the same inversion, fewer operations)
+        cdf = scores.exp().cumsum(-1)  # [batch, vocab]
+        x = _uniforms(s, n, scores.device) * cdf[:, -1:]  # [batch, 1], in (0, total]
+        return torch.searchsorted(cdf, x)[:, 0].clamp_(max=vocab - 1)
     probs = s.probs
     if probs is None or probs.shape != (n, nb * blk) or probs.device != scores.device:
         probs = torch.zeros((n, nb * blk), device=scores.device)

@@ -1,0 +1,135 @@
+"""The embedded engine's decode step, run module by module under transformers' wrappers.
+
+A decode step through `model(...)` pays, every step, for what one token per row on the engine's
+own cache does not need: the output-capturing and config-default decorators of the model's
+`forward`, `create_causal_mask` turning the 2-D padding mask into the 4-D one (for one query per
+row it is the padding mask itself), the output dataclasses, and per layer the decoder layer's and
+attention module's own call machinery, the attention-interface lookup and the cache's wrapper. On
+a small model that is a large share of the step. `DirectDecode` runs the same modules in the same
+order — `embed_tokens`, `rotary_emb`, per layer the norm, `q/k/v_proj` (and Qwen3's `q_norm` /
+`k_norm`), RoPE, the cache layer's `update`, the attention (SDPA itself when every query head has
+its own KV head, else the model's attention function), `o_proj`, the norm,
+`mlp`; then `norm` and `lm_head` — with the same arithmetic: RMSNorm as `F.rms_norm` on float32
+(the same operations as the modules' `forward`, bit for bit) and RoPE's `rotate_half(x) · sin` as
+`roll(x) · (±sin)` (the same products). The logits equal the full forward's
+(`tests/engines/test_engine_direct_decode.py`). The projections and the MLP are called as modules,
+so forward hooks on them (LoRA adapters, MoE router recording) fire as before.
+
+It serves the decoder families whose model `forward` is exactly that loop (`FAMILIES`), with full
+attention on SDPA (or the engine's grouped SDPA); anything else (vision-language models, eager
+attention, other families) decodes through `model(...)` as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from verst.rollout.engines.embedded.attention import ATTENTION_NAME
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+"""transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
+layer pre-norm attention (optional q/k norm, standard RoPE) plus a pre-norm MLP, residuals around both."""
+
+_ATTENTION = frozenset({"sdpa", ATTENTION_NAME})
+"""Attention implementations whose mask is a boolean `[batch, 1, query, keys]` (True = attend)."""
+
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+_LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+
+
+def _rms_norm_fn(norm: Any, fused: bool) -> Any:
+    """`norm` as a function: `F.rms_norm` for the families' RMSNorm on float32 (the same
+    operations as its forward), else the module itself."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not fused or not type(norm).__name__.endswith("RMSNorm") or weight is None or eps is None:
+        return norm
+    shape = (weight.shape[-1],)
+    return lambda x: F.rms_norm(x, shape, weight, eps)
+
+
+class DirectDecode:
+    """One decode step of a supported causal LM without its wrappers (see the module doc)."""
+
+    def __init__(self, model: Any) -> None:
+        self.config = model.config
+        self.lm_head = model.lm_head
+        self.body = model.model
+        self.layers = list(model.model.layers[: model.config.num_hidden_layers])
+        fused = next(model.parameters()).dtype == torch.float32
+        self.final_norm = _rms_norm_fn(model.model.norm, fused)
+        self.norms = [
+            (_rms_norm_fn(layer.input_layernorm, fused), _rms_norm_fn(layer.post_attention_layernorm, fused))
+            for layer in self.layers
+        ]
+        self.qk_norms = [
+            (_rms_norm_fn(layer.self_attn.q_norm, fused), _rms_norm_fn(layer.self_attn.k_norm, fused))
+            if hasattr(layer.self_attn, "q_norm")
+            else None
+            for layer in self.layers
+        ]
+
+    @classmethod
+    def of(cls, model: Any) -> DirectDecode | None:
+        """The direct step for `model`, or None when it must decode through `model(...)`."""
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in FAMILIES or cfg._attn_implementation not in _ATTENTION:
+            return None
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+            return None
+        body = getattr(model, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if body is None or not hasattr(model, "lm_head") or not all(hasattr(body, p) for p in parts):
+            return None
+        for layer in body.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None or not all(hasattr(attn, p) for p in _ATTN_PARTS):
+                return None
+            if not all(hasattr(layer, p) for p in _LAYER_PARTS):
+                return None
+        return cls(model)
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        """ids [batch, 1], mask [batch, cols] (1 = attend; the fed token's column included),
+        pos [batch, 1] → the next-token logits [batch, vocab]."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        hidden = self.body.embed_tokens(ids)  # [batch, 1, hidden]
+        attend = mask[:, None, None, :].bool()  # [batch, 1, 1, cols]: one query sees its padding mask
+        cos, sin = self.body.rotary_emb(hidden, position_ids=pos)  # [batch, 1, head_dim] each
+        half = cos.shape[-1] // 2
+        rope = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]  # [b, 1, 1, d]
+        ctx = (rope, attend, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
+        for i, layer in enumerate(self.layers):
+            hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
+        return self.lm_head(self.final_norm(hidden))[:, -1]
+
+    def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
+        """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
+        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, attention function)."""
+        (rope, attend, attention), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
+        b, d = hidden.shape[0], attn.head_dim
+        x = pre(hidden)
+        q = attn.q_proj(x).view(b, 1, -1, d)  # [batch, 1, heads, d]
+        k = attn.k_proj(x).view(b, 1, -1, d)
+        if self.qk_norms[i] is not None:
+            q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
+        v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
+        q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
+        k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
+        if q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling)
+            out = out.transpose(1, 2)
+        else:
+            out, _ = attention(attn, q, k, v, attend, dropout=0.0, scaling=attn.scaling)
+        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))  # out [batch, 1, heads, d]
+        return hidden + layer.mlp(post(hidden))
+
+
+def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`x · cos + rotate_half(x) · sin` as `x · cos + roll(x) · (−sin_a, sin_b)`: the same products.
+    x [batch, heads, 1, d]."""
+    cos, signed_sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
