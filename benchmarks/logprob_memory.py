@@ -4,10 +4,13 @@ Why: full `[tokens, vocab]` float32 logits are the classic RL-training OOM. This
 CPU, forward + backward (gradients for hidden and the LM-head weight, with a non-uniform upstream
 gradient as GRPO produces) of
 
-  naive: log_softmax(hidden @ W.T / T).gather(-1, ids)        (full logits, autograd)
-  ours:  verst.kernels.linear_token_logprobs(hidden, W, ids, T) (token chunks, recompute backward)
+  naive:     log_softmax(hidden @ W.T / T).gather(-1, ids)        (full logits, autograd)
+  ours:      verst.kernels.linear_token_logprobs(hidden, W, ids, T) (token chunks; the default
+             keep-or-recompute choice: recompute here, the logits are 2.3 GiB)
+  recompute: the same with keep_logits_max_bytes=0 (the backward recomputes each chunk's logits)
+  keep:      the same with an unlimited budget (the forward keeps the [N, V] logits for the backward)
 
-at vocab 151,936, hidden 896, 4,096 tokens, float32. Each variant runs in a fresh Python process
+at vocab 151,936, hidden 896, 4,096 tokens, float32 (`--variants` picks; the default is naive,ours). Each variant runs in a fresh Python process
 (subprocess) that allocates its inputs first; then the peak resident memory is reset
 (`/proc/self/clear_refs`, VmHWM) and also sampled by a thread from `/proc/self/statm`. Reported:
 the extra peak above the inputs (max of the two methods; tracemalloc does not see torch's
@@ -16,9 +19,15 @@ allocations), and totals (inputs + extra; whole-process peak RSS).
 Run (Linux, ~1 min, needs ~8 GiB free RAM):
   uv run python benchmarks/logprob_memory.py
   uv run python benchmarks/logprob_memory.py --tokens 8192 --chunk-size 128 --repeats 3
+  # the LM head's backward with and without the recompute, at the vs_trl_scale micro-batch:
+  uv run python benchmarks/logprob_memory.py --vocab 49152 --hidden 384 --tokens 1024 \
+      --temperature 1.0 --variants recompute,keep --repeats 3
 
-The last line is `peak_memory_ratio=<naive/ours, extra above inputs> time_ratio=<ours/naive>`.
-Targets: memory ratio >= 8, time ratio <= 1.5.
+The last line is `peak_memory_ratio=<naive/ours, extra above inputs> time_ratio=<ours/naive>`
+(targets: memory ratio >= 8, time ratio <= 1.5) when both are run, then
+`keep_over_recompute_time=... keep_over_recompute_memory=...` when both of those are; the
+variants alternate within each repeat (the order flips every repeat), and the ratios are
+medians of the per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import threading
 import time
 
 MiB = 1024 * 1024
+VARIANTS = ("naive", "ours", "recompute", "keep")
 
 
 def _rss_bytes() -> int:
@@ -87,8 +97,9 @@ def child(args: argparse.Namespace) -> None:
     ids = torch.randint(0, V, (N,), generator=g)  # [N]
     upstream = torch.randn(N, generator=g)  # [N] per-token weights (advantages x mask)
     inputs_bytes = sum(t.numel() * t.element_size() for t in (weight, hidden, ids, upstream))
-    if args.variant == "ours":
+    if args.variant != "naive":
         from verst.kernels import linear_token_logprobs  # import before the baseline is taken
+    budget = {"ours": None, "recompute": 0, "keep": 1 << 62}.get(args.variant)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
@@ -99,7 +110,9 @@ def child(args: argparse.Namespace) -> None:
     if args.variant == "naive":
         lp = torch.log_softmax(hidden @ weight.T / T, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
     else:
-        lp = linear_token_logprobs(hidden, weight, ids, T, chunk_size=args.chunk_size, backend="torch")
+        lp = linear_token_logprobs(
+            hidden, weight, ids, T, chunk_size=args.chunk_size, backend="torch", keep_logits_max_bytes=budget
+        )
     (lp * upstream).sum().backward()
     elapsed = time.perf_counter() - t0
     peak_sampled = sampler.stop()
@@ -141,41 +154,71 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per variant (alternating); medians reported")
-    p.add_argument("--child", choices=["naive", "ours"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--variants", default="naive,ours", help=f"comma-separated, from {','.join(VARIANTS)} (alternated)"
+    )
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         args.variant = args.child
         child(args)
         return
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants must name some of {', '.join(VARIANTS)}, got {args.variants!r}")
     print(
         f"V={args.vocab} H={args.hidden} N={args.tokens} float32 chunk={args.chunk_size} threads={args.threads}"
     )
-    runs: dict[str, list[dict]] = {"naive": [], "ours": []}
-    for _ in range(args.repeats):
-        for variant in ("naive", "ours"):
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for i in range(args.repeats):
+        for variant in variants if i % 2 == 0 else variants[::-1]:
             r = run_variant(variant, args)
             runs[variant].append(r)
             print(
-                f"  {variant:5s} {r['seconds']:7.2f} s  extra {r['extra_mib']:8.0f} MiB "
+                f"  {variant:9s} {r['seconds']:7.2f} s  extra {r['extra_mib']:8.0f} MiB "
                 f"(VmHWM {r['extra_hwm_mib']:.0f}, sampled {r['extra_sampled_mib']:.0f})  "
-                f"inputs {r['inputs_mib']:.0f} MiB  process peak {r['process_peak_mib']:.0f} MiB"
+                f"inputs {r['inputs_mib']:.0f} MiB  process peak {r['process_peak_mib']:.0f} MiB",
+                flush=True,
             )
+    report(runs, args.repeats)
+
+
+def _ratio(runs: dict[str, list[dict]], num: str, den: str, key: str) -> float:
+    """Median over repeats of the per-repeat ratio `num / den` of `key`."""
+    return statistics.median(a[key] / b[key] for a, b in zip(runs[num], runs[den], strict=True))
+
+
+def report(runs: dict[str, list[dict]], repeats: int) -> None:
     med = {
         v: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "variant"} for v, rs in runs.items()
     }
-    n, o = med["naive"], med["ours"]
-    rel = abs(n["grad_w_norm"] - o["grad_w_norm"]) / n["grad_w_norm"]
-    print(f"grad_W norm rel. diff naive vs ours: {rel:.1e}")
-    print(
-        f"totals (inputs + extra): naive {n['inputs_mib'] + n['extra_mib']:.0f} MiB, ours "
-        f"{o['inputs_mib'] + o['extra_mib']:.0f} MiB -> {(n['inputs_mib'] + n['extra_mib']) / (o['inputs_mib'] + o['extra_mib']):.2f}x; "
-        f"whole-process peak: {n['process_peak_mib']:.0f} vs {o['process_peak_mib']:.0f} MiB -> "
-        f"{n['process_peak_mib'] / o['process_peak_mib']:.2f}x"
-    )
-    print(f"time: naive {n['seconds']:.2f} s, ours {o['seconds']:.2f} s (median of {args.repeats})")
-    print(
-        f"peak_memory_ratio={n['extra_mib'] / o['extra_mib']:.2f} time_ratio={o['seconds'] / n['seconds']:.2f}"
-    )
+    for v, m in med.items():
+        print(f"{v}: median {m['seconds']:.2f} s, extra {m['extra_mib']:.0f} MiB (of {repeats})")
+    last = []
+    if "naive" in med and "ours" in med:
+        n, o = med["naive"], med["ours"]
+        rel = abs(n["grad_w_norm"] - o["grad_w_norm"]) / n["grad_w_norm"]
+        print(f"grad_W norm rel. diff naive vs ours: {rel:.1e}")
+        print(
+            f"totals (inputs + extra): naive {n['inputs_mib'] + n['extra_mib']:.0f} MiB, ours "
+            f"{o['inputs_mib'] + o['extra_mib']:.0f} MiB -> {(n['inputs_mib'] + n['extra_mib']) / (o['inputs_mib'] + o['extra_mib']):.2f}x; "
+            f"whole-process peak: {n['process_peak_mib']:.0f} vs {o['process_peak_mib']:.0f} MiB -> "
+            f"{n['process_peak_mib'] / o['process_peak_mib']:.2f}x"
+        )
+        print(f"time: naive {n['seconds']:.2f} s, ours {o['seconds']:.2f} s (median of {repeats})")
+        last.append(
+            f"peak_memory_ratio={n['extra_mib'] / o['extra_mib']:.2f} "
+            f"time_ratio={_ratio(runs, 'ours', 'naive', 'seconds'):.2f}"
+        )
+    if "keep" in med and "recompute" in med:
+        per_pair = [a["seconds"] / b["seconds"] for a, b in zip(runs["keep"], runs["recompute"], strict=True)]
+        print(f"keep / recompute time per repeat: {' '.join(f'{x:.3f}' for x in per_pair)}")
+        last.append(
+            f"keep_over_recompute_time={statistics.median(per_pair):.3f} "
+            f"keep_over_recompute_memory={med['keep']['extra_mib'] / med['recompute']['extra_mib']:.2f}"
+        )
+    if last:
+        print(" ".join(last))
 
 
 if __name__ == "__main__":

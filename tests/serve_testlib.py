@@ -1,4 +1,5 @@
-"""`verst serve`'s app on the calling test's event loop, optionally recording what it receives."""
+"""`verst serve`'s app (or any aiohttp app: `serve_app`) on the calling test's event loop, optionally
+recording what it receives."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ async def serve(model_dir, *, info=None, record=None):
             return await handler(request)
 
         app.middlewares.insert(0, recorder)
+    async with serve_app(app) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application):
+    """Any aiohttp app on 127.0.0.1 (a free port) on this loop; yields its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()

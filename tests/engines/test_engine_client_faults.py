@@ -10,11 +10,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
+from serve_testlib import serve_app
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.sglang.client import SGLangClient
-from verst.rollout.engines.sglang.launcher import free_port
 
 OK_GENERATE = {
     "text": "ab",
@@ -43,14 +43,8 @@ async def fault_server(routes: dict):
 
     for path, behaviour in routes.items():
         app.router.add_route("*", path, make(path, behaviour))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}", calls
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, calls
 
 
 async def test_503_while_starting_is_retried_then_succeeds():

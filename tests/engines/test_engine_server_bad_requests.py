@@ -10,28 +10,20 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp import web
+from serve_testlib import serve_app
 
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.engines.serve.server import build_app
 from verst.rollout.engines.sglang.client import error_message
-from verst.rollout.engines.sglang.launcher import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture()
 async def url(tiny_checkpoint):
-    runner = web.AppRunner(
-        build_app(EmbeddedEngine.from_pretrained(tiny_checkpoint), max_request_tokens=4096)
-    )
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    app = build_app(EmbeddedEngine.from_pretrained(tiny_checkpoint), max_request_tokens=4096)
+    async with serve_app(app) as base:
+        yield base
 
 
 async def post(url: str, data: str) -> tuple[int, object, float]:
@@ -99,14 +91,8 @@ async def test_requests_within_the_bound_are_served(url):
 @pytest.fixture()
 async def default_url(tiny_checkpoint):
     """The app with `verst serve`'s default bounds."""
-    runner = web.AppRunner(build_app(EmbeddedEngine.from_pretrained(tiny_checkpoint)))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(build_app(EmbeddedEngine.from_pretrained(tiny_checkpoint))) as base:
+        yield base
 
 
 async def test_a_million_sequences_of_one_token_are_refused_by_the_default_bounds(default_url):

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from serve_testlib import serve_app
 
 from verst.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from verst.rollout.engines.common.errors import InvalidRequest
@@ -57,14 +58,8 @@ async def in_process_server(model_dir):
     from verst.rollout.engines.embedded.engine import EmbeddedEngine
     from verst.rollout.engines.serve.server import build_app
 
-    runner = web.AppRunner(build_app(EmbeddedEngine.from_pretrained(model_dir)))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(build_app(EmbeddedEngine.from_pretrained(model_dir))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -241,14 +236,8 @@ async def stand_in_router(workers: list[str], *, old_form: bool):
         app.router.add_get("/list_workers", list_workers)
     else:
         app.router.add_get("/workers", workers_new)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 @needs_own_servers

@@ -75,15 +75,19 @@ def test_linear_grid(backend, dtype, lead, H, V, chunk):
     _check(hidden, weight, targets, 0.8, chunk, backend)
 
 
+@pytest.mark.parametrize("keep_budget", [0, None], ids=["recompute", "keep"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_arbitrary_upstream_gradients_after_forward(backend):
+def test_arbitrary_upstream_gradients_after_forward(backend, keep_budget):
     """The upstream gradient is not known at forward time (GRPO: advantages, masks, clipping).
-    Two different upstream gradients through the same graph give the two correct gradients."""
+    Two different upstream gradients through the same graph give the two correct gradients,
+    whether the backward recomputes the logits or reads the forward's (which it must not clobber)."""
     hidden, weight, targets = _inputs((6,), 8, 50, torch.float32, seed=2)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp = linear_token_logprobs(h, w, targets, 1.0, chunk_size=2, backend=backend)
+    lp = linear_token_logprobs(
+        h, w, targets, 0.8, chunk_size=2, backend=backend, keep_logits_max_bytes=keep_budget
+    )
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref = reference_linear_token_logprobs(hr, wr, targets)
+    ref = reference_linear_token_logprobs(hr, wr, targets, 0.8)
     for upstream in (
         torch.tensor([1.0, -1.0, 0.0, 2.0, 0.0, -0.5]),
         torch.tensor([0.0, 0.0, 3.0, 0.0, 1.0, 0.0]),
@@ -127,19 +131,23 @@ class _LargestOutput(TorchDispatchMode):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_full_logits_never_materialised(backend):
+    """Outside the keep budget (here 0: always recompute) no op makes anything `[N, V]`."""
     N, H, V, chunk = 64, 8, 500, 8
     hidden, weight, targets = _inputs((N,), H, V, torch.float32, seed=4)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with _LargestOutput() as mode:
-        lp, ent = linear_token_logprobs(h, w, targets, 1.0, True, chunk_size=chunk, backend=backend)
+        lp, ent = linear_token_logprobs(
+            h, w, targets, 1.0, True, chunk_size=chunk, backend=backend, keep_logits_max_bytes=0
+        )
         (lp * torch.randn(N)).sum().add(ent.sum()).backward()
     assert mode.largest <= max(chunk * V, V * H), (
         f"a tensor of {mode.largest} elements (full logits: {N * V})"
     )
     with _LargestOutput() as mode:
         out = linear_topk_logprobs(
-            h, w, 5, token_ids=torch.randint(0, V, (N, 3)), chunk_size=chunk, backend=backend
-        )
+            h, w, 5, token_ids=torch.randint(0, V, (N, 3)), chunk_size=chunk, backend=backend,
+            keep_logits_max_bytes=N * V * 4 - 1,
+        )  # fmt: skip
         out.token_logprobs.sum().backward()
     assert mode.largest <= max(chunk * V, V * H), (
         f"a tensor of {mode.largest} elements (full logits: {N * V})"

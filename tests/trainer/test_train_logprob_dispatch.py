@@ -95,3 +95,28 @@ def test_padded_layout_puts_each_sequence_left_aligned(specs, pad_id):
         gather += range(row * width + n - r - 1, row * width + n - 1)
         targets += seq[n - r :]
     assert out.gather_index.tolist() == gather and out.target_ids.tolist() == targets
+
+
+def test_keeping_the_logits_gives_the_recompute_values_and_gradients():
+    """`keep_logits_mib` (train.logprob_keep_logits_mib) only changes where the backward gets
+    the logits: kept from the forward or recomputed, the results are bit-identical."""
+    results = []
+    for keep_mib in (0, None):  # 0 = recompute; None = the kernels' default budget (kept here)
+        g = torch.Generator().manual_seed(3)
+        hidden = torch.randn(70, 16, generator=g, requires_grad=True)  # [N, H]
+        weight = torch.randn(20_000, 16, generator=g, requires_grad=True)  # [V, H]: chunked
+        target = torch.randint(0, 20_000, (70,), generator=g)
+        lp, ent = hidden_logprobs(
+            hidden, weight, target, temperature=0.8, return_entropy=True, keep_logits_mib=keep_mib
+        )
+        ((lp * torch.linspace(-1, 1, 70)).sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), hidden.grad, weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_config_default_is_the_kernels_default():
+    from verst.kernels import KEEP_LOGITS_MAX_BYTES
+    from verst.trainer.config import TrainConfig
+
+    assert TrainConfig.model_fields["logprob_keep_logits_mib"].default * 2**20 == KEEP_LOGITS_MAX_BYTES

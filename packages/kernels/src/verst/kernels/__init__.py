@@ -6,6 +6,7 @@ token chunks so full `[tokens, vocab]` logits never exist. See docs/kernels.md.
 """
 
 from verst.kernels._api import (
+    KEEP_LOGITS_MAX_BYTES,
     TopKLogprobs,
     linear_token_logprobs,
     linear_topk_logprobs,
@@ -15,6 +16,7 @@ from verst.kernels._api import (
 from verst.kernels._dispatch import Backend, triton_available
 
 __all__ = [
+    "KEEP_LOGITS_MAX_BYTES",
     "Backend",
     "TopKLogprobs",
     "linear_token_logprobs",

@@ -14,6 +14,12 @@ from verst.kernels._torch_impl import TorchRowOps
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+KEEP_LOGITS_MAX_BYTES = 256 * 1024 * 1024
+"""Default budget of the `linear_*` functions' `keep_logits_max_bytes`: the forward keeps a call's
+`[N, V]` logits (the weight's dtype) for the backward, instead of recomputing them chunk by chunk
+there, when they take at most this many bytes (256 MiB: e.g. 1,365 tokens x a 49,152 vocabulary
+in float32; never at 4,096 x 151,936)."""
+
 
 class TopKLogprobs(NamedTuple):
     """Result of `topk_logprobs` / `linear_topk_logprobs` (all float32 / int64)."""
@@ -177,6 +183,21 @@ def _check_head_post(weight: torch.Tensor, bias: torch.Tensor | None, softcap: f
     return cap
 
 
+def _keep_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_bytes: int | None
+) -> bool:
+    """Whether the forward keeps its `[N, V]` logits for the backward (see KEEP_LOGITS_MAX_BYTES):
+    only when a gradient will be asked for and they fit the budget."""
+    budget = KEEP_LOGITS_MAX_BYTES if max_bytes is None else int(max_bytes)
+    if budget < 0:
+        raise ValueError(f"keep_logits_max_bytes must be >= 0 bytes (0 = always recompute), got {max_bytes}")
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    rows = math.prod(hidden.shape[:-1])
+    return wants_grad and rows * weight.shape[0] * weight.element_size() <= budget
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,  # [..., H]
     lm_head_weight: torch.Tensor,  # [V, H]
@@ -188,14 +209,18 @@ def linear_token_logprobs(
     backend: Backend | None = None,
     lm_head_bias: torch.Tensor | None = None,  # [V]
     softcap: float | None = None,
+    keep_logits_max_bytes: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs(post(hidden @ W.T + b), ...)` computed `chunk_size` tokens at a time.
 
-    Full `[N, V]` logits are never materialised, in the forward or the backward (which recomputes
-    each chunk's logits), and gradients for `hidden`, `lm_head_weight` (and `lm_head_bias`) are
-    correct for any upstream gradient (per-token advantages, masks, clipping). `softcap`, when
-    given, is `post(x) = softcap * tanh(x / softcap)` per chunk (before the temperature), as
-    Gemma-2/3's `final_logit_softcapping`; a linear logit scale folds into `temperature`.
+    Gradients for `hidden`, `lm_head_weight` (and `lm_head_bias`) are correct for any upstream
+    gradient (per-token advantages, masks, clipping). The backward needs each chunk's logits
+    again: when a gradient is wanted and the `[N, V]` logits take at most
+    `keep_logits_max_bytes` (None = `KEEP_LOGITS_MAX_BYTES`, 256 MiB; 0 = never) the forward
+    keeps them, else the backward recomputes them chunk by chunk and full logits never exist.
+    `softcap`, when given, is `post(x) = softcap * tanh(x / softcap)` per chunk (before the
+    temperature), as Gemma-2/3's `final_logit_softcapping`; a linear logit scale folds into
+    `temperature`.
     """
     _check_linear(hidden, lm_head_weight, chunk_size)
     cap = _check_head_post(lm_head_weight, lm_head_bias, softcap)
@@ -214,6 +239,7 @@ def linear_token_logprobs(
         0,
         lm_head_bias,
         cap,
+        _keep_logits(hidden, lm_head_weight, lm_head_bias, keep_logits_max_bytes),
     )
     lp = lp.view(lead)
     return (lp, ent.view(lead)) if return_entropy else lp
@@ -230,9 +256,11 @@ def linear_topk_logprobs(
     backend: Backend | None = None,
     lm_head_bias: torch.Tensor | None = None,  # [V]
     softcap: float | None = None,
+    keep_logits_max_bytes: int | None = None,
 ) -> TopKLogprobs:
-    """`topk_logprobs(post(hidden @ W.T + b), ...)` computed in token chunks (no full-vocabulary
-    tensors); `lm_head_bias` and `softcap` as in `linear_token_logprobs`.
+    """`topk_logprobs(post(hidden @ W.T + b), ...)` computed in token chunks; `lm_head_bias`,
+    `softcap` and `keep_logits_max_bytes` as in `linear_token_logprobs` (logits are kept only
+    when `token_ids` is given: nothing else is differentiable).
 
     `token_logprobs` is differentiable wrt `hidden`, `lm_head_weight` (and `lm_head_bias`);
     values/indices are not.
@@ -249,8 +277,9 @@ def linear_topk_logprobs(
     else:
         ids = _check_ids("token_ids", token_ids, lead, V, hidden.device, extra=True)
     ops = _row_ops(hidden.device, backend)
+    keep = token_ids is not None and _keep_logits(hidden, lm_head_weight, lm_head_bias, keep_logits_max_bytes)
     lp, _, _, values, indices = LinearLogprobsFunction.apply(
-        h, lm_head_weight, ids, T, False, int(chunk_size), ops, int(k), lm_head_bias, cap
+        h, lm_head_weight, ids, T, False, int(chunk_size), ops, int(k), lm_head_bias, cap, keep
     )
     out_lp = lp.view(*lead, ids.shape[1]) if token_ids is not None else None
     return TopKLogprobs(values.view(*lead, int(k)), indices.view(*lead, int(k)), out_lp)

@@ -4,7 +4,8 @@
 `[N, H]` and the LM-head weight `[V, H]`: it processes `chunk_size` tokens at a time and never
 holds more than one `[chunk, V]` block of logits, in the forward AND in the backward, where it
 recomputes each chunk's logits (so any upstream gradient is handled correctly: see
-docs/kernels.md, "Why recompute in the backward").
+docs/kernels.md, "Chunked linear path") — unless the caller's memory budget lets it keep the
+forward's `[N, V]` logits for the backward (`keep=True`), which skips the recompute.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ class RowOps(Protocol):
     """The row-operation contract both backends implement (TorchRowOps, TritonRowOps)."""
 
     name: str
+    uses_workspace: bool
+    """Whether `workspace=` (a float32 `[rows, V]` buffer for temporaries) is used or ignored."""
 
     @staticmethod
     def forward(
@@ -27,6 +30,7 @@ class RowOps(Protocol):
         with_entropy: bool,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 
     @staticmethod
@@ -41,6 +45,7 @@ class RowOps(Protocol):
         out_dtype: torch.dtype,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @staticmethod
@@ -90,31 +95,68 @@ class LogprobsFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _chunk_logits(
-    h_c: torch.Tensor,  # [C, H]
-    weight: torch.Tensor,  # [V, H]
-    bias: torch.Tensor | None,  # [V]
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's logits `[C, V]` after the optional bias and soft-cap, and `tanh(x / cap)`
-    (float32, the soft-cap's derivative needs it) or None without a soft-cap."""
-    with _no_autocast(h_c):
-        logits = h_c @ weight.T  # [C, V], never more than one chunk alive
-        if bias is not None:
-            logits += bias
-    if softcap is None:
-        return logits, None
-    t = logits.float().div_(softcap).tanh_()  # [C, V] float32
-    return t * softcap, t
+class _ChunkLogits:
+    """Each chunk's logits `post(h_c @ W.T + b)` for `LinearLogprobsFunction`, and the buffers
+    they live in: one `[chunk, V]` buffer reused by every chunk (CPU allocations of that size
+    are fresh pages each time), or, when the forward keeps them for the backward, rows of one
+    `[N, V]` array. `post` is the optional soft-cap `cap * tanh(x / cap)`."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,  # [N, H]
+        weight: torch.Tensor,  # [V, H]
+        bias: torch.Tensor | None,  # [V]
+        softcap: float | None,
+        rows: int,
+        kept: torch.Tensor | None = None,  # [N, V] pre-soft-cap logits kept by the forward
+    ) -> None:
+        self.hidden, self.weight, self.bias, self.softcap = hidden, weight, bias, softcap
+        self.rows, self.kept = rows, kept
+        self._buf: torch.Tensor | None = None  # [rows, V], the weight's dtype
+        self._f32: torch.Tensor | None = None  # [rows, V] float32, the torch row ops' workspace
+
+    def _raw(self, s: int, e: int, into: torch.Tensor) -> torch.Tensor:
+        with _no_autocast(self.hidden):  # the inputs' dtype, forward and recompute alike
+            torch.mm(self.hidden[s:e], self.weight.T, out=into)  # [C, V]
+            if self.bias is not None:
+                into += self.bias
+        return into
+
+    def compute(self, s: int, e: int, *, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """(logits [C, V], `tanh(x / cap)` float32 or None, whether the logits are a temporary
+        the row ops may overwrite). `keep` (forward only) writes them into the kept rows."""
+        if keep and self.kept is not None:
+            raw, own = self._raw(s, e, self.kept[s:e]), False
+        elif self.kept is not None:  # backward of a keeping forward: read, never write
+            raw, own = self.kept[s:e], False
+        else:
+            if self._buf is None:
+                self._buf = self.weight.new_empty((self.rows, self.weight.shape[0]))
+            raw, own = self._raw(s, e, self._buf[: e - s]), True
+        if self.softcap is None:
+            return raw, None, own
+        x = raw.float()  # [C, V]; the same tensor when raw is float32
+        t = (x.div_(self.softcap) if own or x is not raw else torch.div(x, self.softcap)).tanh_()
+        return t * self.softcap, t, True
+
+    def workspace(self, ops: RowOps, logits: torch.Tensor, overwrite: bool) -> torch.Tensor | None:
+        """The float32 buffer the torch row ops write into when they may not overwrite the logits."""
+        if not ops.uses_workspace or (overwrite and logits.dtype == torch.float32):
+            return None
+        if self._f32 is None:
+            self._f32 = torch.empty((self.rows, logits.shape[1]), dtype=torch.float32, device=logits.device)
+        return self._f32
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
     """Chunked log-probs (and optional entropy / top-k) of `post(hidden @ weight.T + bias) / T`.
 
     `post` is the optional soft-cap `cap * tanh(x / cap)` (Gemma-2/3 `final_logit_softcapping`),
-    applied elementwise per chunk (forward and backward recompute); a linear logit scale is the
-    caller's to fold into the temperature. Outputs: (log-probs [N, M], entropy [N] | None, lse [N],
-    top-k values [N, k] | None, top-k indices [N, k] | None). Only log-probs and entropy are
+    applied elementwise per chunk; a linear logit scale is the caller's to fold into the
+    temperature. `keep=True` keeps every chunk's (pre-soft-cap) logits, `[N, V]` in the weight's
+    dtype, from the forward for the backward instead of recomputing them there (the caller
+    decides by a memory budget). Outputs: (log-probs [N, M], entropy [N] | None, lse [N], top-k
+    values [N, k] | None, top-k indices [N, k] | None). Only log-probs and entropy are
     differentiable (wrt hidden, weight and bias).
     """
 
@@ -131,6 +173,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         topk: int,
         bias: torch.Tensor | None = None,  # [V]
         softcap: float | None = None,
+        keep: bool = False,
     ):
         N, M, dev = hidden.shape[0], targets.shape[1], hidden.device
         logprobs = torch.empty((N, M), dtype=torch.float32, device=dev)
@@ -138,19 +181,23 @@ class LinearLogprobsFunction(torch.autograd.Function):
         lse = torch.empty((N,), dtype=torch.float32, device=dev)
         top_v = torch.empty((N, topk), dtype=torch.float32, device=dev) if topk else None
         top_i = torch.empty((N, topk), dtype=torch.int64, device=dev) if topk else None
+        kept = weight.new_empty((N, weight.shape[0])) if keep else None  # [N, V]
+        chunks = _ChunkLogits(hidden, weight, bias, softcap, min(chunk_size, max(N, 1)), kept)
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
-            logits, _ = _chunk_logits(hidden[s:e], weight, bias, softcap)  # [C, V]
+            logits, _, own = chunks.compute(s, e, keep=keep)  # [C, V]
+            overwrite = own and not topk  # top-k reads the logits afterwards: keep them intact then
             lp_c, ent_c, lse_c = ops.forward(
-                logits, targets[s:e], temperature, with_entropy, overwrite=not topk
-            )  # top-k reads the logits afterwards: keep them intact then
+                logits, targets[s:e], temperature, with_entropy,
+                overwrite=overwrite, workspace=chunks.workspace(ops, logits, overwrite),
+            )  # fmt: skip
             logprobs[s:e], lse[s:e] = lp_c, lse_c
             if entropy is not None:
                 entropy[s:e] = ent_c
             if top_v is not None and top_i is not None:
                 top_v[s:e], top_i[s:e] = ops.topk(logits, topk, temperature, lse_c)
             del logits, lp_c, ent_c, lse_c
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy, bias)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, bias, kept)
         ctx.temperature, ctx.chunk_size, ctx.ops, ctx.softcap = temperature, chunk_size, ops, softcap
         ctx.mark_non_differentiable(*(t for t in (lse, top_v, top_i) if t is not None))
         ctx.set_materialize_grads(False)
@@ -158,13 +205,13 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs, grad_entropy, *_unused):  # type: ignore[override]
-        hidden, weight, targets, lse, entropy, bias = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, bias, kept = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[8]
         nones = (None,) * 6
         if (grad_logprobs is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return None, None, *nones, None, None
-        N, dev, T = hidden.shape[0], hidden.device, ctx.temperature
+            return None, None, *nones, None, None, None
+        N, dev, T, ops = hidden.shape[0], hidden.device, ctx.temperature, ctx.ops
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         grad_logprobs = grad_logprobs.float().contiguous()
@@ -174,33 +221,49 @@ class LinearLogprobsFunction(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None  # [V, H]
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None  # [V]
+        chunks = _ChunkLogits(hidden, weight, bias, ctx.softcap, min(ctx.chunk_size, max(N, 1)), kept)
         for s in range(0, N, ctx.chunk_size):
             e = min(s + ctx.chunk_size, N)
-            h_c = hidden[s:e]  # [C, H]
+            # the forward's logits: kept (never written: a second backward reads them again) or
             # recomputed with the forward's precision; t = tanh(x / cap) under a soft-cap
-            logits, t = _chunk_logits(h_c, weight, bias, ctx.softcap)  # [C, V]
-            grad_logits = ctx.ops.backward(
+            logits, t, own = chunks.compute(s, e, keep=False)  # [C, V]
+            grad_logits = ops.backward(
                 logits, targets[s:e], T, lse[s:e],
                 entropy[s:e] if entropy is not None else None,
                 grad_logprobs[s:e],
                 grad_entropy[s:e] if grad_entropy is not None else None,
-                torch.float32, overwrite=True,
-            )  # fmt: skip  # [C, V] float32, may reuse the logits' buffer
+                torch.float32, overwrite=own, workspace=chunks.workspace(ops, logits, own),
+            )  # fmt: skip  # [C, V] float32, may reuse the logits' or the workspace's buffer
             del logits
             if t is not None:  # d cap*tanh(x/cap) / dx = 1 - tanh(x/cap)^2
                 grad_logits.mul_(t.square_().neg_().add_(1.0))
                 del t
-            if grad_b is not None:
-                grad_b += grad_logits.sum(0)
-            if grad_h is not None:
-                gl = grad_logits.to(hidden.dtype) if low_precision else grad_logits
-                torch.mm(gl, weight, out=grad_h[s:e])
-                del gl
-            if grad_w is not None:  # accumulated across chunks in float32
-                grad_w.addmm_(grad_logits.T, h_c.float() if low_precision else h_c)
+            _accumulate(grad_logits, hidden[s:e], weight, grad_h, grad_w, grad_b, s, low_precision)
             del grad_logits
         if grad_w is not None and low_precision:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and bias is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, *nones, grad_b, None
+        return grad_h, grad_w, *nones, grad_b, None, None
+
+
+def _accumulate(
+    grad_logits: torch.Tensor,  # [C, V] float32
+    h_c: torch.Tensor,  # [C, H]
+    weight: torch.Tensor,  # [V, H]
+    grad_h: torch.Tensor | None,  # [N, H]
+    grad_w: torch.Tensor | None,  # [V, H] float32
+    grad_b: torch.Tensor | None,  # [V] float32
+    s: int,
+    low_precision: bool,
+) -> None:
+    """One chunk's share of the gradients: `grad_h[s:s+C] = g @ W`, `grad_W += g.T @ h_c`,
+    `grad_b += g.sum(0)` (accumulated across chunks in float32)."""
+    if grad_b is not None:
+        grad_b += grad_logits.sum(0)
+    if grad_h is not None:
+        gl = grad_logits.to(h_c.dtype) if low_precision else grad_logits
+        torch.mm(gl, weight, out=grad_h[s : s + h_c.shape[0]])
+        del gl
+    if grad_w is not None:
+        grad_w.addmm_(grad_logits.T, h_c.float() if low_precision else h_c)

@@ -86,6 +86,7 @@ class TritonRowOps:
     """Row-wise log-prob forward/backward and top-k with Triton kernels (same contract as TorchRowOps)."""
 
     name = "triton"
+    uses_workspace = False  # the kernels need no temporaries; `workspace=` is accepted and ignored
 
     @staticmethod
     def forward(
@@ -95,11 +96,13 @@ class TritonRowOps:
         with_entropy: bool,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
         block_v: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32.
 
-        `overwrite` is accepted for the RowOps contract; the kernel needs no temporaries."""
+        `overwrite` and `workspace` are accepted for the RowOps contract; the kernel needs no
+        temporaries and never writes the logits."""
         where = "token log-probs (triton forward)"
         _check_logits(logits, where)
         N, V, sb, st, rpb = _layout(logits)
@@ -132,6 +135,7 @@ class TritonRowOps:
         out_dtype: torch.dtype,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
         block_v: int | None = None,
     ) -> torch.Tensor:
         """Gradient wrt logits (contiguous, the logits' shape) in `out_dtype` (float32 accumulation)."""

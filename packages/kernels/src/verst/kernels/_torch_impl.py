@@ -10,13 +10,22 @@ from __future__ import annotations
 import torch
 
 
-def _scaled_float32(logits: torch.Tensor, temperature: float, overwrite: bool) -> torch.Tensor:
+def _scaled_float32(
+    logits: torch.Tensor, temperature: float, overwrite: bool, workspace: torch.Tensor | None
+) -> torch.Tensor:
     """logits / T in float32 that may be modified in place: `logits` itself when the caller
-    allows overwriting it (and it is float32), else a fresh copy."""
-    x = logits if overwrite and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        x.div_(temperature)
-    return x
+    allows overwriting it (and it is float32), else written into `workspace` (a float32 buffer
+    with at least the logits' rows) or a fresh copy. Every form computes `float32(x) / T`."""
+    if overwrite and logits.dtype == torch.float32:
+        return logits.div_(temperature) if temperature != 1.0 else logits
+    if workspace is None:
+        x = logits.to(torch.float32, copy=True)
+        return x.div_(temperature) if temperature != 1.0 else x
+    x = workspace[: logits.shape[0]]
+    if temperature != 1.0 and logits.dtype == torch.float32:
+        return torch.div(logits, temperature, out=x)  # one pass: read logits, write x
+    x.copy_(logits)
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
 _MOMENT_ROWS = 16
@@ -53,6 +62,7 @@ class TorchRowOps:
     """Row-wise log-prob forward/backward and top-k written with torch ops."""
 
     name = "torch"
+    uses_workspace = True
 
     @staticmethod
     def forward(
@@ -62,12 +72,14 @@ class TorchRowOps:
         with_entropy: bool,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Returns (log-probs [N, M], entropy [N] or None, log-sum-exp of logits/T [N]), float32.
 
         `overwrite=True`: `logits` is the caller's temporary and may be clobbered (saves one
-        `[N, V]` float32 array; the chunked linear path uses it)."""
-        x = _scaled_float32(logits, temperature, overwrite)  # [N, V]
+        `[N, V]` float32 array; the chunked linear path uses it). `workspace`: a float32
+        `[>= N, V]` buffer used instead of allocating that array when `logits` must be kept."""
+        x = _scaled_float32(logits, temperature, overwrite, workspace)  # [N, V]
         m = x.amax(dim=-1, keepdim=True)  # [N, 1]
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         picked = x.gather(-1, targets)  # [N, M], before x is modified
@@ -94,12 +106,14 @@ class TorchRowOps:
         out_dtype: torch.dtype,
         *,
         overwrite: bool = False,
+        workspace: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Gradient wrt logits `[N, V]` in `out_dtype` (`overwrite` as in `forward`).
+        """Gradient wrt logits `[N, V]` in `out_dtype` (`overwrite`, `workspace` as in `forward`;
+        the float32 gradient may be the logits' or the workspace's storage).
 
         d lp_m / d x_j = [j == t_m] - p_j and d H / d x_j = -p_j (log p_j + H), with x = logits / T.
         """
-        logp = _scaled_float32(logits, temperature, overwrite).sub_(lse[:, None])  # [N, V]
+        logp = _scaled_float32(logits, temperature, overwrite, workspace).sub_(lse[:, None])  # [N, V]
         if grad_entropy is None or entropy is None:  # one [N, V] buffer: p computed in place
             grad = logp.exp_().mul_(-grad_logprobs.sum(-1, keepdim=True))
         else:

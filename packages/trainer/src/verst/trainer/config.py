@@ -103,6 +103,16 @@ class TrainConfig(AdamWSection):
     logprob_chunk_size: int = Field(
         256, ge=1, description="Tokens per chunk of the chunked log-prob path (bounds logits memory)."
     )
+    logprob_keep_logits_mib: float = Field(
+        256,
+        ge=0,
+        description=(
+            "The chunked log-prob path keeps a micro-batch's [response tokens, vocab] logits from the "
+            "forward for the backward when they fit in this many MiB (the weight's dtype), skipping the "
+            "backward's recompute of each chunk's logits; larger micro-batches recompute. 0 = always "
+            "recompute (docs/kernels.md)."
+        ),
+    )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="Attention kernel: 'auto' = flash_attention_2 when installed on CUDA, else sdpa."
     )

@@ -10,12 +10,12 @@ from verst.rollout.errors import ConfigError, Problem
 
 def add_subcommands(sub: Any) -> None:
     """Add `dashboard` and `report` to the `verst` subparsers; each sets `func`."""
-    dash = sub.add_parser(
+    dash = _runs_parser(
+        sub,
         "dashboard",
         help="a live web view of runs: curves, rollout timeline, samples",
         description="Serve a read-only web page for one or more run directories (live while they run).",
     )
-    dash.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.output_dir)")
     dash.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -27,16 +27,23 @@ def add_subcommands(sub: Any) -> None:
         "printed with the URL, for any other --host)",
     )
     dash.set_defaults(func=cmd_dashboard)
-    rep = sub.add_parser(
+    rep = _runs_parser(
+        sub,
         "report",
         help="write the dashboard's views of runs as one self-contained HTML file",
         description="Write an HTML file with the overview, curves, timeline and samples; it opens offline.",
     )
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.output_dir)")
     rep.add_argument(
         "-o", "--output", default="report.html", help="the HTML file to write (default report.html)"
     )
     rep.set_defaults(func=cmd_report)
+
+
+def _runs_parser(sub: Any, name: str, *, help: str, description: str) -> Any:
+    """A subcommand that takes one or more run directories (`RUN_DIR ...`)."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.output_dir)")
+    return parser
 
 
 def _check_dirs(paths: list[str]) -> None:

@@ -130,18 +130,7 @@ class RolloutSide:
         from transformers import AutoTokenizer
 
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
-        self.engine = (
-            engine if engine is not None else self._run(build_engine_from_config(config, model_path))
-        )
-        self.engine_capabilities: EngineCapabilities = (
-            engine_capabilities(engine) if engine is not None else config.engine.capabilities()
-        )
-        """What the engine can do: the config's declaration, or a given engine's own; the weight
-        dtype as the engine reports it when it does (`common.replicas.reported_weight_dtype`)."""
-        self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
-        reported = self._run(reported_weight_dtype(self.engine))
-        if reported is not None:
-            self.engine_capabilities = dataclasses.replace(self.engine_capabilities, weight_dtype=reported)
+        self._build_engine(config, model_path, engine)
         rc = config.rollout
         strategy_engine: InferenceEngine = self.engine
         if config.train.lora is not None:  # requests use the trained adapter unless a sample names one
@@ -180,6 +169,21 @@ class RolloutSide:
                 engines = self._run(build_teacher_engines(config.opd, max_concurrency=rc.max_concurrency))
             self.teacher_scorer = TeacherScorer(config.opd, engines, temperature=rc.temperature)
         self._owns_teachers = teacher_engines is None
+
+    def _build_engine(self, config: RunConfig, model_path: str, engine: InferenceEngine | None) -> None:
+        """`self.engine` (the given one, or built from the config), healthy, and its capabilities."""
+        self.engine = (
+            engine if engine is not None else self._run(build_engine_from_config(config, model_path))
+        )
+        self.engine_capabilities: EngineCapabilities = (
+            engine_capabilities(engine) if engine is not None else config.engine.capabilities()
+        )
+        """What the engine can do: the config's declaration, or a given engine's own; the weight
+        dtype as the engine reports it when it does (`common.replicas.reported_weight_dtype`)."""
+        self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
+        reported = self._run(reported_weight_dtype(self.engine))
+        if reported is not None:
+            self.engine_capabilities = dataclasses.replace(self.engine_capabilities, weight_dtype=reported)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the side's loop (in its background thread) and wait for the result."""

@@ -77,12 +77,15 @@ def hidden_logprobs(
     return_entropy: bool,
     backend: str = "auto",
     chunk_size: int = 256,
+    keep_logits_mib: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N]` (and entropy `[N]`) of `target_ids` under `softmax(head(hidden) / T)`.
 
     `auto` computes small problems (`N * V <= DIRECT_MAX_LOGITS`, e.g. a tiny vocabulary) with
     one direct matmul: their full logits are smaller than one chunk of a real vocabulary, and
-    the chunked kernel's per-chunk work and backward recompute would cost more than they save.
+    the chunked kernel's per-chunk work would cost more than it saves. `keep_logits_mib`: the
+    chunked kernel keeps the forward's logits for the backward when they fit in this many MiB
+    (None = the kernels' default, `verst.kernels.KEEP_LOGITS_MAX_BYTES`; 0 = always recompute).
     """
     if isinstance(head, torch.Tensor):
         head = LogitHead(weight=head)
@@ -96,7 +99,9 @@ def hidden_logprobs(
         return lp, ent
     from verst.kernels import linear_token_logprobs
 
-    kwargs = {} if backend == "auto" else {"backend": backend}
+    kwargs: dict[str, Any] = {} if backend == "auto" else {"backend": backend}
+    if keep_logits_mib is not None:
+        kwargs["keep_logits_max_bytes"] = int(keep_logits_mib * 2**20)
     out = linear_token_logprobs(
         hidden,
         target_ids=target_ids,
@@ -127,17 +132,20 @@ class PolicyLogprobs(nn.Module):
         chunk_size: int = 256,
         compute_dtype: torch.dtype | None = None,
         pieces_min_saved: int = MIN_SAVED_MACS,
+        keep_logits_mib: float | None = None,
     ) -> None:
         """`compute_dtype`: cast the hidden states and the LM-head weight to it for the log-prob
         kernels (fp32 masters, bf16 compute; the cast is differentiable). None = as they are.
         `pieces_min_saved`: on the pieces attention, what a shared-prompt micro-batch must save
-        to use it (`verst.trainer.train.pieces.worth_pieces`)."""
+        to use it (`verst.trainer.train.pieces.worth_pieces`). `keep_logits_mib`: see
+        `hidden_logprobs` (`train.logprob_keep_logits_mib`)."""
         super().__init__()
         self.policy = policy
         self.backend = backend
         self.chunk_size = chunk_size
         self.compute_dtype = compute_dtype
         self.pieces_min_saved = pieces_min_saved
+        self.keep_logits_mib = keep_logits_mib
 
     @property
     def _pieces_width(self) -> int:
@@ -199,6 +207,7 @@ class PolicyLogprobs(nn.Module):
             return_entropy=return_entropy,
             backend=self.backend,
             chunk_size=self.chunk_size,
+            keep_logits_mib=self.keep_logits_mib,
         )
         if hidden_fn is None:
             return lp, ent

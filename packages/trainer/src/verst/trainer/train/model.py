@@ -132,7 +132,11 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     hf, peft_model = _load_policy(cfg, model_path, cuda=cuda)
     compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
     module = PolicyLogprobs(
-        hf, backend=cfg.logprob_backend, chunk_size=cfg.logprob_chunk_size, compute_dtype=compute
+        hf,
+        backend=cfg.logprob_backend,
+        chunk_size=cfg.logprob_chunk_size,
+        compute_dtype=compute,
+        keep_logits_mib=cfg.logprob_keep_logits_mib,
     )
     if cfg.fsdp and not cuda:
         _shard_direct(cfg, module, hf, dist_info)
