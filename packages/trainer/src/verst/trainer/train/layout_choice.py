@@ -56,15 +56,9 @@ def shared_prompt_unsupported(
     ids = [(7 * j + 3) % min(vocab, 97) for j in range(13)]
     tokens = [ids[:9], ids[:5] + ids[9:13], ids[:5] + ids[2:4]]
     resp = [4, 4, 2]
-    lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
-    lp_shared = probe(LAYOUTS["shared_prompt"].build(tokens, resp)).float()
-    diff = float((lp_padded - lp_shared).abs().max())
-    if not math.isfinite(diff) or diff > tolerance:
-        return (
-            f"a probe's log-probs differ between the padded and the shared-prompt layout (max {diff:.3g}): "
-            "the model mixes tokens outside its attention mask"
-        )
-    return None
+    return _probe_disagrees(
+        probe, "shared_prompt", tokens, resp, tolerance, "the model mixes tokens outside its attention mask"
+    )
 
 
 def packed_unsupported(
@@ -83,14 +77,26 @@ def packed_unsupported(
     ids = [(5 * j + 2) % min(vocab, 97) for j in range(13)]
     tokens = [ids[:9], ids[3:8], ids[1:12]]
     resp = [4, 2, 5]
+    why = "the model's attention does not separate packed sequences by their position ids"
+    return _probe_disagrees(probe, "packed", tokens, resp, tolerance, why)
+
+
+def _probe_disagrees(
+    probe: Callable[[PackedInputs], torch.Tensor],
+    layout: str,
+    tokens: Seqs,
+    resp: Sequence[int],
+    tolerance: float,
+    why: str,
+) -> str | None:
+    """The refusal when `probe`'s log-probs in `layout` differ from the padded layout's by more
+    than `tolerance` (or are not finite), else None."""
     lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
-    lp_packed = probe(LAYOUTS["packed"].build(tokens, resp)).float()
-    diff = float((lp_padded - lp_packed).abs().max())
+    lp_other = probe(LAYOUTS[layout].build(tokens, resp)).float()
+    diff = float((lp_padded - lp_other).abs().max())
     if not math.isfinite(diff) or diff > tolerance:
-        return (
-            f"a probe's log-probs differ between the padded and the packed layout (max {diff:.3g}): "
-            "the model's attention does not separate packed sequences by their position ids"
-        )
+        name = layout.replace("_", "-")
+        return f"a probe's log-probs differ between the padded and the {name} layout (max {diff:.3g}): {why}"
     return None
 
 
