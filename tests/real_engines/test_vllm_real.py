@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 import torch
 from contract_testlib import load_policy, perturbed_checkpoint, trainer_logprobs
@@ -37,21 +38,71 @@ def _req(prompt=PROMPT, rid="", **sampling):
     return GenerateRequest(input_ids=list(prompt), sampling=SamplingParams(**sampling), rid=rid)
 
 
-async def _started(client, n_tokens_wait: float = 1.0):
-    await asyncio.sleep(n_tokens_wait)
+async def _metrics(client) -> dict[str, float]:
+    """The server's Prometheus gauges and counters (`GET /metrics`), summed over labels."""
+    async with aiohttp.ClientSession() as http, http.get(f"{client.base_url}/metrics") as resp:
+        text = await resp.text()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+async def _started(client, n: int, tokens_before: float, timeout: float = 120.0) -> None:
+    """Wait until `n` requests are running and have produced tokens (the server's own gauges: a
+    fixed sleep raced the engine, which on a quiet box finished 6 x 200 tokens inside 1 s)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        m = await _metrics(client)
+        if m["vllm:num_requests_running"] >= n and m["vllm:generation_tokens_total"] >= tokens_before + n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests did not start within {timeout:.0f}s: {m}")
+
+
+async def _generated(client) -> float:
+    return (await _metrics(client))["vllm:generation_tokens_total"]
+
+
+async def _arrived(client, n: int, all_done_tokens: float, timeout: float = 120.0) -> None:
+    """Wait until `n` requests are in the server (running or queued) or have all finished."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        m = await _metrics(client)
+        inside = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+        if inside >= n or m["vllm:generation_tokens_total"] >= all_done_tokens:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests did not reach the server within {timeout:.0f}s: {m}")
+
+
+def _busy(client, n: int = 26) -> list[asyncio.Future]:
+    """`n` long requests ("busy-*") submitted after the ones under test: a fuller batch decodes
+    each row more slowly, so the requests under test are still running when the test acts."""
+    return [asyncio.ensure_future(client.generate(_req(rid=f"busy-{i}", **LONG))) for i in range(n)]
+
+
+async def _end_busy(client, busy: list[asyncio.Future]) -> None:
+    await client.abort("busy-")
+    await asyncio.gather(*busy)
 
 
 async def test_refit_with_requests_in_flight_splits_their_versions(client, model_dir, tmp_path):
     torch.set_num_threads(1)
     new = perturbed_checkpoint(model_dir, tmp_path / "v1", seed=11)
     v0 = await client.get_weight_version()
+    tokens0 = await _generated(client)
     tasks = [
         asyncio.ensure_future(client.generate(_req(rid=f"keep-{i}", sampling_seed=i, **LONG)))
         for i in range(6)
     ]
-    await _started(client)
+    busy = _busy(client)
+    await _started(client, len(tasks) + len(busy), tokens0)
     assert await client.update_weights_from_disk(str(new), weight_version=v0 + 1) == v0 + 1
     outs = await asyncio.gather(*tasks)
+    await _end_busy(client, busy)
     old, trained = load_policy(model_dir), load_policy(new)
     split_seen = False
     for out in outs:
@@ -71,8 +122,9 @@ async def test_refit_with_requests_in_flight_splits_their_versions(client, model
 
 
 async def test_pause_modes(client):
+    tokens0 = await _generated(client)
     tasks = [asyncio.ensure_future(client.generate(_req(rid=f"pa-{i}", **LONG))) for i in range(4)]
-    await _started(client)
+    await _started(client, 4, tokens0)
     await client.pause("abort")
     assert await client.is_paused()
     outs = await asyncio.gather(*tasks)
@@ -84,11 +136,12 @@ async def test_pause_modes(client):
     assert not await client.is_paused()
     assert len((await late).output_ids) == 5
 
+    tokens0 = await _generated(client)
     tasks = [
         asyncio.ensure_future(client.generate(_req(rid=f"pw-{i}", **{**LONG, "max_new_tokens": 40})))
         for i in range(4)
     ]
-    await _started(client, 0.5)
+    await _arrived(client, 4, tokens0 + 4 * 40)
     await client.pause("wait")  # returns once they have finished
     # their answers may still be on the wire, but nothing runs while paused ("keep" below shows
     # it): completing now, still paused, means they finished before the pause returned
@@ -97,8 +150,9 @@ async def test_pause_modes(client):
     assert all(o.finish_reason == "length" and len(o.output_ids) == 40 for o in outs)
     await client.resume()
 
+    tokens0 = await _generated(client)
     tasks = [asyncio.ensure_future(client.generate(_req(rid=f"pk-{i}", **LONG))) for i in range(4)]
-    await _started(client)
+    await _started(client, 4, tokens0)
     await client.pause("keep")
     await asyncio.sleep(1.0)
     assert not any(t.done() for t in tasks)
@@ -107,14 +161,17 @@ async def test_pause_modes(client):
 
 
 async def test_only_vllms_own_id_form_aborts(client):
+    tokens0 = await _generated(client)
     task = asyncio.ensure_future(client.generate(_req(rid="exact-1", **LONG)))
-    await _started(client)
+    busy = _busy(client)
+    await _started(client, 1 + len(busy), tokens0)
     reply = await client._call("POST", "/abort_requests", {"request_ids": ["exact-1"]})  # the bare id
     assert reply["aborted"] == 1  # the reply counts ids sent...
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.3)
     assert not task.done()  # ...and aborted nothing
     assert await client.abort_confirmed("exact-") == {"exact-1": "abort"}
     assert (await task).finish_reason == "abort"
+    await _end_busy(client, busy)
 
 
 async def test_n_samples_in_one_request_are_seeded_and_scored_like_the_trainer(client, model_dir):
