@@ -38,6 +38,34 @@ def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
     return buf
 
 
+def stack_caches(caches: list[Any], width: int) -> Any:
+    """One growing cache of the rows of `caches` in order (each left-padded to its own width),
+    right-aligned at `width` with zeros (masked) to the left of the narrower ones: one copy
+    into each layer's buffer, with the spare room of the first cache's layers (`spare`).
+    Returns the first cache, holding every row."""
+    out = caches[0]
+    for i, layer in enumerate(out.layers):
+        parts = [c.layers[i] for c in caches]
+        layer._kbuf = _stacked([p.keys for p in parts], width, max(1, min(layer.spare, layer.CHUNK)))
+        layer._vbuf = _stacked([p.values for p in parts], width, max(1, min(layer.spare, layer.CHUNK)))
+        layer.keys, layer.values = layer._kbuf[:, :, :width], layer._vbuf[:, :, :width]
+    return out
+
+
+def _stacked(parts: list[torch.Tensor], width: int, spare: int) -> torch.Tensor:
+    """`[Σ rows, heads, width + spare, head_dim]` holding `parts` (`[rows, heads, w, head_dim]`)
+    right-aligned at `width`, zeros to their left, the spare columns unset."""
+    first = parts[0]
+    buf = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], width + spare, first.shape[3]))
+    lo = 0
+    for p in parts:
+        hi, pad = lo + p.shape[0], width - p.shape[2]
+        buf[lo:hi, :, :pad] = 0
+        buf[lo:hi, :, pad:width] = p
+        lo = hi
+    return buf
+
+
 def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
     """The column of buffers `kb`/`vb` where `k`/`v` start, when they are column views of them
     (else None: the tensors were replaced, e.g. by a merge, and must be re-adopted)."""
