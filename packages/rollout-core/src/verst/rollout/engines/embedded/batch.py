@@ -1,9 +1,10 @@
 """The running decode batch of the embedded engine: rows, their KV cache, prefill, merge, step.
 
 Continuous batching on transformers' `DynamicCache`: a group of new requests is prefilled
-together (left-padded; identical prompts once, see `DecodeBatch.admit`), its first token
-sampled, and the group is merged into the running batch between decode steps (the shorter
-cache is left-padded with masked zeros). A finished row leaves `rows` at once, but its slot in
+together (left-padded, in forwards of prompts of similar length: `embedded.prefill`; identical
+prompts once, see `DecodeBatch.admit`), its first token sampled, and the group is merged into
+the running batch between decode steps (the shorter cache is left-padded with masked zeros). A
+finished row leaves `rows` at once, but its slot in
 the batch tensors stays (decoded and ignored) until a quarter of the slots are dead or new rows
 merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
 instead of one per departure. Cache columns that every remaining row masks out are trimmed.
@@ -22,7 +23,7 @@ from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.kv_cache import growing_cache
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
-from verst.rollout.engines.embedded.ragged import attention_segments, prefill_group_tokens
+from verst.rollout.engines.embedded.ragged import prefill_group_tokens
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
@@ -191,10 +192,6 @@ class DecodeBatch:
         """The decode step without the model's wrappers (`embedded.direct`); None: `model(...)`."""
         self.prefill_group_cost = prefill_group_tokens(self.device)
         """One more prefill forward's cost in padded tokens (`ragged.split_by_width`)."""
-        self.attention_group_cost = self.direct.group_cost(self.device) if self.direct else 0.0
-        """One more attention call's cost in cache columns of one row (0: one call per step)."""
-        self.segments: list[tuple[int, int, int]] | None = None
-        """Row groups whose decode attention starts at a later column (`ragged.attention_segments`)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -202,11 +199,6 @@ class DecodeBatch:
     @property
     def _prefill_model(self) -> PrefillModel:
         return PrefillModel(self.model, self.pad_id, self.device, self.vision, self.routers, self._route)
-
-    def _resegment(self) -> None:
-        """Recompute the decode attention's row groups (after the mask's rows or leading columns changed)."""
-        use = self.mask is not None and self.attention_group_cost > 0
-        self.segments = attention_segments(self.mask, self.attention_group_cost) if use else None
 
     def _route(self, rows: list[Row]) -> None:
         """Tell the adapters which rows (in order) the next forward carries."""
@@ -229,15 +221,12 @@ class DecodeBatch:
     def admit(self, rows: list[Row]) -> None:
         """Prefill `rows` together, sample their first token, and merge them into the batch.
 
-        The rows take their slots longest prompt first, so the prefill can run prompts of
-        similar length together (`embedded.prefill`) and a decode step's attention can skip
-        each group's leading padding (`embedded.ragged`). Rows with the same prompt and adapter
-        (a GRPO group's n samples) are prefilled once: the forward runs over the distinct
-        prompts only, and its KV cache, mask, positions, last logits and prompt scores are
-        copied to every row that shares them (each row gets its own cache storage; sampling
-        stays per row, with each row's own generator).
+        Prompts of similar length run through the model together (`embedded.prefill`: less
+        padding). Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled
+        once: the forward runs over the distinct prompts only, and its KV cache, mask, positions,
+        last logits and prompt scores are copied to every row that shares them (each row gets
+        its own cache storage; sampling stays per row, with each row's own generator).
         """
-        rows = sorted(rows, key=lambda r: -r.prompt_len)  # stable: a group's rows stay in order
         every = list(range(len(rows)))
         unique, source = share_groups(rows) if self.share_prefix else (every, every)
         firsts = [rows[u] for u in unique]
@@ -276,7 +265,6 @@ class DecodeBatch:
             self.rows, self.cache, self.mask, self.next_pos, self.last = rows, cache, mask, pos, last
             self.slot_rows = rows
             self._resample()
-            self._resegment()
             return
         assert self.mask is not None and self.next_pos is not None and self.last is not None
         a, b = self.mask.shape[1], mask.shape[1]
@@ -292,7 +280,6 @@ class DecodeBatch:
         self.rows = self.slot_rows = self.rows + rows
         _set_spare(self.cache, self.rows)
         self._resample()
-        self._resegment()
 
     def _resample(self) -> None:
         self.sampling = BatchSampling.build([r.sampling for r in self.slot_rows], self.vocab, self.device)
@@ -305,9 +292,7 @@ class DecodeBatch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
         self._route(self.slot_rows)
         if self.direct is not None:
-            logits = self.direct(
-                self.last[:, None], self.mask, self.next_pos[:, None], self.cache, self.segments
-            )
+            logits = self.direct(self.last[:, None], self.mask, self.next_pos[:, None], self.cache)
         else:
             logits = self.model(
                 input_ids=self.last[:, None],
@@ -404,7 +389,7 @@ class DecodeBatch:
                 None,
                 None,
             )
-            self.slot_rows, self.segments = [], None
+            self.slot_rows = []
             return done
         self.rows, self.slots = [r for r, _ in keep], [j for _, j in keep]
         gone = torch.tensor(sorted(set(at) - set(self.slots)), device=self.device)
@@ -426,7 +411,6 @@ class DecodeBatch:
         self.slots = None
         self.slot_rows = self.rows
         self._resample()
-        self._resegment()
 
     def _trim(self) -> None:
         """Drop leading cache columns that no live row attends to (views: nothing is copied)."""
@@ -438,7 +422,6 @@ class DecodeBatch:
             self.mask = self.mask[:, first:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self._resegment()
 
     def drop_all(self, reason: FinishReason) -> list[Row]:
         """Finish every row with `reason` (after a failed step) and empty the batch."""

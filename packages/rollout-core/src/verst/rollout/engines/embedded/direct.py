@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from verst.rollout.engines.embedded.attention import ATTENTION_NAME
-from verst.rollout.engines.embedded.ragged import attention_group_columns
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 """transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
@@ -60,7 +59,6 @@ class DirectDecode:
         self.body = model.model
         self.layers = list(model.model.layers[: model.config.num_hidden_layers])
         fused = next(model.parameters()).dtype == torch.float32
-        self.element_size = next(model.parameters()).element_size()
         self.final_norm = _rms_norm_fn(model.model.norm, fused)
         self.norms = [
             (_rms_norm_fn(layer.input_layernorm, fused), _rms_norm_fn(layer.post_attention_layernorm, fused))
@@ -93,23 +91,9 @@ class DirectDecode:
                 return None
         return cls(model)
 
-    def group_cost(self, device: Any) -> float:
-        """One more attention call's cost in cache columns of one row (`ragged.split_by_width`)."""
-        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        return attention_group_columns(device, kv_heads, self.layers[0].self_attn.head_dim, self.element_size)
-
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        pos: torch.Tensor,
-        cache: Any,
-        segments: list[tuple[int, int, int]] | None = None,
-    ) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
         """ids [batch, 1], mask [batch, cols] (1 = attend; the fed token's column included),
-        pos [batch, 1] → the next-token logits [batch, vocab]. `segments`: row groups `(lo, hi,
-        start)` whose attention reads only columns `start:` (every row's attended columns
-        included; `ragged.attention_segments`), None: one attention call over every column."""
+        pos [batch, 1] → the next-token logits [batch, vocab]."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         hidden = self.body.embed_tokens(ids)  # [batch, 1, hidden]
@@ -117,16 +101,15 @@ class DirectDecode:
         cos, sin = self.body.rotary_emb(hidden, position_ids=pos)  # [batch, 1, head_dim] each
         half = cos.shape[-1] // 2
         rope = cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]  # [b, 1, 1, d]
-        groups = None if segments is None else _groups(segments, attend)
-        ctx = (rope, attend, groups, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
+        ctx = (rope, attend, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
         return self.lm_head(self.final_norm(hidden))[:, -1]
 
     def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
         """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
-        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, row groups, attention function)."""
-        (rope, attend, groups, attention), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
+        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, attention function)."""
+        (rope, attend, attention), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
         b, d = hidden.shape[0], attn.head_dim
         x = pre(hidden)
         q = attn.q_proj(x).view(b, 1, -1, d)  # [batch, 1, heads, d]
@@ -136,32 +119,13 @@ class DirectDecode:
         v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        if groups is None:
-            out = _attend(attn, attention, q, k, v, attend)  # [batch, 1, heads, d]
-        else:  # each row group from its first attended column
-            out = torch.cat(
-                [_attend(attn, attention, q[r], k[r, :, c:], v[r, :, c:], m) for r, c, m in groups]
-            )
-        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))
+        if q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling)
+            out = out.transpose(1, 2)
+        else:
+            out, _ = attention(attn, q, k, v, attend, dropout=0.0, scaling=attn.scaling)
+        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))  # out [batch, 1, heads, d]
         return hidden + layer.mlp(post(hidden))
-
-
-def _groups(
-    segments: list[tuple[int, int, int]], attend: torch.Tensor
-) -> list[tuple[slice, int, torch.Tensor]]:
-    """Each segment's rows, first column and mask `[rows, 1, 1, cols − start]`."""
-    return [(slice(lo, hi), start, attend[lo:hi, :, :, start:]) for lo, hi, start in segments]
-
-
-def _attend(
-    attn: Any, attention: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """One query per row: q [rows, heads, 1, d] against k, v [rows, kv_heads, cols, d] under the
-    boolean mask [rows, 1, 1, cols] → [rows, 1, heads, d]."""
-    if q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling).transpose(1, 2)
-    out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
-    return out
 
 
 def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

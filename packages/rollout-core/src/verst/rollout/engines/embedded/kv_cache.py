@@ -38,31 +38,31 @@ def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
     return buf
 
 
-def stack_caches(caches: list[Any], width: int) -> Any:
-    """One growing cache of the rows of `caches` in order (each left-padded to its own width),
-    right-aligned at `width` with zeros (masked) to the left of the narrower ones: one copy
-    into each layer's buffer, with the spare room of the first cache's layers (`spare`).
-    Returns the first cache, holding every row."""
+def stack_caches(caches: list[Any], rows: list[torch.Tensor], total: int, width: int) -> Any:
+    """One growing cache of `total` rows from `caches` (each left-padded to its own width): cache
+    i's rows become rows `rows[i]`, right-aligned at `width`, zeros (masked) to the left of a
+    narrower one's columns. One copy into each layer's buffer, with the spare room (`spare`) of
+    the first cache's layers. Returns the first cache, now holding every row."""
     out = caches[0]
     for i, layer in enumerate(out.layers):
-        parts = [c.layers[i] for c in caches]
-        layer._kbuf = _stacked([p.keys for p in parts], width, max(1, min(layer.spare, layer.CHUNK)))
-        layer._vbuf = _stacked([p.values for p in parts], width, max(1, min(layer.spare, layer.CHUNK)))
+        spare = max(1, min(layer.spare, layer.CHUNK))
+        layer._kbuf = _stacked([c.layers[i].keys for c in caches], rows, total, width, spare)
+        layer._vbuf = _stacked([c.layers[i].values for c in caches], rows, total, width, spare)
         layer.keys, layer.values = layer._kbuf[:, :, :width], layer._vbuf[:, :, :width]
     return out
 
 
-def _stacked(parts: list[torch.Tensor], width: int, spare: int) -> torch.Tensor:
-    """`[Σ rows, heads, width + spare, head_dim]` holding `parts` (`[rows, heads, w, head_dim]`)
-    right-aligned at `width`, zeros to their left, the spare columns unset."""
+def _stacked(
+    parts: list[torch.Tensor], rows: list[torch.Tensor], total: int, width: int, spare: int
+) -> torch.Tensor:
+    """`[total, heads, width + spare, head_dim]` with `parts[i]` (`[n_i, heads, w_i, head_dim]`)
+    in rows `rows[i]`, right-aligned at `width`, zeros to their left, the spare columns unset."""
     first = parts[0]
-    buf = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], width + spare, first.shape[3]))
-    lo = 0
-    for p in parts:
-        hi, pad = lo + p.shape[0], width - p.shape[2]
-        buf[lo:hi, :, :pad] = 0
-        buf[lo:hi, :, pad:width] = p
-        lo = hi
+    buf = first.new_empty((total, first.shape[1], width + spare, first.shape[3]))
+    for part, index in zip(parts, rows, strict=True):
+        pad = width - part.shape[2]
+        buf[:, :, :pad].index_fill_(0, index, 0)
+        buf[:, :, pad:width].index_copy_(0, index, part)
     return buf
 
 

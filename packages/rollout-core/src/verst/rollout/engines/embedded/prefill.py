@@ -1,13 +1,14 @@
 """The embedded engine's prefill: distinct prompts through the model in groups of similar length.
 
 One left-padded forward over prompts of mixed lengths runs every padding position through every
-layer (64 prompts of 16–64 tokens: 4,096 positions for ~2,400 tokens). The admitted rows are
-kept longest prompt first, so `prefill` splits them into contiguous groups of similar length
+layer (64 prompts of 16–64 tokens: 4,096 positions for ~2,400 tokens). `prefill` orders the
+prompts longest first, splits them into contiguous groups of similar length
 (`ragged.split_by_width`: padding saved against a forward's fixed cost), runs one `model(...)`
 forward per group — LoRA routing, MoE router recording and image features per group, as for one
-forward — and stacks the groups' KV caches into one left-padded cache (`kv_cache.stack_caches`,
-one copy). Each row's positions, cache columns and logits are the ones a single padded forward
-computes (the same modules on the same tokens; padding is masked either way).
+forward — and stacks the groups' KV caches, each row back in its place, into one left-padded
+cache (`kv_cache.stack_caches`, one copy). Each row's positions, cache columns and logits are
+the ones a single padded forward computes (the same modules on the same tokens; padding is masked
+either way). One group is one forward over the rows as given, as before.
 """
 
 from __future__ import annotations
@@ -58,32 +59,40 @@ def prefill(m: PrefillModel, rows: Sequence[Any], spare: int, full: bool, group_
     """Prefill `rows` (one per distinct prompt) in groups of similar length; the cache keeps
     `spare` free columns. `full`: keep every position's logits, else only the last."""
     lens = [r.prompt_len for r in rows]
-    groups = split_by_width(lens, group_cost)
-    parts = [_forward(m, rows[lo:hi], spare if len(groups) == 1 else 1, full) for lo, hi in groups]
+    order = sorted(range(len(rows)), key=lambda i: -lens[i])  # longest first (stable)
+    groups = split_by_width([lens[i] for i in order], group_cost)
+    if len(groups) == 1:
+        order = list(range(len(rows)))  # one forward over the rows as given
+    places = [order[lo:hi] for lo, hi in groups]  # each group's rows
+    parts = [_forward(m, [rows[i] for i in at], spare if len(groups) == 1 else 1, full) for at in places]
     width = max(lens)
     if len(parts) == 1:
         cache = parts[0][0]
     else:
         for layer in parts[0][0].layers:
             layer.spare = spare
-        cache = stack_caches([p[0] for p in parts], width)
+        index = [torch.tensor(at, device=m.device) for at in places]
+        cache = stack_caches([c for c, _, _ in parts], index, len(rows), width)
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # [rows, width]
     for i, n in enumerate(lens):
         mask[i, width - n :] = 1
-    mask = mask.to(m.device)
-    last = torch.cat([logits[:, -1] for _, logits, _ in parts])  # [rows, vocab]
-    per_row = [(logits, routed, j) for _, logits, routed in parts for j in range(logits.shape[0])]
+    where: list[tuple[int, int]] = [(0, 0)] * len(rows)  # row → (group, its row in the group)
+    flat = [0] * len(rows)  # row → its row in the groups' rows one after another
+    for k, (g, j, i) in enumerate((g, j, i) for g, at in enumerate(places) for j, i in enumerate(at)):
+        where[i], flat[i] = (g, j), k
+    last = torch.cat([logits[:, -1] for _, logits, _ in parts])  # [rows in group order, vocab]
     return Prefilled(
         cache,
-        mask,
-        last,
-        [logits[j, logits.shape[1] - n :] for (logits, _, j), n in zip(per_row, lens, strict=True)]
-        if full
-        else None,
-        [routed[j, routed.shape[1] - n :] for (_, routed, j), n in zip(per_row, lens, strict=True)]
-        if m.routers is not None
-        else None,
+        mask.to(m.device),
+        last if len(parts) == 1 else last[torch.tensor(flat, device=m.device)],
+        _per_row([logits for _, logits, _ in parts], where, lens) if full else None,
+        None if m.routers is None else _per_row([routed for _, _, routed in parts], where, lens),
     )
+
+
+def _per_row(parts: list[torch.Tensor], where: list[tuple[int, int]], lens: list[int]) -> list[torch.Tensor]:
+    """Each row's last `lens[i]` positions of its group's `[rows, width, ...]` tensor."""
+    return [parts[g][j, parts[g].shape[1] - n :] for (g, j), n in zip(where, lens, strict=True)]
 
 
 def _forward(m: PrefillModel, rows: Sequence[Any], spare: int, full: bool) -> tuple[Any, torch.Tensor, Any]:
