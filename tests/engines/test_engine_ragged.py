@@ -128,6 +128,35 @@ def test_grouped_prefill_equals_one_padded_forward(family):
         assert [len(r) for r in split.routing] == [r.prompt_len for r in rows]
 
 
+@pytest.fixture(scope="module")
+def llama():
+    return _model("llama")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 12), min_size=1, max_size=7),
+    st.sampled_from([0.0, 2.0, 10.0, 1e9]),
+    st.booleans(),
+)
+def test_grouped_prefill_property(llama, lens, cost, full):
+    rows = [_row(p) for p in _prompts(lens, seed=sum(lens))]
+    m = PrefillModel(llama, 0, torch.device("cpu"), None, None, lambda rows: None)
+    with torch.inference_mode():
+        one = prefill(m, rows, 2, full, float("inf"))
+        split = prefill(m, rows, 2, full, cost)
+    assert torch.equal(one.mask, split.mask) and one.mask.sum(1).tolist() == lens
+    torch.testing.assert_close(split.last, one.last, rtol=1e-5, atol=1e-5)
+    if full:
+        for a, b, n in zip(split.logits, one.logits, lens, strict=True):
+            assert a.shape[0] == n
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    attended = one.mask.bool()[:, None, :, None]
+    for a, b in zip(split.cache.layers, one.cache.layers, strict=True):
+        torch.testing.assert_close(a.keys * attended, b.keys * attended, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values * attended, b.values * attended, rtol=1e-5, atol=1e-5)
+
+
 def _run(model, first: list[Row], late: list[Row], *, ragged: bool) -> DecodeBatch:
     """Admit `first`, decode two steps, admit `late`, decode to the end."""
     batch = DecodeBatch(model, 0, None)

@@ -12,6 +12,7 @@ a forward's fixed cost weighs far more against a token's, so the default splits 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,10 @@ MAX_SPAN = 64
 def split_by_width(widths: Sequence[int], group_cost: float) -> list[tuple[int, int]]:
     """Contiguous ranges `[lo, hi)` covering `widths` in order, minimising the padding
     `Σ_groups Σ_i (max(group) − widths[i])` plus `group_cost` per group. Neighbours of equal
-    width stay together; a group spans at most `MAX_SPAN` runs of equal width."""
+    width stay together; a group spans at most `MAX_SPAN` runs of equal width (an infinite
+    `group_cost`: one group)."""
+    if math.isinf(group_cost):
+        return [(0, len(widths))] if widths else []
     runs: list[tuple[int, int]] = []  # (width, rows) of each run of equal neighbours
     for w in widths:
         if runs and runs[-1][0] == w:
