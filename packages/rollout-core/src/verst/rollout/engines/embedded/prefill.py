@@ -7,8 +7,9 @@ prompts longest first, splits them into contiguous groups of similar length
 forward per group — LoRA routing, MoE router recording and image features per group, as for one
 forward — and stacks the groups' KV caches, each row back in its place, into one left-padded
 cache (`kv_cache.stack_caches`, one copy). Each row's positions, cache columns and logits are
-the ones a single padded forward computes (the same modules on the same tokens; padding is masked
-either way). One group is one forward over the rows as given, as before.
+the ones a single padded forward computes, up to float rounding (the same modules on the same
+tokens; padding is masked either way; tested to 1e-5). One group is one forward over the rows as
+given, as before.
 """
 
 from __future__ import annotations
