@@ -108,6 +108,41 @@ async def test_two_adapters_and_the_base_in_one_batch(tiny_checkpoint, adapters)
         await engine.close()
 
 
+async def test_adapters_route_per_prefill_group(tiny_checkpoint, adapters):
+    """Prompts of different lengths per adapter: the prefill runs a forward per length group;
+    each row keeps its adapter's log-probs."""
+    torch.set_num_threads(1)
+    engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, batch_wait_s=0.05)
+    engine._batch.prefill_group_cost = 0.0  # a forward per prompt length
+    forwards: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        await engine.load_lora_adapter("a", str(adapters["dir"] / "a"))
+        t, c = _tensors(adapters["b"])
+        await engine.load_lora_adapter_from_tensors("b", t, c)
+        names = [None, "a", "b", "a", None, "b"]
+        prompts = [(PROMPT * 2)[: 2 + 2 * i] for i in range(len(names))]  # lengths 2, 4, ..., 12
+        reqs = [
+            GenerateRequest(p, SamplingParams(max_new_tokens=5, sampling_seed=i), lora_path=n)
+            for i, (p, n) in enumerate(zip(prompts, names, strict=True))
+        ]
+        outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        assert sorted(forwards[: len(reqs)], reverse=True) == [12, 10, 8, 6, 4, 2]  # one prefill per length
+        base = adapters["a"].get_base_model()
+        for r, o in zip(reqs, outs, strict=True):
+            if r.lora_path is None:
+                with adapters["a"].disable_adapter():
+                    ref = _logprobs(base, r.input_ids, o.output_ids)
+            else:
+                ref = _logprobs(adapters[r.lora_path], r.input_ids, o.output_ids)
+            assert float((ref - torch.tensor(o.output_logprobs)).abs().max()) < 1e-4, r.lora_path
+    finally:
+        hook.remove()
+        await engine.close()
+
+
 async def _serve(model_dir, **info):
     engine = EmbeddedEngine.from_pretrained(model_dir)
     runner = web.AppRunner(build_app(engine, info=info))

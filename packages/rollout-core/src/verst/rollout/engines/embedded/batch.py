@@ -1,9 +1,10 @@
 """The running decode batch of the embedded engine: rows, their KV cache, prefill, merge, step.
 
 Continuous batching on transformers' `DynamicCache`: a group of new requests is prefilled
-together (left-padded; identical prompts once, see `DecodeBatch.admit`), its first token
-sampled, and the group is merged into the running batch between decode steps (the shorter
-cache is left-padded with masked zeros). A finished row leaves `rows` at once, but its slot in
+together (left-padded, in forwards of prompts of similar length: `embedded.prefill`; identical
+prompts once, see `DecodeBatch.admit`), its first token sampled, and the group is merged into
+the running batch between decode steps (the shorter cache is left-padded with masked zeros). A
+finished row leaves `rows` at once, but its slot in
 the batch tensors stays (decoded and ignored) until a quarter of the slots are dead or new rows
 merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
 instead of one per departure. Cache columns that every remaining row masks out are trimmed.
@@ -21,6 +22,8 @@ import torch
 from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.kv_cache import growing_cache
+from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
+from verst.rollout.engines.embedded.ragged import prefill_group_tokens
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
@@ -126,8 +129,8 @@ def share_groups(rows: list[Row]) -> tuple[list[int], list[int]]:
     return unique, source
 
 
-def _set_spare(cache: Any, rows: list[Row]) -> None:
-    """Size the cache's spare columns to the most tokens any of `rows` may still feed."""
+def _spare_for(rows: list[Row]) -> int:
+    """The most tokens any of `rows` may still feed (at least 1): the cache's spare columns."""
     left = max(
         min(
             r.request.sampling.max_new_tokens - len(r.output_ids),
@@ -135,8 +138,14 @@ def _set_spare(cache: Any, rows: list[Row]) -> None:
         )
         for r in rows
     )
+    return max(1, left)
+
+
+def _set_spare(cache: Any, rows: list[Row]) -> None:
+    """Size the cache's spare columns to the most tokens any of `rows` may still feed."""
+    spare = _spare_for(rows)
     for layer in cache.layers:
-        layer.spare = max(1, left)
+        layer.spare = spare
 
 
 def _wants_input(row: Row) -> bool:
@@ -181,9 +190,15 @@ class DecodeBatch:
         growing_cache(model.config)  # fail at construction for unsupported cache layouts
         self.direct: DirectDecode | None = DirectDecode.of(model)
         """The decode step without the model's wrappers (`embedded.direct`); None: `model(...)`."""
+        self.prefill_group_cost = prefill_group_tokens(self.device)
+        """One more prefill forward's cost in padded tokens (`ragged.split_by_width`)."""
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def _prefill_model(self) -> PrefillModel:
+        return PrefillModel(self.model, self.pad_id, self.device, self.vision, self.routers, self._route)
 
     def _route(self, rows: list[Row]) -> None:
         """Tell the adapters which rows (in order) the next forward carries."""
@@ -206,56 +221,36 @@ class DecodeBatch:
     def admit(self, rows: list[Row]) -> None:
         """Prefill `rows` together, sample their first token, and merge them into the batch.
 
-        Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled once: the
-        forward runs over the distinct prompts only, and its KV cache, mask, positions, last
-        logits and prompt scores are copied to every row that shares them (each row gets its own
-        cache storage; sampling stays per row, with each row's own generator).
+        Prompts of similar length run through the model together (`embedded.prefill`: less
+        padding). Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled
+        once: the forward runs over the distinct prompts only, and its KV cache, mask, positions,
+        last logits and prompt scores are copied to every row that shares them (each row gets
+        its own cache storage; sampling stays per row, with each row's own generator).
         """
         every = list(range(len(rows)))
         unique, source = share_groups(rows) if self.share_prefix else (every, every)
         firsts = [rows[u] for u in unique]
-        lens = [r.prompt_len for r in firsts]
-        width = max(lens)
-        ids = torch.full((len(firsts), width), self.pad_id, dtype=torch.long)  # [unique, width]
-        mask = torch.zeros((len(firsts), width), dtype=torch.long)  # [unique, width]
-        for i, r in enumerate(firsts):
-            ids[i, width - lens[i] :] = torch.tensor(r.request.input_ids)
-            mask[i, width - lens[i] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)  # [unique, width]
-        cache = growing_cache(self.model.config)
-        _set_spare(cache, rows)
         full = any(_wants_input(r) for r in rows)
-        self._route(firsts)
-        out = self.model(
-            **prefill_kwargs(self.vision, self.model, ids, firsts),
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if full else 1,
-        )
-        logits = out.logits  # [unique, width or 1, vocab]
-        if self.routers is not None:  # [unique * width, layers × k]: each row its prompt's (shared) rows
-            routed = self.routers.take_rows().reshape(len(firsts), width, -1)
+        done = prefill(self._prefill_model, firsts, _spare_for(rows), full, self.prefill_group_cost)
+        if done.routing is not None:  # each row its prompt's (shared) routing
             for r, u in zip(rows, source, strict=True):
-                r.routing = [routed[u, width - lens[u] :]]
+                r.routing = [done.routing[u]]
         self.prefill_rows += len(rows)
-        self.prefill_tokens += sum(lens)
-        self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(lens)
-        last = logits[:, -1, :]  # [unique, vocab]
+        self.prefill_tokens += sum(r.prompt_len for r in firsts)
+        self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(r.prompt_len for r in firsts)
+        cache, mask, last = done.cache, done.mask, done.last
         if len(firsts) < len(rows):
             index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
             cache.batch_select_indices(index)  # index_select: every row its own copy
             mask, last = mask[index], last[index]
-        if full:
+        if done.logits is not None:
             memo: dict[tuple[Any, ...], PromptScores] = {}
             for r, u in zip(rows, source, strict=True):
                 if _wants_input(r):
                     q = r.request
                     key = (u, _inv_temp(r), q.top_logprobs_num, tuple(q.token_ids_logprob or ()))
                     if key not in memo:
-                        memo[key] = prompt_scores(q, logits[u, width - lens[u] :], _inv_temp(r))
+                        memo[key] = prompt_scores(q, done.logits[u], _inv_temp(r))
                     _set_scores(r, memo[key])
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
         tokens, lps = sample(last, sampling)

@@ -38,6 +38,34 @@ def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
     return buf
 
 
+def stack_caches(caches: list[Any], rows: list[torch.Tensor], total: int, width: int) -> Any:
+    """One growing cache of `total` rows from `caches` (each left-padded to its own width): cache
+    i's rows become rows `rows[i]`, right-aligned at `width`, zeros (masked) to the left of a
+    narrower one's columns. One copy into each layer's buffer, with the spare room (`spare`) of
+    the first cache's layers. Returns the first cache, now holding every row."""
+    out = caches[0]
+    for i, layer in enumerate(out.layers):
+        spare = max(1, min(layer.spare, layer.CHUNK))
+        layer._kbuf = _stacked([c.layers[i].keys for c in caches], rows, total, width, spare)
+        layer._vbuf = _stacked([c.layers[i].values for c in caches], rows, total, width, spare)
+        layer.keys, layer.values = layer._kbuf[:, :, :width], layer._vbuf[:, :, :width]
+    return out
+
+
+def _stacked(
+    parts: list[torch.Tensor], rows: list[torch.Tensor], total: int, width: int, spare: int
+) -> torch.Tensor:
+    """`[total, heads, width + spare, head_dim]` with `parts[i]` (`[n_i, heads, w_i, head_dim]`)
+    in rows `rows[i]`, right-aligned at `width`, zeros to their left, the spare columns unset."""
+    first = parts[0]
+    buf = first.new_empty((total, first.shape[1], width + spare, first.shape[3]))
+    for part, index in zip(parts, rows, strict=True):
+        pad = width - part.shape[2]
+        buf[:, :, :pad].index_fill_(0, index, 0)
+        buf[:, :, pad:width].index_copy_(0, index, part)
+    return buf
+
+
 def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
     """The column of buffers `kb`/`vb` where `k`/`v` start, when they are column views of them
     (else None: the tensors were replaced, e.g. by a merge, and must be re-adopted)."""
