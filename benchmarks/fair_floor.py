@@ -6,6 +6,8 @@ A GRPO step of G prompts × n samples needs, and this floor does:
 2. **decode** the live rows only: rows that sampled EOS leave the batch; the linear layers, the
    LM head and sampling see live rows only; each row attends to its group's prompt KV, kept once
    per group (never repeated per row or per head group), and to its own KV in a static buffer;
+   each token is drawn by inverting the row's CDF at one uniform (`sample_rows`; a group's first
+   tokens from its one prefill distribution);
 3. a **train forward** over each distinct prompt once plus every response token once: the linear
    layers see each of those tokens once (no padding); prompts attend causally within themselves,
    each response to its group's prompt and causally to itself (no dense whole-row mask); the LM
@@ -42,6 +44,20 @@ NEG = float("-inf")
 class Rollout:
     prompts: list[list[int]]  # G distinct prompts
     responses: list[list[list[int]]]  # [G][n] sampled ids (EOS included when sampled)
+
+
+def sample_rows(logits: torch.Tensor, draws: int = 1) -> torch.Tensor:
+    """`draws` tokens per row from `softmax(logits)` by inverse CDF: one uniform per draw, the
+    row's CDF built once (in place over `logits`, which it consumes) and searched.
+    logits [rows, V] float → [rows * draws] long, row-major.
+
+    The cheapest correct sampler in plain torch at these sizes: two passes over the logits
+    (max, then exp + cumsum; the cumsum accumulates in double on CPU) where `torch.multinomial`
+    over the softmax cost ~10× as much at [64, 49152], and Gumbel-max draws a noise value per
+    vocabulary entry. The draw is in (0, total], so a zero-probability token never comes out."""
+    cdf = logits.sub_(logits.amax(-1, keepdim=True)).exp_().cumsum_(-1)  # [rows, V]
+    u = 1.0 - torch.rand(cdf.shape[0], draws, dtype=cdf.dtype, device=cdf.device)  # (0, 1]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[1] - 1).flatten()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -147,7 +163,7 @@ class FairFloor:
         prompt_bias = prompt_bias.view(g_count, 1, 1, 1, 1, big_l)
         kr = [h.new_zeros(g_count, self.kv_heads, n, max_new, self.head_dim) for _ in model.layers]
         vr = [torch.zeros_like(b) for b in kr]
-        tok = self._sample(first_logits.repeat_interleave(n, 0), greedy)  # [rows]
+        tok = self._sample(first_logits, greedy, n)  # [rows]: n draws from each group's distribution
         out = [[[] for _ in range(n)] for _ in range(g_count)]
         live = torch.arange(rows)
         row_pos = torch.tensor(lens).repeat_interleave(n)  # next position per row
@@ -174,7 +190,7 @@ class FairFloor:
                 )  # fmt: skip
                 o = o.squeeze(4).permute(0, 2, 1, 3, 4)[g_idx, j_idx]  # [b, Hkv, gqa, d]
                 h = self._finish_layer(layer, h, o.reshape(len(live), -1))
-            tok = self._sample(self._head(h), greedy)
+            tok = self._sample(self._head(h), greedy)  # the fresh logits are consumed in place
             row_pos[live] += 1
         if timings is not None:
             timings["prefill_s"] = t1 - t0
@@ -182,10 +198,11 @@ class FairFloor:
         return Rollout(prompts, out)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, greedy: bool, draws: int = 1) -> torch.Tensor:
+        """`draws` tokens per row of `logits` [rows, V] → [rows * draws], row-major."""
         if greedy:
-            return logits.argmax(-1)
-        return torch.multinomial(torch.softmax(logits.float(), -1), 1)[:, 0]
+            return logits.argmax(-1).repeat_interleave(draws)
+        return sample_rows(logits.float(), draws)  # float32 logits: the same tensor, consumed
 
     # ------------------------------------------------------------ training
 
