@@ -125,7 +125,7 @@ class FairFloor:
 
     # ------------------------------------------------------------ generation
 
-    @torch.no_grad()
+    @torch.inference_mode()  # the cheapest no-grad mode (the engine decodes in it too)
     def generate(
         self, prompts: list[list[int]], n: int, max_new: int, eos: int, greedy: bool = False, timings=None
     ) -> Rollout:
