@@ -16,10 +16,13 @@ A GRPO step of G prompts × n samples needs, and this floor does:
 4. the **backward** of the token-mean policy-gradient loss;
 5. grad-norm clipping and one **fused AdamW** step.
 
-What it still computes beyond the strict minimum, all in attention and measured small at these
+What it still computes beyond the strict minimum, in attention and measured small at these
 sizes: in decode, attention runs over every row of the grid (a dead row's query is zero) and
 each group's prompt KV is padded to the batch's longest prompt; in the train forward, prompts are
 padded to the micro-batch's longest and a group's responses to the group's longest (masked).
+Beyond attention: the last token of each response goes through the train forward although no
+log-prob reads its output (one token per response: the job as defined above, and as verst and
+TRL run it, feeds every response token).
 
 It is a Llama (the benchmarks' models: the reverse-digits model and SmolLM2's architecture),
 reusing the Hugging Face module's own weights and RoPE. `check_against_hf` asserts, once per
@@ -295,7 +298,8 @@ class FairFloor:
     def step(
         self, prompts: list[list[int]], n: int, max_new: int, eos: int, groups_per_micro: int | None = None
     ) -> dict[str, float]:
-        """One timed GRPO step of the floor (random advantages: the cost does not depend on them)."""
+        """One timed GRPO step of the floor (random advantages: a step's cost does not depend on their
+        values, but the model they move does, through the next steps' response lengths)."""
         timings: dict[str, float] = {}
         self.model.train()
         ro = self.generate(prompts, n, max_new, eos, timings=timings)
