@@ -6,6 +6,8 @@ A GRPO step of G prompts × n samples needs, and this floor does:
 2. **decode** the live rows only: rows that sampled EOS leave the batch; the linear layers, the
    LM head and sampling see live rows only; each row attends to its group's prompt KV, kept once
    per group (never repeated per row or per head group), and to its own KV in a static buffer;
+   each token is drawn by inverting the row's CDF at one uniform (`sample_rows`; a group's first
+   tokens from its one prefill distribution);
 3. a **train forward** over each distinct prompt once plus every response token once: the linear
    layers see each of those tokens once (no padding); prompts attend causally within themselves,
    each response to its group's prompt and causally to itself (no dense whole-row mask); the LM
@@ -14,10 +16,13 @@ A GRPO step of G prompts × n samples needs, and this floor does:
 4. the **backward** of the token-mean policy-gradient loss;
 5. grad-norm clipping and one **fused AdamW** step.
 
-What it still computes beyond the strict minimum, all in attention and measured small at these
+What it still computes beyond the strict minimum, in attention and measured small at these
 sizes: in decode, attention runs over every row of the grid (a dead row's query is zero) and
 each group's prompt KV is padded to the batch's longest prompt; in the train forward, prompts are
 padded to the micro-batch's longest and a group's responses to the group's longest (masked).
+Beyond attention: the last token of each response goes through the train forward although no
+log-prob reads its output (one token per response: the job as defined above, and as verst and
+TRL run it, feeds every response token).
 
 It is a Llama (the benchmarks' models: the reverse-digits model and SmolLM2's architecture),
 reusing the Hugging Face module's own weights and RoPE. `check_against_hf` asserts, once per
@@ -42,6 +47,20 @@ NEG = float("-inf")
 class Rollout:
     prompts: list[list[int]]  # G distinct prompts
     responses: list[list[list[int]]]  # [G][n] sampled ids (EOS included when sampled)
+
+
+def sample_rows(logits: torch.Tensor, draws: int = 1) -> torch.Tensor:
+    """`draws` tokens per row from `softmax(logits)` by inverse CDF: one uniform per draw, the
+    row's CDF built once (in place over `logits`, which it consumes) and searched.
+    logits [rows, V] float → [rows * draws] long, row-major.
+
+    The cheapest correct sampler in plain torch at these sizes: two passes over the logits
+    (max, then exp + cumsum; the cumsum accumulates in double on CPU) where `torch.multinomial`
+    over the softmax cost ~10× as much at [64, 49152], and Gumbel-max draws a noise value per
+    vocabulary entry. The draw is in (0, total], so a zero-probability token never comes out."""
+    cdf = logits.sub_(logits.amax(-1, keepdim=True)).exp_().cumsum_(-1)  # [rows, V]
+    u = 1.0 - torch.rand(cdf.shape[0], draws, dtype=cdf.dtype, device=cdf.device)  # (0, 1]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=cdf.shape[1] - 1).flatten()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,7 +128,7 @@ class FairFloor:
 
     # ------------------------------------------------------------ generation
 
-    @torch.no_grad()
+    @torch.inference_mode()  # the cheapest no-grad mode (the engine decodes in it too)
     def generate(
         self, prompts: list[list[int]], n: int, max_new: int, eos: int, greedy: bool = False, timings=None
     ) -> Rollout:
@@ -147,7 +166,7 @@ class FairFloor:
         prompt_bias = prompt_bias.view(g_count, 1, 1, 1, 1, big_l)
         kr = [h.new_zeros(g_count, self.kv_heads, n, max_new, self.head_dim) for _ in model.layers]
         vr = [torch.zeros_like(b) for b in kr]
-        tok = self._sample(first_logits.repeat_interleave(n, 0), greedy)  # [rows]
+        tok = self._sample(first_logits, greedy, n)  # [rows]: n draws from each group's distribution
         out = [[[] for _ in range(n)] for _ in range(g_count)]
         live = torch.arange(rows)
         row_pos = torch.tensor(lens).repeat_interleave(n)  # next position per row
@@ -174,7 +193,7 @@ class FairFloor:
                 )  # fmt: skip
                 o = o.squeeze(4).permute(0, 2, 1, 3, 4)[g_idx, j_idx]  # [b, Hkv, gqa, d]
                 h = self._finish_layer(layer, h, o.reshape(len(live), -1))
-            tok = self._sample(self._head(h), greedy)
+            tok = self._sample(self._head(h), greedy)  # the fresh logits are consumed in place
             row_pos[live] += 1
         if timings is not None:
             timings["prefill_s"] = t1 - t0
@@ -182,10 +201,11 @@ class FairFloor:
         return Rollout(prompts, out)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, greedy: bool, draws: int = 1) -> torch.Tensor:
+        """`draws` tokens per row of `logits` [rows, V] → [rows * draws], row-major."""
         if greedy:
-            return logits.argmax(-1)
-        return torch.multinomial(torch.softmax(logits.float(), -1), 1)[:, 0]
+            return logits.argmax(-1).repeat_interleave(draws)
+        return sample_rows(logits.float(), draws)  # float32 logits: the same tensor, consumed
 
     # ------------------------------------------------------------ training
 
@@ -278,7 +298,8 @@ class FairFloor:
     def step(
         self, prompts: list[list[int]], n: int, max_new: int, eos: int, groups_per_micro: int | None = None
     ) -> dict[str, float]:
-        """One timed GRPO step of the floor (random advantages: the cost does not depend on them)."""
+        """One timed GRPO step of the floor (random advantages: a step's cost does not depend on their
+        values, but the model they move does, through the next steps' response lengths)."""
         timings: dict[str, float] = {}
         self.model.train()
         ro = self.generate(prompts, n, max_new, eos, timings=timings)

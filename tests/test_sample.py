@@ -78,3 +78,52 @@ def test_dict_reward_needs_a_key():
     assert s.scalar_reward("fmt") == 0.5
     with pytest.raises(SampleInvariantError, match="reward_key"):
         s.scalar_reward(None)
+
+
+def _containers(obj, seen=None):
+    """The ids of every list, dict and set reachable from `obj` (its mutable state)."""
+    seen = set() if seen is None else seen
+    values = obj.__dict__.values() if isinstance(obj, Sample) else obj
+    if isinstance(obj, dict):
+        values = [*obj.keys(), *obj.values()]
+    for v in values:
+        if isinstance(v, list | dict | set) and id(v) not in seen:
+            seen.add(id(v))
+            _containers(v, seen)
+    return seen
+
+
+@given(samples())
+def test_clone_equals_deepcopy_and_shares_no_mutable_state(sample):
+    import copy
+
+    sample.metadata["nested"] = {"ids": [1, 2], "rows": [{"a": [3]}]}
+    sample.images = [{"path": "x.png", "shapes": [[1, 2]]}]
+    clone, deep = sample.clone(), copy.deepcopy(sample)
+    assert clone == deep == sample
+    assert type(clone) is Sample and clone.__dict__.keys() == deep.__dict__.keys()
+    assert not _containers(clone) & _containers(sample)  # nothing mutable is aliased
+    clone.tokens.append(7)
+    clone.metadata["nested"]["ids"].append(9)
+    assert sample.tokens != clone.tokens and sample.metadata["nested"]["ids"] == [1, 2]
+
+
+def test_clone_keeps_objects_shared_between_fields_shared_as_deepcopy_does():
+    import copy
+
+    shared_list, shared_dict = [1, 2], {"k": 1}
+    s = Sample(tokens=shared_list, metadata={"same": shared_list, "d": shared_dict, "again": shared_dict})
+    s.metadata["me"] = s  # a cycle back to the sample itself
+    for c in (s.clone(), copy.deepcopy(s)):
+        assert c.tokens is c.metadata["same"] and c.tokens is not shared_list
+        assert c.metadata["d"] is c.metadata["again"] and c.metadata["d"] is not shared_dict
+        assert c.metadata["me"] is c
+
+
+def test_clone_of_a_subclass_is_its_deepcopy():
+    class Tagged(Sample):
+        pass
+
+    s = Tagged(prompt="p", metadata={"x": [1]})
+    c = s.clone()
+    assert type(c) is Tagged and c == s and c.metadata["x"] is not s.metadata["x"]

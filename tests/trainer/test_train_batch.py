@@ -48,6 +48,42 @@ def test_failed_and_unscored_groups_are_dropped_and_counted():
     assert batch.rollout_logprobs[3].tolist() == [-1.0, -2.0, -3.0, -4.0]
 
 
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 5),  # response length
+            st.booleans(),  # has a loss mask
+            st.booleans(),  # has rollout log-probs
+            st.integers(0, 2**31),  # values
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_loss_mask_and_rollout_logprobs_equal_a_row_by_row_build(rows):
+    """The batch's `[B, width]` mask and log-probs hold, row by row, the sample's values (float32)
+    then zeros; all-zero log-probs where a sample has none."""
+    samples = []
+    for i, (r, has_mask, has_lp, seed) in enumerate(rows):
+        gen = torch.Generator().manual_seed(seed)
+        mask = torch.randint(0, 2, (r,), generator=gen).tolist() if has_mask else None
+        lp = (-torch.rand(r, generator=gen, dtype=torch.float64) * 30).tolist() if has_lp else None
+        samples.append(
+            Sample(prompt="p", tokens=[1, 2, *range(3, 3 + r)], response_length=r, reward=1.0,
+                   status=Status.COMPLETED, loss_mask=mask, rollout_logprobs=lp, group_index=i, sample_index=i)
+        )  # fmt: skip
+    batch = build_train_batch([[s] for s in samples])
+    width = max(1, max(r for r, *_ in rows))
+    want_mask, want_old = torch.zeros((len(rows), width)), torch.zeros((len(rows), width))
+    for i, s in enumerate(samples):
+        want_mask[i, : s.response_length] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+        if s.rollout_logprobs is not None:
+            want_old[i, : s.response_length] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    assert batch.loss_mask.dtype == batch.rollout_logprobs.dtype == torch.float32
+    assert torch.equal(batch.loss_mask, want_mask) and torch.equal(batch.rollout_logprobs, want_old)
+    assert batch.has_rollout_logprobs == all(has_lp for *_, has_lp, _ in rows)
+
+
 def test_dict_rewards_use_the_reward_key():
     groups = [[_sample(0, 0), _sample(0, 1)]]
     groups[0][0].reward = {"acc": 1.0, "fmt": 0.2}

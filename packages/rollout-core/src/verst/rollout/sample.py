@@ -219,8 +219,41 @@ class Sample:
         return cls(**data)
 
     def clone(self) -> Sample:
-        """A deep copy (groups are built by cloning the data source's prompt sample)."""
-        return copy.deepcopy(self)
+        """A deep copy (groups are built by cloning the data source's prompt sample).
+
+        The same result as `copy.deepcopy(self)`, built faster (it runs once per sample of every
+        rollout): immutable field values are kept as they are, flat lists and dicts of immutable
+        values are copied in one step, anything else goes through `copy.deepcopy` with one memo
+        shared by all fields, so objects shared between fields stay shared in the copy."""
+        if type(self) is not Sample:  # a subclass may copy itself its own way
+            return copy.deepcopy(self)
+        new = object.__new__(Sample)
+        memo: dict[int, Any] = {id(self): new}
+        new.__dict__.update({k: _deep_copy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+
+_IMMUTABLE: frozenset[type] = frozenset({type(None), bool, int, float, complex, str, bytes, Status})
+"""Types whose values `copy.deepcopy` returns as they are (exact types, not subclasses)."""
+
+
+def _deep_copy(value: Any, memo: dict[int, Any]) -> Any:
+    """`copy.deepcopy(value, memo)`, with a fast path for immutable values and for flat lists and
+    dicts of them (a shallow copy of those is a deep one)."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    done = memo.get(id(value))
+    if done is not None:
+        return done
+    if kind is list and all(type(v) in _IMMUTABLE for v in value):
+        out: Any = value.copy()
+    elif kind is dict and all(type(k) in _IMMUTABLE and type(v) in _IMMUTABLE for k, v in value.items()):
+        out = value.copy()
+    else:
+        return copy.deepcopy(value, memo)
+    memo[id(value)] = out
+    return out
 
 
 SEGMENTS_KEY = "segments"

@@ -125,15 +125,16 @@ def _keep_groups(
 
 
 def _response_tensors(samples: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss mask and rollout log-probs `[B, width]` (zero past each response and where unknown)."""
-    mask = torch.zeros((len(samples), width))
-    old = torch.zeros((len(samples), width))
-    for i, s in enumerate(samples):
-        r = s.response_length
-        mask[i, :r] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
-        if s.rollout_logprobs is not None:
-            old[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    return mask, old
+    """Loss mask and rollout log-probs `[B, width]` (zero past each response and where unknown),
+    each from one padded list (one tensor build, not one per row). Lengths are validated."""
+    mask = [[*s.effective_loss_mask(), *[0] * (width - s.response_length)] for s in samples]
+    old = [
+        [*s.rollout_logprobs, *[0.0] * (width - s.response_length)]
+        if s.rollout_logprobs is not None
+        else [0.0] * width
+        for s in samples
+    ]
+    return torch.tensor(mask, dtype=torch.float32), torch.tensor(old, dtype=torch.float32)
 
 
 def _batch_metrics(
