@@ -1,9 +1,10 @@
 """`torch.autograd.Function`s over the row operations (Triton or torch, chosen by the caller).
 
 `LogprobsFunction` works on full logits `[N, V]`. `LinearLogprobsFunction` works on hidden states
-`[N, H]` and the LM-head weight `[V, H]`: it processes `chunk_size` tokens at a time and never
+`[N, H]` and the LM-head weight `[V, H]`: it processes `chunk_size` tokens at a time (the row
+kernels) or vocabulary tiles of as many elements (torch, `verst.kernels._tiles`) and never
 holds more than one `[chunk, V]` block of logits, in the forward AND in the backward, where it
-recomputes each chunk's logits (so any upstream gradient is handled correctly: see
+recomputes each block's logits (so any upstream gradient is handled correctly: see
 docs/kernels.md, "Chunked linear path") — unless the caller's memory budget lets it keep the
 forward's `[N, V]` logits for the backward (`keep=True`), which skips the recompute.
 """
@@ -13,6 +14,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+
+from verst.kernels._logits import TileLogits
+from verst.kernels._tiles import tile_shape, tiled_backward, tiled_forward
 
 
 class RowOps(Protocol):
@@ -54,12 +58,6 @@ class RowOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _no_autocast(t: torch.Tensor) -> torch.autocast:
-    """The chunk matmuls run in the inputs' dtype: under an ambient autocast the forward would be
-    cast while the backward's recompute would not, and the two would disagree."""
-    return torch.autocast(device_type=t.device.type, enabled=False)
-
-
 class LogprobsFunction(torch.autograd.Function):
     """(log-probs [N, M], entropy [N] | None, lse [N]) of logits [N, V]; grads flow to logits."""
 
@@ -93,59 +91,6 @@ class LogprobsFunction(torch.autograd.Function):
             logits.dtype,
         )  # fmt: skip
         return grad, None, None, None, None
-
-
-class _ChunkLogits:
-    """Each chunk's logits `post(h_c @ W.T + b)` for `LinearLogprobsFunction`, and the buffers
-    they live in: one `[chunk, V]` buffer reused by every chunk (CPU allocations of that size
-    are fresh pages each time), or, when the forward keeps them for the backward, rows of one
-    `[N, V]` array. `post` is the optional soft-cap `cap * tanh(x / cap)`."""
-
-    def __init__(
-        self,
-        hidden: torch.Tensor,  # [N, H]
-        weight: torch.Tensor,  # [V, H]
-        bias: torch.Tensor | None,  # [V]
-        softcap: float | None,
-        rows: int,
-        kept: torch.Tensor | None = None,  # [N, V] pre-soft-cap logits kept by the forward
-    ) -> None:
-        self.hidden, self.weight, self.bias, self.softcap = hidden, weight, bias, softcap
-        self.rows, self.kept = rows, kept
-        self._buf: torch.Tensor | None = None  # [rows, V], the weight's dtype
-        self._f32: torch.Tensor | None = None  # [rows, V] float32, the torch row ops' workspace
-
-    def _raw(self, s: int, e: int, into: torch.Tensor) -> torch.Tensor:
-        with _no_autocast(self.hidden):  # the inputs' dtype, forward and recompute alike
-            torch.mm(self.hidden[s:e], self.weight.T, out=into)  # [C, V]
-            if self.bias is not None:
-                into += self.bias
-        return into
-
-    def compute(self, s: int, e: int, *, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """(logits [C, V], `tanh(x / cap)` float32 or None, whether the logits are a temporary
-        the row ops may overwrite). `keep` (forward only) writes them into the kept rows."""
-        if keep and self.kept is not None:
-            raw, own = self._raw(s, e, self.kept[s:e]), False
-        elif self.kept is not None:  # backward of a keeping forward: read, never write
-            raw, own = self.kept[s:e], False
-        else:
-            if self._buf is None:
-                self._buf = self.weight.new_empty((self.rows, self.weight.shape[0]))
-            raw, own = self._raw(s, e, self._buf[: e - s]), True
-        if self.softcap is None:
-            return raw, None, own
-        x = raw.float()  # [C, V]; the same tensor when raw is float32
-        t = (x.div_(self.softcap) if own or x is not raw else torch.div(x, self.softcap)).tanh_()
-        return t * self.softcap, t, True
-
-    def workspace(self, ops: RowOps, logits: torch.Tensor, overwrite: bool) -> torch.Tensor | None:
-        """The float32 buffer the torch row ops write into when they may not overwrite the logits."""
-        if not ops.uses_workspace or (overwrite and logits.dtype == torch.float32):
-            return None
-        if self._f32 is None:
-            self._f32 = torch.empty((self.rows, logits.shape[1]), dtype=torch.float32, device=logits.device)
-        return self._f32
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -182,21 +127,13 @@ class LinearLogprobsFunction(torch.autograd.Function):
         top_v = torch.empty((N, topk), dtype=torch.float32, device=dev) if topk else None
         top_i = torch.empty((N, topk), dtype=torch.int64, device=dev) if topk else None
         kept = weight.new_empty((N, weight.shape[0])) if keep else None  # [N, V]
-        chunks = _ChunkLogits(hidden, weight, bias, softcap, min(chunk_size, max(N, 1)), kept)
-        for s in range(0, N, chunk_size):
-            e = min(s + chunk_size, N)
-            logits, _, own = chunks.compute(s, e, keep=keep)  # [C, V]
-            overwrite = own and not topk  # top-k reads the logits afterwards: keep them intact then
-            lp_c, ent_c, lse_c = ops.forward(
-                logits, targets[s:e], temperature, with_entropy,
-                overwrite=overwrite, workspace=chunks.workspace(ops, logits, overwrite),
-            )  # fmt: skip
-            logprobs[s:e], lse[s:e] = lp_c, lse_c
-            if entropy is not None:
-                entropy[s:e] = ent_c
-            if top_v is not None and top_i is not None:
-                top_v[s:e], top_i[s:e] = ops.topk(logits, topk, temperature, lse_c)
-            del logits, lp_c, ent_c, lse_c
+        shape = _tile_shape(ops, N, weight.shape[0], chunk_size)
+        chunks = TileLogits(hidden, weight, bias, softcap, shape[0] * shape[1], kept)
+        out = (logprobs, entropy, lse, top_v, top_i)
+        if ops.name == "torch":
+            tiled_forward(chunks, targets, temperature, shape, keep, out)
+        else:
+            _rows_forward(chunks, ops, targets, temperature, shape[0], keep, out)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, bias, kept)
         ctx.temperature, ctx.chunk_size, ctx.ops, ctx.softcap = temperature, chunk_size, ops, softcap
         ctx.mark_non_differentiable(*(t for t in (lse, top_v, top_i) if t is not None))
@@ -219,27 +156,17 @@ class LinearLogprobsFunction(torch.autograd.Function):
             grad_entropy = grad_entropy.float().contiguous()
         low_precision = hidden.dtype != torch.float32
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None  # [V, H]
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_w else None  # [V, H]
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None  # [V]
-        chunks = _ChunkLogits(hidden, weight, bias, ctx.softcap, min(ctx.chunk_size, max(N, 1)), kept)
-        for s in range(0, N, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, N)
-            # the forward's logits: kept (never written: a second backward reads them again) or
-            # recomputed with the forward's precision; t = tanh(x / cap) under a soft-cap
-            logits, t, own = chunks.compute(s, e, keep=False)  # [C, V]
-            grad_logits = ops.backward(
-                logits, targets[s:e], T, lse[s:e],
-                entropy[s:e] if entropy is not None else None,
-                grad_logprobs[s:e],
-                grad_entropy[s:e] if grad_entropy is not None else None,
-                torch.float32, overwrite=own, workspace=chunks.workspace(ops, logits, own),
-            )  # fmt: skip  # [C, V] float32, may reuse the logits' or the workspace's buffer
-            del logits
-            if t is not None:  # d cap*tanh(x/cap) / dx = 1 - tanh(x/cap)^2
-                grad_logits.mul_(t.square_().neg_().add_(1.0))
-                del t
-            _accumulate(grad_logits, hidden[s:e], weight, grad_h, grad_w, grad_b, s, low_precision)
-            del grad_logits
+        shape = _tile_shape(ops, N, weight.shape[0], ctx.chunk_size)
+        chunks = TileLogits(hidden, weight, bias, ctx.softcap, shape[0] * shape[1], kept)
+        saved = (targets, lse, entropy, grad_logprobs, grad_logprobs.sum(-1, keepdim=True), grad_entropy)
+        if ops.name == "torch":
+            tiled_backward(chunks, saved, T, shape, (grad_h, grad_w, grad_b))
+        else:
+            if grad_w is not None:
+                grad_w.zero_()
+            _rows_backward(chunks, ops, saved, T, shape[0], (grad_h, grad_w, grad_b))
         if grad_w is not None and low_precision:
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and bias is not None:
@@ -267,3 +194,66 @@ def _accumulate(
         del gl
     if grad_w is not None:
         grad_w.addmm_(grad_logits.T, h_c.float() if low_precision else h_c)
+
+
+def _tile_shape(ops: RowOps, n: int, v: int, chunk_size: int) -> tuple[int, int]:
+    """Vocabulary tiles on the torch path; whole-row token chunks for the row kernels."""
+    return tile_shape(n, v, chunk_size) if ops.name == "torch" else (min(chunk_size, max(n, 1)), v)
+
+
+def _rows_forward(
+    chunks: TileLogits,
+    ops: RowOps,
+    targets: torch.Tensor,
+    temperature: float,
+    rows: int,
+    keep: bool,
+    out: tuple,
+) -> None:
+    """The row kernels' forward, `rows` tokens (all of the vocabulary) at a time, into `out` =
+    (log-probs, entropy | None, lse, top-k values | None, top-k ids | None)."""
+    logprobs, entropy, lse, top_v, top_i = out
+    N, V = targets.shape[0], chunks.weight.shape[0]
+    for s in range(0, N, rows):
+        e = min(s + rows, N)
+        logits, _, own = chunks.compute(s, e, 0, V, keep=keep)  # [C, V]
+        overwrite = own and top_v is None  # top-k reads the logits afterwards: keep them intact then
+        lp_c, ent_c, lse_c = ops.forward(
+            logits, targets[s:e], temperature, entropy is not None,
+            overwrite=overwrite, workspace=chunks.workspace(ops, logits, overwrite),
+        )  # fmt: skip
+        logprobs[s:e], lse[s:e] = lp_c, lse_c
+        if entropy is not None:
+            entropy[s:e] = ent_c
+        if top_v is not None and top_i is not None:
+            top_v[s:e], top_i[s:e] = ops.topk(logits, top_v.shape[1], temperature, lse_c)
+        del logits, lp_c, ent_c, lse_c
+
+
+def _rows_backward(
+    chunks: TileLogits, ops: RowOps, saved: tuple, temperature: float, rows: int, grads: tuple
+) -> None:
+    """The row kernels' backward, `rows` tokens at a time; `grads` = (grad_h, grad_W float32
+    zeros, grad_b float32 zeros) | None each, accumulated across chunks."""
+    targets, lse, entropy, grad_lp, _, grad_ent = saved
+    grad_h, grad_w, grad_b = grads
+    hidden, weight = chunks.hidden, chunks.weight
+    low_precision = hidden.dtype != torch.float32
+    N, V = hidden.shape[0], weight.shape[0]
+    for s in range(0, N, rows):
+        e = min(s + rows, N)
+        # the forward's logits: kept (never written: a second backward reads them again) or
+        # recomputed with the forward's precision; t = tanh(x / cap) under a soft-cap
+        logits, t, own = chunks.compute(s, e, 0, V, keep=False)  # [C, V]
+        grad_logits = ops.backward(
+            logits, targets[s:e], temperature, lse[s:e],
+            entropy[s:e] if entropy is not None else None, grad_lp[s:e],
+            grad_ent[s:e] if grad_ent is not None else None,
+            torch.float32, overwrite=own, workspace=chunks.workspace(ops, logits, own),
+        )  # fmt: skip  # [C, V] float32, may reuse the logits' or the workspace's buffer
+        del logits
+        if t is not None:  # d cap*tanh(x/cap) / dx = 1 - tanh(x/cap)^2
+            grad_logits.mul_(t.square_().neg_().add_(1.0))
+            del t
+        _accumulate(grad_logits, hidden[s:e], weight, grad_h, grad_w, grad_b, s, low_precision)
+        del grad_logits

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def _scaled_float32(
+def scaled_float32(
     logits: torch.Tensor, temperature: float, overwrite: bool, workspace: torch.Tensor | None
 ) -> torch.Tensor:
     """logits / T in float32 that may be modified in place: `logits` itself when the caller
@@ -58,6 +58,57 @@ def _exp_moments(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s, t
 
 
+def finite_shift(m: torch.Tensor) -> torch.Tensor:
+    """The shift `exp_moments` used for a row max `m`: `m`, or 0 where the row is all -inf."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
+
+
+def exp_moments(
+    x: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(row max `m` [N] (-inf for an all -inf row), `s = Σ e`, `t = Σ e (x - c)` or None) of the
+    float32 `x` `[N, V]`, which is overwritten, with `e = exp(x - c)` and `c = finite_shift(m)`."""
+    m = x.amax(dim=-1)  # [N]
+    xs = x.sub_(finite_shift(m)[:, None])  # x - c, in place
+    if with_entropy:
+        s, t = _exp_moments(xs)
+        return m, s, t
+    return m, xs.exp_().sum(-1), None
+
+
+def logits_grad(
+    logits: torch.Tensor,  # [N, W] (a tile of the vocabulary, or all of it)
+    targets: torch.Tensor,  # [N, M] int64, column indices into `logits`
+    grad_targets: torch.Tensor,  # [N, M] float32, added at `targets` (0 for a target elsewhere)
+    grad_sum: torch.Tensor,  # [N, 1] float32, the row's whole upstream log-prob gradient
+    temperature: float,
+    lse: torch.Tensor,  # [N]
+    entropy: torch.Tensor | None,  # [N]
+    grad_entropy: torch.Tensor | None,  # [N] float32
+    *,
+    overwrite: bool,
+    workspace: torch.Tensor | None,
+) -> torch.Tensor:
+    """Float32 gradient wrt `logits` (`overwrite`, `workspace` as in `TorchRowOps.forward`): every
+    term but the target columns' is elementwise given the row's `lse` (and entropy), so a tile of
+    the vocabulary gets its part of the row's gradient.
+
+    d lp_m / d x_j = [j == t_m] - p_j and d H / d x_j = -p_j (log p_j + H), with x = logits / T.
+    """
+    logp = scaled_float32(logits, temperature, overwrite, workspace).sub_(lse[:, None])  # [N, W]
+    if grad_entropy is None or entropy is None:  # one [N, W] buffer: p computed in place
+        grad = logp.exp_().mul_(-grad_sum)
+    else:
+        p = logp.exp()  # [N, W]
+        term = logp.add_(entropy[:, None]).mul_(p).nan_to_num_(nan=0.0)  # p (log p + H)
+        grad = p.mul_(-grad_sum)
+        grad.addcmul_(term, grad_entropy[:, None], value=-1.0)
+    grad.scatter_add_(-1, targets, grad_targets)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
 class TorchRowOps:
     """Row-wise log-prob forward/backward and top-k written with torch ops."""
 
@@ -79,18 +130,12 @@ class TorchRowOps:
         `overwrite=True`: `logits` is the caller's temporary and may be clobbered (saves one
         `[N, V]` float32 array; the chunked linear path uses it). `workspace`: a float32
         `[>= N, V]` buffer used instead of allocating that array when `logits` must be kept."""
-        x = _scaled_float32(logits, temperature, overwrite, workspace)  # [N, V]
-        m = x.amax(dim=-1, keepdim=True)  # [N, 1]
-        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        x = scaled_float32(logits, temperature, overwrite, workspace)  # [N, V]
         picked = x.gather(-1, targets)  # [N, M], before x is modified
-        xs = x.sub_(m)  # x - m, in place
-        entropy = None
-        if with_entropy:  # H = log s - sum p (x - m) / s: two non-negative terms, no cancellation
-            s, t = _exp_moments(xs)
-            entropy = s.log() - t / s
-        else:
-            s = xs.exp_().sum(-1)
-        lse = m.squeeze(-1) + s.log()  # [N]
+        m, s, t = exp_moments(x, with_entropy)
+        # H = log s - sum p (x - m) / s: two non-negative terms, no cancellation
+        entropy = s.log() - t / s if t is not None else None
+        lse = finite_shift(m) + s.log()  # [N]
         logprobs = picked - lse[:, None]
         return logprobs, entropy, lse
 
@@ -113,17 +158,11 @@ class TorchRowOps:
 
         d lp_m / d x_j = [j == t_m] - p_j and d H / d x_j = -p_j (log p_j + H), with x = logits / T.
         """
-        logp = _scaled_float32(logits, temperature, overwrite, workspace).sub_(lse[:, None])  # [N, V]
-        if grad_entropy is None or entropy is None:  # one [N, V] buffer: p computed in place
-            grad = logp.exp_().mul_(-grad_logprobs.sum(-1, keepdim=True))
-        else:
-            p = logp.exp()  # [N, V]
-            term = logp.add_(entropy[:, None]).mul_(p).nan_to_num_(nan=0.0)  # p (log p + H)
-            grad = p.mul_(-grad_logprobs.sum(-1, keepdim=True))
-            grad.addcmul_(term, grad_entropy[:, None], value=-1.0)
-        grad.scatter_add_(-1, targets, grad_logprobs.to(torch.float32))
-        if temperature != 1.0:
-            grad.div_(temperature)
+        grad_logprobs = grad_logprobs.to(torch.float32)
+        grad = logits_grad(
+            logits, targets, grad_logprobs, grad_logprobs.sum(-1, keepdim=True), temperature, lse,
+            entropy, grad_entropy, overwrite=overwrite, workspace=workspace,
+        )  # fmt: skip
         return grad.to(out_dtype)
 
     @staticmethod
