@@ -74,9 +74,7 @@ def prefill(m: PrefillModel, rows: Sequence[Any], spare: int, full: bool, group_
             layer.spare = spare
         index = [torch.tensor(at, device=m.device) for at in places]
         cache = stack_caches([c for c, _, _ in parts], index, len(rows), width)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [rows, width]
-    for i, n in enumerate(lens):
-        mask[i, width - n :] = 1
+    mask = _left_padded_mask(lens, width)  # [rows, width]
     where: list[tuple[int, int]] = [(0, 0)] * len(rows)  # row → (group, its row in the group)
     flat = [0] * len(rows)  # row → its row in the groups' rows one after another
     for k, (g, j, i) in enumerate((g, j, i) for g, at in enumerate(places) for j, i in enumerate(at)):
@@ -91,6 +89,11 @@ def prefill(m: PrefillModel, rows: Sequence[Any], spare: int, full: bool, group_
     )
 
 
+def _left_padded_mask(lens: list[int], width: int) -> torch.Tensor:
+    """`[rows, width]` long: 1 over each row's last `lens[i]` columns (its prompt), 0 before."""
+    return (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
+
+
 def _per_row(parts: list[torch.Tensor], where: list[tuple[int, int]], lens: list[int]) -> list[torch.Tensor]:
     """Each row's last `lens[i]` positions of its group's `[rows, width, ...]` tensor."""
     return [parts[g][j, parts[g].shape[1] - n :] for (g, j), n in zip(where, lens, strict=True)]
@@ -102,10 +105,9 @@ def _forward(m: PrefillModel, rows: Sequence[Any], spare: int, full: bool) -> tu
     lens = [r.prompt_len for r in rows]
     width = max(lens)
     ids = torch.full((len(rows), width), m.pad_id, dtype=torch.long)  # [rows, width]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [rows, width]
     for i, r in enumerate(rows):
         ids[i, width - lens[i] :] = torch.tensor(r.request.input_ids)
-        mask[i, width - lens[i] :] = 1
+    mask = _left_padded_mask(lens, width)  # [rows, width]
     ids, mask = ids.to(m.device), mask.to(m.device)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # [rows, width]
     cache = growing_cache(m.model.config)
