@@ -6,6 +6,7 @@ the OpenAI chat path, and the pre-run checks against a real server started witho
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -50,32 +51,45 @@ async def _metrics(client) -> dict[str, float]:
     return values
 
 
-async def _started(client, n: int, tokens_before: float, timeout: float = 120.0) -> None:
-    """Wait until `n` requests are running and have produced tokens (the server's own gauges: a
-    fixed sleep raced the engine, which on a quiet box finished 6 x 200 tokens inside 1 s)."""
+async def _until(
+    client, ready: Callable[[dict[str, float]], bool], what: str, timeout: float = 120.0
+) -> None:
+    """Poll the server's gauges every 10 ms until `ready(gauges)`; fail naming `what` at `timeout`."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
         m = await _metrics(client)
-        if m["vllm:num_requests_running"] >= n and m["vllm:generation_tokens_total"] >= tokens_before + n:
+        if ready(m):
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{n} requests did not start within {timeout:.0f}s: {m}")
+    raise AssertionError(f"{what} within {timeout:.0f}s: {m}")
+
+
+async def _started(client, n: int, tokens_before: float) -> None:
+    """Wait until `n` requests are running and have produced tokens (the server's own gauges: a
+    fixed sleep raced the engine, which on a quiet box finished 6 x 200 tokens inside 1 s)."""
+    await _until(
+        client,
+        lambda m: (
+            m["vllm:num_requests_running"] >= n and m["vllm:generation_tokens_total"] >= tokens_before + n
+        ),
+        f"{n} requests did not start",
+    )
 
 
 async def _generated(client) -> float:
     return (await _metrics(client))["vllm:generation_tokens_total"]
 
 
-async def _arrived(client, n: int, all_done_tokens: float, timeout: float = 120.0) -> None:
+async def _arrived(client, n: int, all_done_tokens: float) -> None:
     """Wait until `n` requests are in the server (running or queued) or have all finished."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        m = await _metrics(client)
-        inside = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
-        if inside >= n or m["vllm:generation_tokens_total"] >= all_done_tokens:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{n} requests did not reach the server within {timeout:.0f}s: {m}")
+    await _until(
+        client,
+        lambda m: (
+            m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= n
+            or m["vllm:generation_tokens_total"] >= all_done_tokens
+        ),
+        f"{n} requests did not reach the server",
+    )
 
 
 def _busy(client, n: int = 26) -> list[asyncio.Future]:
