@@ -12,7 +12,9 @@ A GRPO step of G prompts × n samples needs, and this floor does:
    layers see each of those tokens once (no padding); prompts attend causally within themselves,
    each response to its group's prompt and causally to itself (no dense whole-row mask); the LM
    head runs on the positions that predict a response token only (the last prompt position once
-   per group);
+   per group), its logits formed once and turned in place into their gradient (`HeadLogprobs`:
+   three LM-head matmuls and one `[T, V]` buffer); a grid of slots without padding is read as a
+   view of the flat tokens, not gathered (`_Grid`);
 4. the **backward** of the token-mean policy-gradient loss;
 5. grad-norm clipping and one **fused AdamW** step.
 
@@ -89,6 +91,59 @@ def _two_part_attention(
     p = torch.softmax(torch.cat([sp, ss], dim=-1), dim=-1)
     out = (p[..., :big_l].reshape(g, hkv, n * gqa * s, big_l) @ vp).view(g, hkv, n, gqa, s, d)
     return out + (p[..., big_l:].reshape(g, hkv, n, gqa * s, s2) @ vs).view(g, hkv, n, gqa, s, d)
+
+
+@dataclass
+class _Grid:
+    """Where a grid of token slots (`[G, L]` prompt or `[G, n, R]` response positions) sits in the
+    flat token order: `index` holds each slot's flat index (padding points at token 0, `valid`
+    False). A grid without padding is the flat range `[start, start + numel)` in grid order, so it
+    is read as a view and written back by a reshape: no gather, and no zero-filled scatter in the
+    backward (in a micro-batch of one group of equal-length answers, the scale benchmark's case)."""
+
+    index: torch.Tensor  # [*grid] long
+    valid: torch.Tensor  # [*grid] bool
+    start: int
+
+    def __post_init__(self) -> None:
+        self.dense = bool(self.valid.all())
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] flat → [*grid, ...]."""
+        if self.dense:
+            return x[self.start : self.start + self.index.numel()].view(*self.index.shape, *x.shape[1:])
+        return x[self.index]
+
+    def put(self, y: torch.Tensor) -> torch.Tensor:
+        """y [*grid, ...] → the valid slots' rows [valid, prod(...)], in flat order."""
+        y = y.reshape(self.index.numel(), -1)
+        return y if self.dense else y[self.valid.flatten()]
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """`log_softmax(x @ W.T)` at `targets`, with the `[T, V]` logits formed once and kept: the
+    forward turns them in place into `exp(logits - max)`, the backward turns that in place into
+    the gradient wrt the logits (`scatter(g) - Σg · softmax`), then `grad_x` and `grad_W`. Three
+    LM-head matmuls and one `[T, V]` buffer, where autograd through `log_softmax(...).gather`
+    allocates the logits, the log-softmax and the gradient of each (a fresh page-faulted buffer
+    apiece at these sizes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """x [T, D], weight [V, D], targets [T, M] → log-probs [T, M]."""
+        logits = x @ weight.T  # [T, V]
+        picked = logits.gather(1, targets)  # [T, M]
+        top = logits.amax(-1, keepdim=True)  # [T, 1]
+        total = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
+        ctx.save_for_backward(x, weight, targets, logits, total)
+        return picked - top - total.log()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, targets, e, total = ctx.saved_tensors
+        g = e.mul_(-grad.sum(-1, keepdim=True) / total).scatter_add_(1, targets, grad)  # [T, V]
+        return g @ weight, g.T @ x, None
 
 
 class FairFloor:
@@ -238,33 +293,33 @@ class FairFloor:
                 r_start += k
         prompt_bias = torch.where(p_valid, 0.0, NEG).view(g_count, 1, 1, 1, 1, big_l)
         causal = torch.triu(torch.full((big_r, big_r), NEG), 1)
-        p_take, r_take = p_valid.flatten(), r_valid.flatten()
+        pg, rg = _Grid(p_grid, p_valid, 0), _Grid(r_grid, r_valid, n_prompt)
         h = model.embed_tokens(torch.tensor(ids))
         cos, sin = self._rotary(torch.tensor(pos), h)
         hkv, gqa, d = self.kv_heads, self.gqa, self.head_dim
         for layer in model.layers:
             q, k, v = self._qkv(layer, h, cos, sin)
-            kp = k[p_grid].permute(0, 2, 1, 3)  # [G, Hkv, L, d]
-            vp = v[p_grid].permute(0, 2, 1, 3)
-            qp = q[p_grid].permute(0, 2, 1, 3)  # [G, H, L, d]
+            kp = pg.take(k).permute(0, 2, 1, 3)  # [G, Hkv, L, d]
+            vp = pg.take(v).permute(0, 2, 1, 3)
+            qp = pg.take(q).permute(0, 2, 1, 3)  # [G, H, L, d]
             po = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=1.0, enable_gqa=True)
-            po = po.permute(0, 2, 1, 3).reshape(g_count * big_l, -1)[p_take]
-            qr = q[r_grid].view(g_count, n, big_r, hkv, gqa, d).permute(0, 3, 1, 4, 2, 5)
-            kr = k[r_grid].permute(0, 3, 1, 2, 4)  # [G, Hkv, n, R, d]
-            vr = v[r_grid].permute(0, 3, 1, 2, 4)
+            po = pg.put(po.permute(0, 2, 1, 3))
+            qr = rg.take(q).view(g_count, n, big_r, hkv, gqa, d).permute(0, 3, 1, 4, 2, 5)
+            kr = rg.take(k).permute(0, 3, 1, 2, 4)  # [G, Hkv, n, R, d]
+            vr = rg.take(v).permute(0, 3, 1, 2, 4)
             ro_ = _two_part_attention(qr.contiguous(), kp, vp, prompt_bias, kr, vr, causal)
-            ro_ = ro_.permute(0, 2, 4, 1, 3, 5).reshape(g_count * n * big_r, -1)[r_take]
+            ro_ = rg.put(ro_.permute(0, 2, 4, 1, 3, 5))
             h = self._finish_layer(layer, h, torch.cat([po, ro_]))
         # the LM head: the last prompt position once per group, then each response token but its last
+        norm, weight = model.norm, self.model.lm_head.weight
         last = torch.tensor(lens).cumsum(0) - 1
-        first = torch.log_softmax(self._head(h[last]).float(), -1)  # [G, V]
         firsts = torch.tensor([r[0] for grp in ro.responses for r in grp]).view(g_count, n)
-        first_lp = first.gather(1, firsts).flatten()  # [G * n]
+        first_lp = HeadLogprobs.apply(norm(h[last]), weight, firsts).flatten()  # [G * n]
         ids_t = torch.tensor(ids)
         inner = r_valid[:, :, 1:]  # token i of a row predicts token i + 1
         target_at = r_grid[:, :, 1:][inner]  # flat indices of the predicted tokens
-        logits = self._head(h[r_grid[:, :, :-1][inner]])
-        inner_lp = torch.log_softmax(logits.float(), -1).gather(1, ids_t[target_at][:, None])[:, 0]
+        inner_lp = HeadLogprobs.apply(norm(h[r_grid[:, :, :-1][inner]]), weight, ids_t[target_at][:, None])
+        inner_lp = inner_lp[:, 0]
         order = torch.cat([r_grid[:, :, 0].flatten(), target_at]) - n_prompt
         return first_lp.new_zeros(len(ids) - n_prompt).scatter(0, order, torch.cat([first_lp, inner_lp]))
 

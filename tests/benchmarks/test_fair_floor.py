@@ -35,9 +35,16 @@ def test_floor_decode_and_logprobs_equal_the_model(heads, kv_heads):
     assert check_against_hf(model, PROMPTS, n=3, max_new=6, eos=2, pad=0) < 1e-4
 
 
-def test_floor_gradient_equals_the_models():
+RAGGED = [[[4, 2], [5, 6, 7]], [[8], [9, 10, 2]], [[3, 3, 3], [2]]]
+DENSE = [[[4, 2, 9], [5, 6, 7]], [[8, 8, 1], [9, 10, 2]], [[3, 3, 3], [2, 5, 6]]]  # no padding in a group's grid  # fmt: skip
+
+
+@pytest.mark.parametrize("responses", [RAGGED, DENSE], ids=["ragged", "dense"])
+def test_floor_gradient_equals_the_models(responses):
+    """Ragged answers go through the gathered grid; a group of equal-length answers (with one
+    group a micro-batch) through its views, with the kept-logits LM head in both."""
     model = _llama(6, 2)
-    ro = Rollout(PROMPTS, [[[4, 2], [5, 6, 7]], [[8], [9, 10, 2]], [[3, 3, 3], [2]]])
+    ro = Rollout(PROMPTS, responses)
     adv = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.5])
     floor = FairFloor(model, lr=0.0, clip=1e9)  # no clipping, no step: the raw gradient
     floor.train(ro, adv, groups_per_micro=1)
