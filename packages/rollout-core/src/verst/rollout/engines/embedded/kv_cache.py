@@ -106,6 +106,9 @@ def _growing_layer_class() -> type:
         _kbuf: torch.Tensor | None = None
         _vbuf: torch.Tensor | None = None
 
+        _seen: tuple[Any, ...] | None = None
+        """(keys, values, key buffer, value buffer, start) as this layer last left them."""
+
         def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
             t = keys.shape[2]
             cap = t + extra + max(1, min(self.spare, self.CHUNK))
@@ -113,8 +116,15 @@ def _growing_layer_class() -> type:
             self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
 
         def _start(self) -> int | None:
-            """The buffer column where `keys`/`values` start when they are views of the buffers."""
-            return _view_start(self.keys, self.values, self._kbuf, self._vbuf)
+            """The buffer column where `keys`/`values` start when they are views of the buffers.
+
+            The same four objects as this layer last left them start where they did then (one
+            identity check per tensor, the common case of a decode step); otherwise the views
+            are checked (`_view_start`)."""
+            seen, k, v = self._seen, self.keys, self.values
+            if seen is not None and seen[0] is k and seen[1] is v and seen[2] is self._kbuf and seen[3] is self._vbuf:
+                return seen[4]
+            return _view_start(k, v, self._kbuf, self._vbuf)
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -129,10 +139,10 @@ def _growing_layer_class() -> type:
             if start is None or start + t + n > self._kbuf.shape[-2]:
                 self._adopt(self.keys, self.values, n)
                 start = 0
-            end = start + t + n
-            self._kbuf[:, :, start + t : end] = key_states
-            self._vbuf[:, :, start + t : end] = value_states
-            self.keys, self.values = self._kbuf[:, :, start:end], self._vbuf[:, :, start:end]
+            self._kbuf.narrow(2, start + t, n).copy_(key_states)
+            self._vbuf.narrow(2, start + t, n).copy_(value_states)
+            self.keys, self.values = self._kbuf.narrow(2, start, t + n), self._vbuf.narrow(2, start, t + n)
+            self._seen = (self.keys, self.values, self._kbuf, self._vbuf, start)
             return self.keys, self.values
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
