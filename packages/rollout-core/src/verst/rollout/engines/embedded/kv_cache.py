@@ -122,7 +122,13 @@ def _growing_layer_class() -> type:
             identity check per tensor, the common case of a decode step); otherwise the views
             are checked (`_view_start`)."""
             seen, k, v = self._seen, self.keys, self.values
-            if seen is not None and seen[0] is k and seen[1] is v and seen[2] is self._kbuf and seen[3] is self._vbuf:
+            if (
+                seen is not None
+                and seen[0] is k
+                and seen[1] is v
+                and seen[2] is self._kbuf
+                and seen[3] is self._vbuf
+            ):
                 return seen[4]
             return _view_start(k, v, self._kbuf, self._vbuf)
 
