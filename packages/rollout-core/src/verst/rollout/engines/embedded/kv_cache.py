@@ -86,6 +86,16 @@ def _view_start(k: Any, v: Any, kb: Any, vb: Any) -> int | None:
     return start
 
 
+def _layer_start(layer: Any) -> int | None:
+    """`_view_start` of a growing layer, read off what it remembers (`_seen`) while its keys,
+    values and buffers are the very objects it last left (a decode step's common case: four
+    identity checks instead of the strides and pointers)."""
+    seen, k, v, kb, vb = layer._seen, layer.keys, layer.values, layer._kbuf, layer._vbuf
+    if seen is not None and seen[0] is k and seen[1] is v and seen[2] is kb and seen[3] is vb:
+        return seen[4]
+    return _view_start(k, v, kb, vb)
+
+
 @functools.cache
 def _growing_layer_class() -> type:
     """`DynamicLayer` that writes each step's keys/values into spare capacity.
@@ -105,9 +115,7 @@ def _growing_layer_class() -> type:
         """Spare columns allocated past the current length (the batch lowers it to what it needs)."""
         _kbuf: torch.Tensor | None = None
         _vbuf: torch.Tensor | None = None
-
-        _seen: tuple[Any, ...] | None = None
-        """(keys, values, key buffer, value buffer, start) as this layer last left them."""
+        _seen: tuple[Any, ...] | None = None  # (keys, values, key buffer, value buffer, start) as last left
 
         def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
             t = keys.shape[2]
@@ -115,22 +123,8 @@ def _growing_layer_class() -> type:
             self._kbuf, self._vbuf = _with_capacity(keys, cap), _with_capacity(values, cap)
             self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
 
-        def _start(self) -> int | None:
-            """The buffer column where `keys`/`values` start when they are views of the buffers.
-
-            The same four objects as this layer last left them start where they did then (one
-            identity check per tensor, the common case of a decode step); otherwise the views
-            are checked (`_view_start`)."""
-            seen, k, v = self._seen, self.keys, self.values
-            if (
-                seen is not None
-                and seen[0] is k
-                and seen[1] is v
-                and seen[2] is self._kbuf
-                and seen[3] is self._vbuf
-            ):
-                return seen[4]
-            return _view_start(k, v, self._kbuf, self._vbuf)
+        def _start(self) -> int | None:  # where keys/values start in the buffers (None: not views of them)
+            return _layer_start(self)
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
