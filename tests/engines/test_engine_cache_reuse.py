@@ -139,3 +139,35 @@ def test_finished_rows_are_compacted_in_bulk(model, monkeypatch):
             0
         ]
         assert alone.output_ids == r.output_ids
+
+
+def test_growing_layer_appends_after_trims_and_replacements():
+    """A cache layer reuses the view start it remembers only while its keys, values and buffers
+    are the objects it left: after a trim (a narrower view of the buffer), a replacement (a
+    concatenation, as a merge does) and a row selection, every update still appends after the
+    current columns — the layer always equals plain concatenation."""
+    layer = _kv_cache._growing_layer_class()()
+    g = torch.Generator().manual_seed(0)
+
+    def new(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(3, 2, width, 4, generator=g), torch.randn(3, 2, width, 4, generator=g)
+
+    want_k, want_v = new(5)
+    layer.update(want_k, want_v)
+    for change in ("none", "trim", "replace", "none", "select", "none"):
+        if change == "trim":
+            layer.keys, layer.values = layer.keys[:, :, 2:], layer.values[:, :, 2:]
+            want_k, want_v = want_k[:, :, 2:], want_v[:, :, 2:]
+        elif change == "replace":
+            pad_k, pad_v = new(1)
+            layer.keys, layer.values = torch.cat([pad_k, layer.keys], 2), torch.cat([pad_v, layer.values], 2)
+            want_k, want_v = torch.cat([pad_k, want_k], 2), torch.cat([pad_v, want_v], 2)
+        elif change == "select":
+            index = torch.tensor([2, 0])
+            layer.batch_select_indices(index)
+            want_k, want_v = want_k[index], want_v[index]
+        k, v = new(1)
+        k, v = k[: want_k.shape[0]], v[: want_k.shape[0]]
+        got_k, got_v = layer.update(k, v)
+        want_k, want_v = torch.cat([want_k, k], 2), torch.cat([want_v, v], 2)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
