@@ -191,7 +191,9 @@ def run(steps: int, warmup: int, threads: int, seed: int, profile_top: int) -> d
     for k in names:
         out[k] = {
             "wall_ms": round(1e3 * statistics.median(w.get(k, 0.0) for w, _ in kept), 3),
-            "cpu_ms": round(1e3 * statistics.median(c.get(k, 0.0) for _, c in kept), 3) if k != "step" else None,
+            "cpu_ms": round(1e3 * statistics.median(c.get(k, 0.0) for _, c in kept), 3)
+            if k != "step"
+            else None,
         }
     if clock.profiler is not None:
         buf = io.StringIO()
