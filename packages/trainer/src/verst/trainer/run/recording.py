@@ -396,6 +396,9 @@ class StatusFile:
         self._cond = threading.Condition()
         self._pending = False
         self._closed = False
+        self._idle = False
+        """The thread waits for a change (woken by `changed`; between writes it is left to sleep,
+        so a change does not wake it only to wait again, taking the GIL from the training thread)."""
         self._thread = threading.Thread(target=self._loop, name="verst-status", daemon=True)
         self._thread.start()
 
@@ -403,7 +406,8 @@ class StatusFile:
         """The status changed: written by the background thread within `interval_s`."""
         with self._cond:
             self._pending = True
-            self._cond.notify()
+            if self._idle:
+                self._cond.notify()
 
     def write_now(self) -> None:
         """Write the status on this thread (and drop a pending background write)."""
@@ -421,8 +425,10 @@ class StatusFile:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._idle = True
                 while not self._pending and not self._closed:
                     self._cond.wait()
+                self._idle = False
                 if not self._pending:  # closed, nothing left to write
                     return
                 self._pending = False
