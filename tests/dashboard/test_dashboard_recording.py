@@ -4,6 +4,7 @@ run's life, and the buffered sink that carries the Ray rollout manager's events 
 from __future__ import annotations
 
 import json
+import time
 
 from verst.rollout.lifecycle import EventKind, LifecycleEvent
 from verst.rollout.protocols import RolloutResult
@@ -76,6 +77,20 @@ def _status(tmp_path):
     return json.loads((tmp_path / recording.STATUS_FILE).read_text())
 
 
+def _eventually(tmp_path, done, timeout_s: float = 10.0):
+    """The status once `done(status)` holds (it is written by a background thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = _status(tmp_path)
+        except (FileNotFoundError, json.JSONDecodeError):
+            status = None
+        if status is not None and done(status):
+            return status
+        assert time.monotonic() < deadline, f"status.json never got there: {status}"
+        time.sleep(0.01)
+
+
 def test_status_through_a_run(tmp_path):
     rec = RunRecorder(tmp_path, total_steps=3)
     assert _status(tmp_path)["state"] == "running" and _status(tmp_path)["step"] == 0
@@ -83,7 +98,7 @@ def test_status_through_a_run(tmp_path):
     for name in ("eval", "rollout", "train", "sync"):
         rec.phase(name)
     rec.step_done(2)
-    status = _status(tmp_path)
+    status = _eventually(tmp_path, lambda s: s["step"] == 2)
     assert status["state"] == "running" and status["phase"] == "sync" and status["step"] == 2
     assert set(status["phase_seconds"]) == {"eval", "rollout", "train", "sync"}
     assert status["eta_s"] is not None and status["eta_s"] >= 0
@@ -99,6 +114,38 @@ def test_status_through_a_run(tmp_path):
     rec3.fail(KeyboardInterrupt())
     assert _status(tmp_path / "c")["state"] == "stopped_early"
     assert not list(tmp_path.glob(".status.json.*"))  # written atomically, no temp file left
+
+
+def test_status_changes_are_batched_and_the_latest_always_lands(tmp_path, monkeypatch):
+    """Phase changes and finished steps reach status.json off the training thread, at most once
+    per interval, and always the latest; the run's end is written at once (never overtaken by
+    an older background write)."""
+    rec = RunRecorder(tmp_path, total_steps=1000, status_interval_s=0.3)
+    path = tmp_path / recording.STATUS_FILE
+    writes = []
+    real_replace = recording.os.replace
+
+    def counted(src, dst):  # the real rename, counted
+        writes.append(dst)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(recording.os, "replace", counted)
+    start = time.monotonic()
+    for step in range(1, 201):  # 600 phase changes and 200 steps in well under a second
+        for name in ("rollout", "train", "sync"):
+            rec.phase(name)
+        rec.step_done(step)
+    spent = time.monotonic() - start
+    status = _eventually(tmp_path, lambda s: s["step"] == 200)
+    assert status["phase"] == "sync" and status["state"] == "running"
+    assert len(writes) <= 2 + spent / 0.3 + 2  # not one per change
+    rec.phase("rollout")  # a long phase after short ones still shows up
+    assert _eventually(tmp_path, lambda s: s["phase"] == "rollout")["step"] == 200
+    rec.finish(stopped_early=False)
+    assert _status(tmp_path)["state"] == "finished"  # at once, on this thread
+    rec.close()
+    assert _status(tmp_path)["state"] == "finished" and path.exists()
+    assert not list(tmp_path.glob(".status.json.*"))
 
 
 def test_buffered_sink_drains_in_order_and_bounds_memory():
@@ -191,3 +238,39 @@ def test_trajectories_are_cut_at_max_tokens_and_carry_moe_routing(tmp_path):
     rec.record_rollout(0, RolloutResult(groups=[[_episode(0, Status.FAILED)]]))
     rec.close()
     assert list(read_trajectories(tmp_path / "none")) == []
+
+
+def test_lazy_decoder_decodes_each_id_once_and_matches_the_tokenizer():
+    """The decoder remembers each id's text: the same texts as the tokenizer's own per-id
+    `batch_decode`, and the tokenizer is asked only about ids it has not seen."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from verst.rollout.toy import build_char_tokenizer
+    from verst.trainer.run.recording import lazy_decoder
+
+    tok = build_char_tokenizer()
+    asked: list[list[list[int]]] = []
+    real_batch_decode = tok.batch_decode
+
+    def counted(ids, **kw):  # the real tokenizer, its calls recorded
+        asked.append(ids)
+        return real_batch_decode(ids, **kw)
+
+    tok.batch_decode = counted
+    loads = []
+    decode = lazy_decoder(lambda: loads.append(1) or tok)
+    vocab = len(tok)
+
+    @settings(max_examples=50, deadline=None)
+    @given(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))  # never called empty
+    def check(ids):
+        want = real_batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+        before = {i for call in asked for [i] in call}
+        assert decode(ids) == want
+        new = [i for call in asked for [i] in call]
+        assert len(new) == len(set(new))  # no id decoded twice, ever
+        assert set(new) - before <= set(ids)
+
+    check()
+    assert loads == [1]  # the tokenizer was loaded once

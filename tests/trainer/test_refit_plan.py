@@ -131,6 +131,43 @@ def test_tensors_in_process_frozen_once_aliases_never(tmp_path, tied):
         side.close()
 
 
+def test_no_frozen_weights_no_replica_round_trips(tmp_path, tied):
+    """With nothing frozen no weight can stay home, so a push does not ask the engines for their
+    replica states (two round trips to the rollout loop each push); every push sends every
+    trainable tensor, and a weight frozen later is still sent until the engine is known to hold it."""
+    cfg, train = _train_side(tmp_path, tied)
+    train.bundle.hf_model.model.embed_tokens.requires_grad_(True)  # nothing frozen
+    engine = EmbeddedEngine.from_pretrained(tied_checkpoint(tmp_path / "other", seed=1))
+    side = RolloutSide(cfg, model_path=str(tied), env={}, engine=engine)
+    asked = []
+    real_states = side.replica_states
+
+    def counted():
+        asked.append(1)
+        return real_states()
+
+    side.replica_states = counted  # the real states, counted
+    try:
+        sync = WeightSync(train, side, mode="tensors", staging_dir=tmp_path / "w", dist_info=DistInfo())
+        every = set(train.bundle.hf_model.state_dict())
+        for v in (1, 2, 3):
+            _step(train, v)
+            assert sync.push() == v and sync.last_full
+            assert sync.last_bytes == _bytes(train, every - {HEAD})
+            _engine_matches(engine, train)
+        assert not asked
+        # a weight frozen from now on: the first push after sends it (the engine's state unknown),
+        # the next one may leave it home
+        train.bundle.hf_model.model.embed_tokens.requires_grad_(False)
+        _step(train, 4)
+        assert sync.push() == 4 and sync.last_full and asked
+        _step(train, 5)
+        assert sync.push() == 5 and not sync.last_full
+        _engine_matches(engine, train)
+    finally:
+        side.close()
+
+
 def test_disk_to_a_bf16_engine_writes_bf16(tmp_path, tied):
     cfg, train = _train_side(tmp_path, tied)
     engine = EmbeddedEngine.from_pretrained(tied, dtype="bfloat16")

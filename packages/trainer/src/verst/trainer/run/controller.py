@@ -310,6 +310,7 @@ class Trainer:
         """Build the batch and train on it; the main rank then records the step's samples with the
         advantages and log-probs the step used (without them when the step failed)."""
         recorder = self.recorder if result is not None else None
+        chosen = None
         try:
             batch = build_train_batch(groups, reward_key=self.config.rollout.reward.key)
             if recorder is not None:
@@ -318,11 +319,11 @@ class Trainer:
             metrics = self.train.train_step(batch)
         except BaseException:
             if recorder is not None:
-                recorder.record_rollout(step, result)  # type: ignore[arg-type]
+                recorder.record_rollout(step, result, chosen=chosen)  # type: ignore[arg-type]
             raise
         if recorder is not None:
             detail = keyed_detail(self.train.step_detail(), batch)
-            recorder.record_rollout(step, result, detail)  # type: ignore[arg-type]
+            recorder.record_rollout(step, result, detail, chosen)  # type: ignore[arg-type]
         return metrics, batch
 
     def _rollout(self, step: int) -> RolloutResult | None:

@@ -77,6 +77,9 @@ MAX_SAMPLES_PER_STEP = 4096
 """Samples written per step and split; the rest are counted in `status.json` (`samples_dropped`)."""
 MAX_BUFFERED_EVENTS = 1_000_000
 """Events a `BufferedSink` holds between drains; older ones are dropped (and counted)."""
+STATUS_INTERVAL_S = 0.5
+"""Phase changes and finished steps closer together than this reach `status.json` together (a
+tiny run changes phase every few ms; the dashboard polls every few seconds)."""
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -132,8 +135,13 @@ def sample_record(
 
 def lazy_decoder(load_tokenizer: Callable[[], Any]) -> Decode:
     """Token ids -> the text of each id alone, with the tokenizer `load_tokenizer` gives on first
-    use (a tokenizer that cannot be loaded leaves `token_text` null, with one warning)."""
+    use (a tokenizer that cannot be loaded leaves `token_text` null, with one warning).
+
+    Each id's text is decoded once and remembered (an id alone always decodes the same): the
+    trajectories of a step repeat the same prompt and answer tokens, and the tokenizer's
+    per-call cost dominated recording at small scale."""
     held: list[Any] = []
+    texts: dict[int, str] = {}  # at most the vocabulary
 
     def decode(ids: Sequence[int]) -> list[str] | None:
         if not held:
@@ -144,7 +152,12 @@ def lazy_decoder(load_tokenizer: Callable[[], Any]) -> Decode:
                 held.append(None)
         if held[0] is None:
             return None
-        return held[0].batch_decode([[int(i)] for i in ids], clean_up_tokenization_spaces=False)
+        keys = [int(i) for i in ids]
+        new = list(dict.fromkeys(k for k in keys if k not in texts))
+        if new:
+            decoded = held[0].batch_decode([[k] for k in new], clean_up_tokenization_spaces=False)
+            texts.update(zip(new, decoded, strict=True))
+        return [texts[k] for k in keys]
 
     return decode
 
@@ -169,7 +182,8 @@ class RunRecorder:
     main rank only).
 
     `trajectories_per_step`, `failed_trajectories`, `max_tokens`: which samples get their full
-    trajectory recorded (`run.record`); `decode`: token ids -> one string each (None: no text)."""
+    trajectory recorded (`run.record`); `decode`: token ids -> one string each (None: no text);
+    `status_interval_s`: see `StatusFile`."""
 
     def __init__(
         self,
@@ -181,6 +195,7 @@ class RunRecorder:
         failed_trajectories: bool = True,
         max_tokens: int = 16384,
         decode: Decode | None = None,
+        status_interval_s: float = STATUS_INTERVAL_S,
     ) -> None:
         self.root = Path(run_dir)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -205,7 +220,9 @@ class RunRecorder:
         self.started_at = time.time()
         self.state = "running"
         self.error: str | None = None
-        self._write_status()
+        self._status_file = StatusFile(self.root / STATUS_FILE, self.status, status_interval_s)
+        """Writes `status.json`: phase changes and finished steps off the training thread."""
+        self._status_file.write_now()
 
     # ---- samples
 
@@ -217,12 +234,17 @@ class RunRecorder:
         return chosen
 
     def record_rollout(
-        self, rollout_id: int, result: RolloutResult, detail: StepDetail | None = None
+        self,
+        rollout_id: int,
+        result: RolloutResult,
+        detail: StepDetail | None = None,
+        chosen: Mapping[tuple[Any, Any], str] | None = None,
     ) -> None:
         """The training samples of rollout `rollout_id` (step `rollout_id + 1`), with what the
-        train step measured for them (`detail`; None when it did not run)."""
+        train step measured for them (`detail`; None when it did not run). `chosen`: what
+        `choose` returned for these samples, when the caller already asked."""
         samples = [s for g in result.groups for s in g]
-        self._write_samples(samples, rollout_id + 1, rollout_id, "train", detail or StepDetail())
+        self._write_samples(samples, rollout_id + 1, rollout_id, "train", detail or StepDetail(), chosen)
 
     def record_eval(self, step: int, result: RolloutResult) -> None:
         """The samples of an evaluation at `step`, split `eval/<dataset>`."""
@@ -231,7 +253,13 @@ class RunRecorder:
             self._write_samples(samples, step, None, f"eval/{name}", StepDetail())
 
     def _write_samples(
-        self, samples: list[Sample], step: int, rollout_id: int | None, split: str, detail: StepDetail
+        self,
+        samples: list[Sample],
+        step: int,
+        rollout_id: int | None,
+        split: str,
+        detail: StepDetail,
+        chosen: Mapping[tuple[Any, Any], str] | None = None,
     ) -> None:
         lines, dropped = [], 0
         for sample in samples:
@@ -243,7 +271,7 @@ class RunRecorder:
                 sample, step=step, rollout_id=rollout_id, split=split, advantage=detail.advantages.get(key)
             )
             lines.append(json.dumps(record, default=str, ensure_ascii=False) + "\n")
-        chosen = self.choose(samples)
+        chosen = self.choose(samples) if chosen is None else chosen
         full = []
         for s in samples:
             key = (s.group_index, s.sample_index)
@@ -272,25 +300,30 @@ class RunRecorder:
     # ---- status
 
     def phase(self, name: str) -> None:
-        """The run entered a phase."""
+        """The run entered a phase (`status.json` shows it within `status_interval_s`)."""
         now = time.monotonic()
-        self.phase_seconds[self.phase_name] = self.phase_seconds.get(self.phase_name, 0.0) + (
-            now - self._phase_since
-        )
-        self.phase_name, self._phase_since = name, now
+        with self._lock:
+            self.phase_seconds[self.phase_name] = self.phase_seconds.get(self.phase_name, 0.0) + (
+                now - self._phase_since
+            )
+            self.phase_name, self._phase_since = name, now
         if name == "rollout" and self._first_rollout is None:
             self._first_rollout = now
-        self._write_status()
+        if name == "done":
+            self._status_file.write_now()
+        else:
+            self._status_file.changed()
 
     def resumed_at(self, step: int) -> None:
         """The loop starts (or resumes) at `step`."""
         self.step = self._start_step = step
-        self._write_status()
+        self._status_file.write_now()
 
     def step_done(self, step: int) -> None:
-        """Step `step` finished (its metrics were logged)."""
+        """Step `step` finished (its metrics were logged; `status.json` shows it within
+        `status_interval_s`)."""
         self.step = step
-        self._write_status()
+        self._status_file.changed()
 
     def finish(self, *, stopped_early: bool) -> None:
         """The loop returned."""
@@ -315,13 +348,15 @@ class RunRecorder:
 
     def status(self) -> dict[str, Any]:
         """The `status.json` object."""
-        current = dict(self.phase_seconds)
-        current[self.phase_name] = current.get(self.phase_name, 0.0) + time.monotonic() - self._phase_since
+        with self._lock:  # phase() may change them on another thread
+            current = dict(self.phase_seconds)
+            phase_name, since = self.phase_name, self._phase_since
+        current[phase_name] = current.get(phase_name, 0.0) + time.monotonic() - since
         current.pop("start", None)
         current.pop("done", None)
         return {
             "state": self.state,
-            "phase": self.phase_name,
+            "phase": phase_name,
             "step": self.step,
             "total_steps": self.total_steps,
             "phase_seconds": {k: round(v, 3) for k, v in current.items()},
@@ -336,19 +371,80 @@ class RunRecorder:
             "updated_at": time.time(),
         }
 
-    def _write_status(self) -> None:
-        path = self.root / STATUS_FILE
-        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.status(), indent=1, default=str) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError:  # a full disk must not take the run down; the dashboard shows stale status
-            pass
-
     def close(self) -> None:
+        self._status_file.close()
         with self._lock:
             self._samples.close()
             self._trajectories.close()
+
+
+class StatusFile:
+    """`status.json`, replaced atomically with what `render()` returns.
+
+    `write_now` writes on the calling thread (the run's start, resume and end). `changed` only
+    notes that the status changed: a background thread writes it, at most once every
+    `interval_s` and always the latest status — a step of a tiny run changes phase three times
+    in ~100 ms, and three file replacements on the training thread cost it ~1.5 ms of CPU and
+    several ms of wall time on a busy disk, for a file the dashboard reads every few seconds."""
+
+    def __init__(self, path: Path, render: Callable[[], dict[str, Any]], interval_s: float) -> None:
+        self.path = path
+        self._render = render
+        self.interval_s = interval_s
+        self._tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._write_lock = threading.Lock()  # one writer of the temp file at a time
+        self._cond = threading.Condition()
+        self._pending = False
+        self._closed = False
+        self._idle = False
+        """The thread waits for a change (woken by `changed`; between writes it is left to sleep,
+        so a change does not wake it only to wait again, taking the GIL from the training thread)."""
+        self._thread = threading.Thread(target=self._loop, name="verst-status", daemon=True)
+        self._thread.start()
+
+    def changed(self) -> None:
+        """The status changed: written by the background thread within `interval_s`."""
+        with self._cond:
+            self._pending = True
+            if self._idle:
+                self._cond.notify()
+
+    def write_now(self) -> None:
+        """Write the status on this thread (and drop a pending background write)."""
+        with self._cond:
+            self._pending = False
+        self._write()
+
+    def close(self) -> None:
+        """Write what is pending and stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._idle = True
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                self._idle = False
+                if not self._pending:  # closed, nothing left to write
+                    return
+                self._pending = False
+            self._write()
+            with self._cond:  # at most one write per interval; close() cuts the wait short
+                self._cond.wait_for(lambda: self._closed, timeout=self.interval_s)
+
+    def _write(self) -> None:
+        with self._write_lock:
+            try:
+                self._tmp.write_text(
+                    json.dumps(self._render(), indent=1, default=str) + "\n", encoding="utf-8"
+                )
+                os.replace(self._tmp, self.path)
+            except OSError:  # a full disk must not take the run down; the dashboard shows stale status
+                pass
 
 
 class BufferedSink:

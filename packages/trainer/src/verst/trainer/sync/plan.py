@@ -101,7 +101,9 @@ class Planner:
         names = getattr(train, "static_names", None)
         frozen, aliases = names() if names is not None else (frozenset(), frozenset())
         self._frozen_now = frozen
-        self._before = _states(rollout) if self.partial else None
+        # the engines' states only matter when a frozen weight could stay home: without one
+        # (most runs) the two round trips to the engine per push are skipped
+        self._before = _states(rollout) if self.partial and frozen else None
         held, self._held = self._held, None  # a push that fails leaves nothing trusted
         skip = set(aliases) if self.aliases else set()
         kept = (
@@ -114,7 +116,8 @@ class Planner:
     def done(self, rollout: Any) -> None:
         """The push succeeded: remember the engines as they are now, if they are the same
         instances as before it (a restart during the push leaves nothing trusted)."""
-        if not self.partial:
+        if not self.partial or not self._frozen_now:
+            self._held, self._frozen_sent = None, frozenset()
             return
         after = _states(rollout)
         if after is None or self._before is None or _ids(after) != _ids(self._before):
