@@ -12,9 +12,11 @@ side (`--profile`).
     uv run python benchmarks/train_step_phases.py --steps 30 --profile 40   # + top-40 cProfile
 
 The pieces are wrapped by name where they exist (a piece missing in some version of the code
-is skipped), so the same script times old and new code for A/B comparisons. The last line is
-one JSON object: per phase the median wall and CPU milliseconds per step after `--warmup` steps
-(`step`: wall is the controller's own `time/step_s`, CPU the whole step's, every thread's).
+is skipped), so the same script times old and new code for A/B comparisons. A profiling aid,
+not a benchmark against a baseline: the A/B is two runs of it, old code and new. It prints one
+JSON object (per phase the median wall and CPU milliseconds per step after `--warmup` steps;
+`step`: wall is the controller's own `time/step_s`, CPU the whole step's, every thread's), then
+the last line `step_wall_ms=<x> step_cpu_ms=<y>`.
 """
 
 from __future__ import annotations
@@ -221,6 +223,8 @@ def main() -> None:
         if isinstance(v, dict):
             print(f"{k:<{width}}  wall {v['wall_ms']:8.2f} ms  cpu {v['cpu_ms']:8.2f} ms")
     print(json.dumps(out))
+    step = out.get("step", {})
+    print(f"step_wall_ms={step.get('wall_ms', float('nan')):.2f} step_cpu_ms={step.get('cpu_ms', float('nan')):.2f}")
 
 
 if __name__ == "__main__":
