@@ -224,7 +224,9 @@ def main() -> None:
             print(f"{k:<{width}}  wall {v['wall_ms']:8.2f} ms  cpu {v['cpu_ms']:8.2f} ms")
     print(json.dumps(out))
     step = out.get("step", {})
-    print(f"step_wall_ms={step.get('wall_ms', float('nan')):.2f} step_cpu_ms={step.get('cpu_ms', float('nan')):.2f}")
+    print(
+        f"step_wall_ms={step.get('wall_ms', float('nan')):.2f} step_cpu_ms={step.get('cpu_ms', float('nan')):.2f}"
+    )
 
 
 if __name__ == "__main__":
