@@ -35,9 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vs_trl import verst_overrides  # benchmarks/ is this script's folder, so on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse_digits"
-PROMPTS, GROUP, MAX_NEW, LR, CLIP = 8, 8, 12, 1e-4, 0.2
 
 
 class PhaseClock:
@@ -73,32 +74,6 @@ class PhaseClock:
         self.steps.append((wall, cpu))
         self.wall.clear()
         self.cpu.clear()
-
-
-def overrides(tmp: str, steps: int, threads: int, seed: int) -> list[str]:
-    """`vs_trl.py`'s verst overrides."""
-    return [
-        f"run.num_steps={steps}",
-        f'run.output_dir="{tmp}"',
-        "run.save_interval=0",
-        "run.resume=false",
-        f"run.seed={seed}",
-        f"rollout.seed={seed}",
-        f"train.seed={seed}",
-        f"rollout.batch_size={PROMPTS}",
-        f"rollout.n_samples_per_prompt={GROUP}",
-        f"rollout.max_response_len={MAX_NEW}",
-        "rollout.temperature=1.0",
-        "rollout.eval.datasets={}",
-        f"train.lr={LR}",
-        f"train.num_threads={threads}",
-        f"engine.num_threads={threads}",
-        "train.micro_batch_size=64",
-        'algorithm.loss_agg="token_mean"',
-        f"algorithm.policy_loss.eps_clip_low={CLIP}",
-        f"algorithm.policy_loss.eps_clip_high={CLIP}",
-        "algorithm.kl_coef=0.0",
-    ]
 
 
 def _patch(obj: Any, attr: str, clock: PhaseClock, name: str, *, profile: bool = False) -> None:
@@ -170,7 +145,7 @@ def run(steps: int, warmup: int, threads: int, seed: int, profile_top: int) -> d
         clock.profiler = cProfile.Profile()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = resolve_paths(
-            load_run_config(EXAMPLE / "config.toml", overrides(tmp, steps, threads, seed)),
+            load_run_config(EXAMPLE / "config.toml", verst_overrides(tmp, steps, threads, seed)),
             EXAMPLE / "config.toml",
         )
         add_config_dir_to_path(EXAMPLE / "config.toml")

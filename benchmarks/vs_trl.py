@@ -66,6 +66,32 @@ def left_pad(ids: list[list[int]], pad: int) -> tuple[Any, Any]:
     return input_ids, attention
 
 
+def verst_overrides(tmp: str, steps: int, threads: int, seed: int) -> list[str]:
+    """verst's overrides of the example config for this benchmark (also `train_step_phases.py`'s)."""
+    return [
+        f"run.num_steps={steps}",
+        f'run.output_dir="{tmp}"',
+        "run.save_interval=0",
+        "run.resume=false",
+        f"run.seed={seed}",
+        f"rollout.seed={seed}",
+        f"train.seed={seed}",
+        f"rollout.batch_size={PROMPTS}",
+        f"rollout.n_samples_per_prompt={GROUP}",
+        f"rollout.max_response_len={MAX_NEW}",
+        "rollout.temperature=1.0",
+        "rollout.eval.datasets={}",
+        f"train.lr={LR}",
+        f"train.num_threads={threads}",
+        f"engine.num_threads={threads}",
+        "train.micro_batch_size=64",
+        'algorithm.loss_agg="token_mean"',
+        f"algorithm.policy_loss.eps_clip_low={CLIP}",
+        f"algorithm.policy_loss.eps_clip_high={CLIP}",
+        "algorithm.kl_coef=0.0",
+    ]
+
+
 def greedy_eval(model: Any, tok: Any, eval_rows: list[dict[str, str]]) -> float:
     """Mean reward of greedy completions (digits + EOS partial credit) on the eval rows."""
     import torch
@@ -110,28 +136,7 @@ def run_verst(
     from verst.trainer.run.controller import InMemoryLogger, run_training
 
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [
-            f"run.num_steps={steps}",
-            f'run.output_dir="{tmp}"',
-            "run.save_interval=0",
-            "run.resume=false",
-            f"run.seed={seed}",
-            f"rollout.seed={seed}",
-            f"train.seed={seed}",
-            f"rollout.batch_size={PROMPTS}",
-            f"rollout.n_samples_per_prompt={GROUP}",
-            f"rollout.max_response_len={MAX_NEW}",
-            "rollout.temperature=1.0",
-            "rollout.eval.datasets={}",
-            f"train.lr={LR}",
-            f"train.num_threads={threads}",
-            f"engine.num_threads={threads}",
-            "train.micro_batch_size=64",
-            'algorithm.loss_agg="token_mean"',
-            f"algorithm.policy_loss.eps_clip_low={CLIP}",
-            f"algorithm.policy_loss.eps_clip_high={CLIP}",
-            "algorithm.kl_coef=0.0",
-        ]
+        overrides = verst_overrides(tmp, steps, threads, seed)
         cfg = resolve_paths(load_run_config(EXAMPLE / "config.toml", overrides), EXAMPLE / "config.toml")
         add_config_dir_to_path(EXAMPLE / "config.toml")
         logger = InMemoryLogger()
