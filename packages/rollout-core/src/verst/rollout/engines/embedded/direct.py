@@ -147,6 +147,12 @@ def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`(−sin_a, sin_b)` over the two halves of the last dimension: `_rope`'s factor of `roll(x)`."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 class RopeTable:
     """Each position's RoPE `(cos, signed sin)`, computed once by the model's rotary module.
 
@@ -188,9 +194,7 @@ class RopeTable:
     def _build(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         positions = torch.arange(n, device=hidden.device)[None]  # [1, n]
         cos, sin = self.rotary(hidden[:0], position_ids=positions)  # [1, n, head_dim] each
-        half = cos.shape[-1] // 2
-        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return torch.stack([cos[0], signed[0]], dim=1)[:, :, None, None]  # [n, 2, 1, 1, head_dim]
+        return torch.stack([cos[0], _signed_sin(sin)[0]], dim=1)[:, :, None, None]  # [n, 2, 1, 1, head_dim]
 
 
 class ModuleRope:
@@ -201,5 +205,4 @@ class ModuleRope:
 
     def __call__(self, hidden: torch.Tensor, pos: torch.Tensor, cols: int) -> tuple[torch.Tensor, ...]:
         cos, sin = self.rotary(hidden, position_ids=pos)  # [batch, 1, head_dim] each
-        half = cos.shape[-1] // 2
-        return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]  # [b, 1, 1, d]
+        return cos[:, None], _signed_sin(sin)[:, None]  # [b, 1, 1, d] each
