@@ -138,6 +138,7 @@ def test_shared_cache_has_own_storage_and_spare_room(model):
     rows = [make_row(prompt_ids(0, 6), max_new=4 + i, seed=i) for i in range(3)]
     rows.insert(1, make_row(prompt_ids(1, 4), max_new=2, seed=9))
     batch = DecodeBatch(model, 0, None)
+    batch.share_decode = False  # the flat layout: each row its own copy of its prompt's KV
     with torch.inference_mode():
         batch.admit(rows)
         assert batch.prefill_tokens == 6 + 4 and batch.prefill_tokens_saved == 12

@@ -112,3 +112,38 @@ class ScoresAttention:
         scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).add_(bias)  # [b, kv, rep, L]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         return torch.matmul(probs, value).reshape(b, 1, heads, d)
+
+
+class TwoPartAttention:
+    """`ScoresAttention`'s arithmetic over a split cache: each row attends to its group's prompt
+    keys, kept once per group (`shared_prefix.PrefixKV`), then to its own generated keys.
+
+    Why: a GRPO group's rows share their prompt, most of the cache; with the prompt's KV copied
+    into every row, a decode step reads it once per row. Here the group's rows' queries (all
+    their query heads, folded per KV head: `[groups, kv, size · rep, d]`) meet the unrepeated
+    prompt keys in one batched matmul, so each prompt is read once per step per layer. Scores
+    of both parts are joined into one row (`[slots, kv, rep, prefix + own]`), masked, soft-maxed
+    once (float32, as transformers' eager attention), and the weighted sums of both value parts
+    added: the same attention as `ScoresAttention` over `[prompt ; own]`, the value sum split in
+    two (float rounding apart). CPU only, like `ScoresAttention` (`embedded.batch` gates it)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [slots, heads, 1, d]
+        prefix: tuple[torch.Tensor, torch.Tensor, Any],  # keys, values [groups, kv, P, d], GroupLayout
+        key: torch.Tensor,  # [slots, kv_heads, L, d] each row's own
+        value: torch.Tensor,  # [slots, kv_heads, L, d]
+        bias: torch.Tensor,  # [slots, 1, 1, P + L] additive (0 = attend, -inf = masked)
+        scaling: float,
+    ) -> torch.Tensor:
+        """→ `[slots, 1, heads, d]`."""
+        pk, pv, layout = prefix
+        b, heads, _, d = query.shape
+        kv, width = key.shape[1], pk.shape[2]
+        q = query.reshape(b, kv, heads // kv, d)  # query head kv * rep + r -> [b, kv, r, d]
+        shared = torch.matmul(layout.to_grid(q), pk.transpose(-1, -2))  # [groups, kv, size * rep, P]
+        own = torch.matmul(q, key.transpose(-1, -2))  # [b, kv, rep, L]
+        scores = layout.join(shared, own).mul_(scaling).add_(bias)  # [b, kv, rep, P + L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = layout.to_slots(torch.matmul(layout.to_grid(probs[..., :width]), pv))  # [b, kv, rep, d]
+        return out.add_(torch.matmul(probs[..., width:], value)).reshape(b, 1, heads, d)

@@ -24,6 +24,7 @@ from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.kv_cache import growing_cache
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
 from verst.rollout.engines.embedded.ragged import prefill_group_tokens
+from verst.rollout.engines.embedded.shared_prefix import PrefixKV, empty_suffix
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
@@ -179,6 +180,10 @@ class DecodeBatch:
         """The `MultimodalProcessor` of a vision-language model (None: text only)."""
         self.share_prefix = True
         """Prefill rows with the same prompt and adapter once (see `admit`)."""
+        self.share_decode = True
+        """On CPU with the direct step, keep a shared prompt's KV once while decoding (see `admit`)."""
+        self.prefix: PrefixKV | None = None
+        """The split layout's prompt KV (`embedded.shared_prefix`); None: the flat layout."""
         self.prefill_rows = 0
         """Rows admitted through `admit` so far."""
         self.prefill_tokens = 0
@@ -224,25 +229,25 @@ class DecodeBatch:
         Prompts of similar length run through the model together (`embedded.prefill`: less
         padding). Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled
         once: the forward runs over the distinct prompts only, and its KV cache, mask, positions,
-        last logits and prompt scores are copied to every row that shares them (each row gets
-        its own cache storage; sampling stays per row, with each row's own generator).
+        last logits and prompt scores are copied to every row that shares them (sampling stays
+        per row, with each row's own generator). The prompt's KV is copied into each row's own
+        cache storage (the flat layout), or, in the split layout (`_split`), kept once for the
+        whole group while each row's cache holds its own tokens (`embedded.shared_prefix`).
         """
         every = list(range(len(rows)))
         unique, source = share_groups(rows) if self.share_prefix else (every, every)
         firsts = [rows[u] for u in unique]
         full = any(_wants_input(r) for r in rows)
-        done = prefill(self._prefill_model, firsts, _spare_for(rows), full, self.prefill_group_cost)
+        split = self._split(len(rows), len(firsts))
+        spare = 1 if split else _spare_for(rows)  # split: the prompt's columns never grow
+        done = prefill(self._prefill_model, firsts, spare, full, self.prefill_group_cost)
         if done.routing is not None:  # each row its prompt's (shared) routing
             for r, u in zip(rows, source, strict=True):
                 r.routing = [done.routing[u]]
         self.prefill_rows += len(rows)
         self.prefill_tokens += sum(r.prompt_len for r in firsts)
         self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(r.prompt_len for r in firsts)
-        cache, mask, last = done.cache, done.mask, done.last
-        if len(firsts) < len(rows):
-            index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
-            cache.batch_select_indices(index)  # index_select: every row its own copy
-            mask, last = mask[index], last[index]
+        cache, mask, last, prefix = self._shared(done, rows, source, split)
         if done.logits is not None:
             memo: dict[tuple[Any, ...], PromptScores] = {}
             for r, u in zip(rows, source, strict=True):
@@ -256,13 +261,48 @@ class DecodeBatch:
         tokens, lps = sample(last, sampling)
         self._record(rows, tokens, lps)
         self._compact()
-        self._merge(rows, cache, mask, mask.sum(1), tokens)
+        pos = done.mask.sum(1)[torch.tensor(source, device=self.device)]  # each row's prompt length
+        self._merge(rows, cache, mask, pos, tokens, prefix)
+
+    def _split(self, rows: int, distinct: int) -> bool:
+        """Whether admitted rows decode in the split layout (`embedded.shared_prefix`): a batch
+        keeps its layout until it empties; an empty one splits when some admitted rows share a
+        prompt, on CPU with the direct step (`DirectDecode` serves `TwoPartAttention`; the
+        `model(...)` path and CUDA keep the flat layout)."""
+        if self.rows:
+            return self.prefix is not None
+        cpu = self.device.type == "cpu"
+        return self.share_decode and self.direct is not None and cpu and distinct < rows
+
+    def _shared(
+        self, done: Any, rows: list[Row], source: list[int], split: bool
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, PrefixKV | None]:
+        """(cache, mask, last logits, prefix) of admitted `rows` from the prefill of their distinct
+        prompts: split, the prompts' KV once (`PrefixKV`) and an empty cache for each row's own
+        tokens; flat, every row its own copy of its prompt's KV, mask and logits."""
+        index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
+        if split:
+            cache = empty_suffix(self.model.config, done.cache, len(rows), _spare_for(rows))
+            mask = done.mask.new_zeros((len(rows), 0))
+            return cache, mask, done.last[index], PrefixKV.of(done.cache, done.mask, source)
+        cache, mask, last = done.cache, done.mask, done.last
+        if done.mask.shape[0] < len(rows):
+            cache.batch_select_indices(index)  # index_select: every row its own copy
+            mask, last = mask[index], last[index]
+        return cache, mask, last, None
 
     def _merge(
-        self, rows: list[Row], cache: Any, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
+        self,
+        rows: list[Row],
+        cache: Any,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        last: torch.Tensor,
+        prefix: PrefixKV | None,
     ) -> None:
         if not self.rows:
             self.rows, self.cache, self.mask, self.next_pos, self.last = rows, cache, mask, pos, last
+            self.prefix = prefix
             self.slot_rows = rows
             self._resample()
             return
@@ -278,6 +318,8 @@ class DecodeBatch:
         self.next_pos = torch.cat([self.next_pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows = self.slot_rows = self.rows + rows
+        if self.prefix is not None and prefix is not None:
+            self.prefix = self.prefix.merge(prefix)
         _set_spare(self.cache, self.rows)
         self._resample()
 
@@ -292,7 +334,7 @@ class DecodeBatch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
         self._route(self.slot_rows)
         if self.direct is not None:
-            logits = self.direct(self.last[:, None], self.mask, self.next_pos[:, None], self.cache)
+            logits = self.direct(self.last[:, None], self.mask, self.next_pos[:, None], self.cache, self.prefix)
         else:
             logits = self.model(
                 input_ids=self.last[:, None],
@@ -389,7 +431,7 @@ class DecodeBatch:
                 None,
                 None,
             )
-            self.slot_rows = []
+            self.slot_rows, self.prefix = [], None
             return done
         self.rows, self.slots = [r for r, _ in keep], [j for _, j in keep]
         gone = torch.tensor(sorted(set(at) - set(self.slots)), device=self.device)
@@ -406,6 +448,8 @@ class DecodeBatch:
         assert self.mask is not None and self.next_pos is not None and self.last is not None
         index = torch.tensor(self.slots, device=self.device)
         self.cache.batch_select_indices(index)
+        if self.prefix is not None:
+            self.prefix = self.prefix.select(index)
         self.mask = self.mask[index]
         self.next_pos, self.last = self.next_pos[index], self.last[index]
         self.slots = None

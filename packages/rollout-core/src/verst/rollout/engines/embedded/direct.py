@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from verst.rollout.engines.embedded.attention import ATTENTION_NAME, ScoresAttention
+from verst.rollout.engines.embedded.attention import ATTENTION_NAME, ScoresAttention, TwoPartAttention
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 """transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
@@ -77,6 +77,8 @@ class DirectDecode:
         self.rope = RopeTable.of(model.model.rotary_emb)
         self.scores = ScoresAttention()
         """The attention of CPU steps on at most `ScoresAttention.MAX_COLS` columns (else SDPA)."""
+        self.two_part = TwoPartAttention()
+        """The attention of steps over a split cache (a `shared_prefix.PrefixKV` given)."""
 
     @classmethod
     def of(cls, model: Any) -> DirectDecode | None:
@@ -98,9 +100,13 @@ class DirectDecode:
                 return None
         return cls(model)
 
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, prefix: Any = None
+    ) -> torch.Tensor:
         """ids [batch, 1], mask [batch, cols] (1 = attend; the fed token's column included),
-        pos [batch, 1] → the next-token logits [batch, vocab]."""
+        pos [batch, 1] → the next-token logits [batch, vocab]. With `prefix` (a
+        `shared_prefix.PrefixKV`), `cache` and `mask` hold each row's own tokens only and every
+        row also attends to its group's prompt there (`attention.TwoPartAttention`)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         hidden = self.body.embed_tokens(ids)  # [batch, 1, hidden]
@@ -108,18 +114,22 @@ class DirectDecode:
         # a boolean one (0 / -inf), once per step instead of once per layer
         bias = torch.zeros((*mask.shape[:1], 1, 1, mask.shape[1]), dtype=hidden.dtype, device=hidden.device)
         bias.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
-        rope = self.rope(hidden, pos, mask.shape[1])  # (cos, signed sin), [batch, 1, 1, head_dim] each
+        cols = mask.shape[1]
+        if prefix is not None:  # [batch, 1, 1, prompt + own]
+            bias, cols = torch.cat([prefix.bias, bias], dim=-1), cols + prefix.width
+        rope = self.rope(hidden, pos, cols)  # (cos, signed sin), [batch, 1, 1, head_dim] each
         cpu = hidden.device.type == "cpu"
-        scores = self.scores if cpu and mask.shape[1] <= ScoresAttention.MAX_COLS else None
-        ctx = (rope, bias, scores, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
+        scores = self.scores if cpu and cols <= ScoresAttention.MAX_COLS else None
+        ctx = (rope, bias, scores, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation], prefix)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
         return self.lm_head(self.final_norm(hidden))[:, -1]
 
     def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
         """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
-        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, attention function)."""
-        (rope, bias, scores, attention), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
+        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, scores attention or None, attention
+        function, prefix or None)."""
+        (rope, bias, scores, attention, prefix), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
         b, d = hidden.shape[0], attn.head_dim
         x = pre(hidden)
         q = attn.q_proj(x).view(b, 1, -1, d)  # [batch, 1, heads, d]
@@ -129,7 +139,10 @@ class DirectDecode:
         v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        if scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
+        if prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
+            j = attn.layer_idx
+            out = self.two_part(q, (prefix.keys[j], prefix.values[j], prefix.layout), k, v, bias, attn.scaling)
+        elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
         elif q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling)

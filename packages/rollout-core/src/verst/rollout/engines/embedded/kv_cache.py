@@ -148,6 +148,10 @@ def _growing_layer_class() -> type:
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             """Keep the `indices` rows: one copy of their live columns plus the spare room."""
             start = self._start()
+            if self.keys is not None and self.keys.dim() == 4 and self.keys.shape[2] == 0:
+                # no columns yet (a split batch's own-token cache before its first step): the rows still go
+                self.keys, self.values = self.keys[indices], self.values[indices]
+                return
             if start is None or self.keys.numel() == 0:
                 super().batch_select_indices(indices)
                 return
