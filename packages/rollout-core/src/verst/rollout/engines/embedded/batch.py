@@ -24,7 +24,6 @@ from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.kv_cache import growing_cache
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
 from verst.rollout.engines.embedded.ragged import prefill_group_tokens
-from verst.rollout.engines.embedded.shared_prefix import PrefixKV, empty_suffix
 from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
@@ -34,6 +33,7 @@ from verst.rollout.engines.embedded.sampling import (
     sample,
     top_logprobs,
 )
+from verst.rollout.engines.embedded.shared_prefix import PrefixKV, empty_suffix
 from verst.rollout.engines.embedded.vision import prefill_kwargs
 from verst.rollout.moe import RouterHooks
 from verst.rollout.multimodal.processor import image_key
@@ -334,7 +334,9 @@ class DecodeBatch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
         self._route(self.slot_rows)
         if self.direct is not None:
-            logits = self.direct(self.last[:, None], self.mask, self.next_pos[:, None], self.cache, self.prefix)
+            logits = self.direct(
+                self.last[:, None], self.mask, self.next_pos[:, None], self.cache, self.prefix
+            )
         else:
             logits = self.model(
                 input_ids=self.last[:, None],

@@ -141,7 +141,9 @@ class DirectDecode:
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
         if prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
             j = attn.layer_idx
-            out = self.two_part(q, (prefix.keys[j], prefix.values[j], prefix.layout), k, v, bias, attn.scaling)
+            out = self.two_part(
+                q, (prefix.keys[j], prefix.values[j], prefix.layout), k, v, bias, attn.scaling
+            )
         elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
         elif q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
