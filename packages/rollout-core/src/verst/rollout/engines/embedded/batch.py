@@ -9,6 +9,12 @@ the batch tensors stays (decoded and ignored) until a quarter of the slots are d
 merge: then the cache is compacted with `batch_select_indices`, one copy for many departures
 instead of one per departure. Cache columns that every remaining row masks out are trimmed.
 The cache's layers grow in place (`embedded.kv_cache`).
+On CPU with the direct decode step, a batch admitted with shared prompts decodes in the split
+layout: each distinct prompt's KV kept once (`embedded.shared_prefix.PrefixKV`, its groups
+dropped and merged with the slots) and the cache holding each row's own tokens only; a batch
+keeps its layout until it empties (rows merging into a flat batch are copied, as before). The
+`model(...)` path (vision-language models, other families, eager attention) and CUDA keep the
+flat layout: `TwoPartAttention` is measured on CPU only.
 Positions are explicit (`position_ids`), so padding never shifts RoPE.
 """
 
@@ -21,7 +27,7 @@ import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines.embedded.direct import DirectDecode
-from verst.rollout.engines.embedded.kv_cache import growing_cache
+from verst.rollout.engines.embedded.kv_cache import growing_cache, pad_left
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
 from verst.rollout.engines.embedded.ragged import prefill_group_tokens
 from verst.rollout.engines.embedded.sampling import (
@@ -89,14 +95,6 @@ class Row:
     @property
     def prompt_len(self) -> int:
         return len(self.request.input_ids)
-
-
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def _set_scores(row: Row, scores: PromptScores) -> None:
@@ -310,11 +308,11 @@ class DecodeBatch:
         a, b = self.mask.shape[1], mask.shape[1]
         width = max(a, b)
         for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width - a, 2), _pad_left(theirs.keys, width - b, 2)])
+            mine.keys = torch.cat([pad_left(mine.keys, width - a, 2), pad_left(theirs.keys, width - b, 2)])
             mine.values = torch.cat(
-                [_pad_left(mine.values, width - a, 2), _pad_left(theirs.values, width - b, 2)]
+                [pad_left(mine.values, width - a, 2), pad_left(theirs.values, width - b, 2)]
             )
-        self.mask = torch.cat([_pad_left(self.mask, width - a, 1), _pad_left(mask, width - b, 1)])
+        self.mask = torch.cat([pad_left(self.mask, width - a, 1), pad_left(mask, width - b, 1)])
         self.next_pos = torch.cat([self.next_pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows = self.slot_rows = self.rows + rows

@@ -22,6 +22,10 @@ so forward hooks on them (LoRA adapters, MoE router recording) fire as before.
 It serves the decoder families whose model `forward` is exactly that loop (`FAMILIES`), with full
 attention on SDPA (or the engine's grouped SDPA); anything else (vision-language models, eager
 attention, other families) decodes through `model(...)` as before.
+
+Given a `shared_prefix.PrefixKV` (a batch in the split layout, CPU only: `embedded.batch`), the
+cache holds each row's own tokens and the attention is `attention.TwoPartAttention` over the
+row's group's prompt, kept once, and its own tokens; everything else in the step is the same.
 """
 
 from __future__ import annotations

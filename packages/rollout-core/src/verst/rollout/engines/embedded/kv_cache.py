@@ -31,6 +31,15 @@ def growing_cache(config: Any) -> Any:
     return cache
 
 
+def pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """`t` with `n` zero entries (masked columns) before its own along `dim`."""
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
 def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:
     """A `[batch, heads, cap, head_dim]` buffer holding `x` in its first columns."""
     buf = x.new_empty((*x.shape[:2], cap, x.shape[-1]))

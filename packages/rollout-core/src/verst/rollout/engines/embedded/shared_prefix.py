@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from verst.rollout.engines.embedded.kv_cache import growing_cache, pad_left
+
 
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
@@ -116,7 +118,7 @@ class PrefixKV:
 
         def cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
             return torch.cat(
-                [_pad_left(a, width - a.shape[dim], dim), _pad_left(b, width - b.shape[dim], dim)]
+                [pad_left(a, width - a.shape[dim], dim), pad_left(b, width - b.shape[dim], dim)]
             )
 
         return PrefixKV(
@@ -144,20 +146,10 @@ class PrefixKV:
         return PrefixKV(keys, values, mask[:, first:], renumber[group])
 
 
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
 def empty_suffix(config: Any, prefill: Any, rows: int, spare: int) -> Any:
     """A growing cache (`kv_cache`) of `rows` rows with no columns yet, `spare` columns to grow
     into: the suffix of a split batch. `prefill` (the prefill's cache) gives each layer's dtype,
     heads and head size; each layer's first update adopts its keys."""
-    from verst.rollout.engines.embedded.kv_cache import growing_cache
-
     out = growing_cache(config)
     for layer, like in zip(out.layers, prefill.layers, strict=True):
         k, v = like.keys, like.values
