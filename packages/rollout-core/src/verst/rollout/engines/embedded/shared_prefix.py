@@ -117,9 +117,7 @@ class PrefixKV:
         width = max(self.width, other.width)
 
         def cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-            return torch.cat(
-                [pad_left(a, width - a.shape[dim], dim), pad_left(b, width - b.shape[dim], dim)]
-            )
+            return torch.cat([pad_left(a, width - a.shape[dim], dim), pad_left(b, width - b.shape[dim], dim)])
 
         return PrefixKV(
             [cat(a, b, 2) for a, b in zip(self.keys, other.keys, strict=True)],
