@@ -170,3 +170,27 @@ def test_split_layout_only_where_it_serves(model):
         unserved.direct = None
         unserved.admit([make_row(0, 6, 3, s) for s in range(3)])
         assert unserved.prefix is None
+
+
+def test_rows_finishing_before_the_first_step(model):
+    """Half a fresh split batch ends at its first token: compaction drops their slots (and the
+    prompt only they shared) while each row's own cache has no columns yet."""
+
+    def run(share_decode: bool) -> list[Row]:
+        specs = [(0, 7, 1, 1), (1, 5, 1, 2), (1, 5, 1, 3), (2, 6, 5, 4), (2, 6, 4, 5), (0, 7, 1, 6)]
+        rows = [make_row(*spec) for spec in specs]
+        batch = DecodeBatch(model, 0, None)
+        batch.share_decode = share_decode
+        with torch.inference_mode():
+            batch.admit(rows)
+            assert (batch.prefix is not None) == share_decode
+            batch.pop_finished()
+            if share_decode:
+                assert batch.prefix.group.tolist() == [0, 0] and batch.cache.layers[0].keys.shape[0] == 2
+            while len(batch):
+                batch.step()
+                batch.pop_finished()
+        return rows
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == a.request.sampling.max_new_tokens

@@ -105,6 +105,22 @@ def _layer_start(layer: Any) -> int | None:
     return _view_start(k, v, kb, vb)
 
 
+def _select_rows(layer: Any, indices: torch.Tensor) -> None:
+    """A growing layer's `batch_select_indices`: keep the `indices` rows, one copy of their live
+    columns plus the spare room. A 4-D cache with no columns yet (a split batch's own-token cache
+    before its first step, `embedded.shared_prefix`) still selects its rows, which transformers'
+    `DynamicLayer` would skip."""
+    start, keys = layer._start(), layer.keys
+    if start is None or keys.numel() == 0:
+        if keys is not None and keys.dim() == 4:
+            layer.keys, layer.values = keys[indices], layer.values[indices]
+        return
+    t = keys.shape[-2]
+    layer._kbuf = layer._kbuf[:, :, start:].index_select(0, indices)
+    layer._vbuf = layer._vbuf[:, :, start:].index_select(0, indices)
+    layer.keys, layer.values = layer._kbuf[:, :, :t], layer._vbuf[:, :, :t]
+
+
 @functools.cache
 def _growing_layer_class() -> type:
     """`DynamicLayer` that writes each step's keys/values into spare capacity.
@@ -155,18 +171,6 @@ def _growing_layer_class() -> type:
             return self.keys, self.values
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            """Keep the `indices` rows: one copy of their live columns plus the spare room."""
-            start = self._start()
-            if self.keys is not None and self.keys.dim() == 4 and self.keys.shape[2] == 0:
-                # no columns yet (a split batch's own-token cache before its first step): the rows still go
-                self.keys, self.values = self.keys[indices], self.values[indices]
-                return
-            if start is None or self.keys.numel() == 0:
-                super().batch_select_indices(indices)
-                return
-            t = self.keys.shape[-2]
-            self._kbuf = self._kbuf[:, :, start:].index_select(0, indices)
-            self._vbuf = self._vbuf[:, :, start:].index_select(0, indices)
-            self.keys, self.values = self._kbuf[:, :, :t], self._vbuf[:, :, :t]
+            _select_rows(self, indices)
 
     return GrowingLayer
