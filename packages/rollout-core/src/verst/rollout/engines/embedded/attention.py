@@ -125,7 +125,12 @@ class TwoPartAttention:
     of both parts are joined into one row (`[slots, kv, rep, prefix + own]`), masked, soft-maxed
     once (float32, as transformers' eager attention), and the weighted sums of both value parts
     added: the same attention as `ScoresAttention` over `[prompt ; own]`, the value sum split in
-    two (float rounding apart). CPU only, like `ScoresAttention` (`embedded.batch` gates it)."""
+    two (float rounding apart). CPU only, like `ScoresAttention` (`embedded.batch` gates it).
+
+    Measured (1 thread, 64 rows = 8 groups × 8, prompts padded to 250 columns, 1–128 own
+    columns): one layer's attention 1.1–2.8 ms against SDPA's 3.2–4.5 ms (2 KV heads × 3) and
+    1.5–3.6 ms against 4.0–5.6 ms (3 × 3); the 31.5M scale benchmark's decode (attention ~18% of
+    it, the linear layers ~65%) 5–10% shorter, the 135M one's ~15%."""
 
     def __call__(
         self,
