@@ -268,7 +268,8 @@ def test_sampling_respects_topk_topp_and_reports_untruncated_logprobs(rows, seed
     tokens, lps = sample(logits, BatchSampling.build(specs, vocab, "cpu"))
     for i, (t, k, p, _) in enumerate(rows):
         expected = torch.log_softmax(logits[i] / (t if t > 0 else 1.0), -1)
-        assert torch.allclose(lps[i], expected, atol=1e-5)
+        assert torch.allclose(lps.rows(i), expected, atol=1e-5)
+        assert torch.allclose(lps.of(tokens)[i], expected[tokens[i]], atol=1e-5)
         order = torch.argsort(expected, descending=True).tolist()
         if t == 0:
             assert tokens[i] == order[0]

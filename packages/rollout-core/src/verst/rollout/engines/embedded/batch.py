@@ -34,6 +34,7 @@ from verst.rollout.engines.embedded.sampling import (
     BatchSampling,
     PromptScores,
     RowSampling,
+    StepScores,
     ids_logprobs,
     prompt_scores,
     sample,
@@ -357,14 +358,15 @@ class DecodeBatch:
         self._record(self.rows, tokens, lps, self.slots)
 
     def _record(
-        self, rows: list[Row], tokens: torch.Tensor, lps: torch.Tensor, slots: list[int] | None = None
+        self, rows: list[Row], tokens: torch.Tensor, lps: StepScores, slots: list[int] | None = None
     ) -> None:
         """Append sampled tokens (and asked-for log-probs) and mark finished rows.
 
-        tokens: [slots], lps: [slots, vocab]; row i's are at `slots[i]` (i when None)."""
+        tokens: [slots], lps: the step's scores over [slots, vocab]; row i's are at `slots[i]`
+        (i when None)."""
         at = slots if slots is not None else range(len(rows))
         toks = tokens.tolist()
-        chosen = lps.gather(-1, tokens[:, None])[:, 0].tolist()
+        chosen = lps.of(tokens).tolist()
         if any(r.extras for r in rows):
             self._record_extras(rows, lps, at)
         for r, j in zip(rows, at, strict=True):
@@ -375,17 +377,19 @@ class DecodeBatch:
                 self._check_finish(r)
 
     @staticmethod
-    def _record_extras(rows: list[Row], lps: torch.Tensor, at: Any) -> None:
-        """Top-k and `token_ids_logprob` pairs of the rows that ask for them.  lps: [slots, vocab]."""
+    def _record_extras(rows: list[Row], lps: StepScores, at: Any) -> None:
+        """Top-k and `token_ids_logprob` pairs of the rows that ask for them."""
         need_top = [i for i, r in enumerate(rows) if r.request.top_logprobs_num > 0]
         if need_top:
             k = max(rows[i].request.top_logprobs_num for i in need_top)
-            tops = top_logprobs(lps[[at[i] for i in need_top]], k)
+            tops = top_logprobs(lps.rows([at[i] for i in need_top]), k)
             for i, top in zip(need_top, tops, strict=True):
                 rows[i].output_top.append(top[: rows[i].request.top_logprobs_num])
         for r, j in zip(rows, at, strict=True):
             if r.request.token_ids_logprob:
-                r.output_ids_lp.append(ids_logprobs(lps[j : j + 1], r.request.token_ids_logprob)[0])
+                r.output_ids_lp.append(
+                    ids_logprobs(lps.rows(slice(j, j + 1)), r.request.token_ids_logprob)[0]
+                )
 
     def _check_finish(self, r: Row) -> None:
         tok = r.output_ids[-1]

@@ -136,20 +136,24 @@ def _uniforms(s: BatchSampling, n: int, device: Any) -> torch.Tensor:
     return 1.0 - u
 
 
-def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> torch.Tensor:
-    """A token per row from `softmax(scores)` at one uniform draw.  scores: [batch, vocab]
-    log-probs (-inf = excluded) → [batch] long. Only tokens of positive probability can come
-    out: the draw lands in (cdf[i-1], cdf[i]] of exactly one token i (its block searched first)."""
+def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row from `softmax(scores)` at one uniform draw, and each row's
+    `logsumexp(scores)`.  scores: [batch, vocab] (-inf = excluded) → ([batch] long, [batch, 1]).
+    The probabilities are `exp(scores − row max)`, unnormalised (the draw is scaled by their
+    total), so the log-sum-exp comes from the same pass: `max + log(total)`. Only tokens of
+    positive probability can come out: the draw lands in (cdf[i-1], cdf[i]] of exactly one
+    token i (its block searched first)."""
     n, vocab = scores.shape
     blk, nb = _block(vocab), _blocks(vocab)
+    top = scores.amax(-1, keepdim=True)  # [batch, 1]
     if nb == 1:  # a vocabulary of one block: the plain CDF (the same inversion, fewer operations)
-        cdf = scores.exp().cumsum(-1)  # [batch, vocab]
+        cdf = (scores - top).exp_().cumsum(-1)  # [batch, vocab]
         x = _uniforms(s, n, scores.device) * cdf[:, -1:]  # [batch, 1], in (0, total]
-        return torch.searchsorted(cdf, x)[:, 0].clamp_(max=vocab - 1)
+        return torch.searchsorted(cdf, x)[:, 0].clamp_(max=vocab - 1), top + cdf[:, -1:].log()
     probs = s.probs
     if probs is None or probs.shape != (n, nb * blk) or probs.device != scores.device:
         probs = torch.zeros((n, nb * blk), device=scores.device)
-    torch.exp(scores, out=probs[:, :vocab])  # the padding past the vocabulary stays 0
+    torch.sub(scores, top, out=probs[:, :vocab]).exp_()  # the padding past the vocabulary stays 0
     blocks = probs.view(n, nb, blk)  # [batch, blocks, blk]
     cum = blocks.sum(-1).cumsum(-1)  # [batch, blocks]
     x = _uniforms(s, n, scores.device) * cum[:, -1:]  # [batch, 1], in (0, total]
@@ -158,24 +162,48 @@ def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> torch.Tensor:
     inner = blocks.gather(1, b[:, :, None].expand(n, 1, blk))[:, 0].cumsum(-1)  # [batch, blk]
     y = torch.minimum(x - before, inner[:, -1:])  # > 0, since x lies past the earlier blocks
     j = torch.searchsorted(inner, y).clamp_(max=blk - 1)  # [batch, 1]
-    return (b * blk + j)[:, 0].clamp_(max=vocab - 1)  # a NaN row (never a live one) stays in range
+    # a NaN row (never a live one) stays in range
+    return (b * blk + j)[:, 0].clamp_(max=vocab - 1), top + cum[:, -1:].log()
 
 
-def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class StepScores:
+    """One step's `logits / T` per row and their log-sum-exp: `log_softmax` on demand.
+
+    A step needs the log-probs of the sampled tokens only (plus whole rows for the requests that
+    ask for top-k or chosen ids), so the `[batch, vocab]` log-probs are not formed: each is
+    `scores − lse`. The log-sum-exp comes from the sampler's own pass (`_invert_cdf`)."""
+
+    scores: torch.Tensor  # [batch, vocab] float32
+    lse: torch.Tensor  # [batch, 1] float32
+
+    def of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The log-prob of `tokens` ([batch] long), one per row → [batch]."""
+        return self.scores.gather(-1, tokens[:, None])[:, 0] - self.lse[:, 0]
+
+    def rows(self, index: Any = slice(None)) -> torch.Tensor:
+        """The whole log-prob rows `index` (default: every row) → [rows, vocab]."""
+        return self.scores[index] - self.lse[index]
+
+
+def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, StepScores]:
     """Pick one token per row.
 
-    logits: [batch, vocab]. Returns (tokens [batch] long, logprobs [batch, vocab] float32),
-    where logprobs are the untruncated `log_softmax(logits / T)`.
+    logits: [batch, vocab]. Returns (tokens [batch] long, the step's `StepScores`), whose
+    log-probs are the untruncated `log_softmax(logits / T)`.
     """
-    # [batch, vocab]; unit temperatures skip the scaling pass
-    logprobs = torch.log_softmax(logits.float(), dim=-1) if s.unit_temp else logprobs_of(logits, s.inv_temp)
+    # [batch, vocab] float32; unit temperatures skip the scaling pass (never written in place)
+    scores = logits.float() if s.unit_temp else logits.float() * s.inv_temp
     if s.all_greedy:
-        return logprobs.argmax(dim=-1), logprobs
-    scores = _truncate(logprobs, s) if s.truncate else logprobs
-    tokens = _invert_cdf(scores, s)  # [batch]
+        return scores.argmax(dim=-1), StepScores(scores, torch.logsumexp(scores, -1, keepdim=True))
+    if s.truncate:
+        lse = torch.logsumexp(scores, -1, keepdim=True)  # [batch, 1]
+        tokens, _ = _invert_cdf(_truncate(scores - lse, s), s)
+    else:
+        tokens, lse = _invert_cdf(scores, s)  # [batch], [batch, 1]
     if s.greedy_rows is not None:
-        tokens[s.greedy_rows] = logprobs[s.greedy_rows].argmax(dim=-1)
-    return tokens, logprobs
+        tokens[s.greedy_rows] = scores[s.greedy_rows].argmax(dim=-1)
+    return tokens, StepScores(scores, lse)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
