@@ -246,7 +246,8 @@ class DecodeBatch:
         self.prefill_rows += len(rows)
         self.prefill_tokens += sum(r.prompt_len for r in firsts)
         self.prefill_tokens_saved += sum(r.prompt_len for r in rows) - sum(r.prompt_len for r in firsts)
-        cache, mask, last, prefix = self._shared(done, rows, source, split)
+        index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
+        cache, mask, last, prefix = self._shared(done, rows, index, split)
         if done.logits is not None:
             memo: dict[tuple[Any, ...], PromptScores] = {}
             for r, u in zip(rows, source, strict=True):
@@ -260,7 +261,7 @@ class DecodeBatch:
         tokens, lps = sample(last, sampling)
         self._record(rows, tokens, lps)
         self._compact()
-        pos = done.mask.sum(1)[torch.tensor(source, device=self.device)]  # each row's prompt length
+        pos = done.mask.sum(1)[index]  # each row's prompt length
         self._merge(rows, cache, mask, pos, tokens, prefix)
 
     def _split(self, rows: int, distinct: int) -> bool:
@@ -274,16 +275,15 @@ class DecodeBatch:
         return self.share_decode and self.direct is not None and cpu and distinct < rows
 
     def _shared(
-        self, done: Any, rows: list[Row], source: list[int], split: bool
+        self, done: Any, rows: list[Row], index: torch.Tensor, split: bool
     ) -> tuple[Any, torch.Tensor, torch.Tensor, PrefixKV | None]:
         """(cache, mask, last logits, prefix) of admitted `rows` from the prefill of their distinct
         prompts: split, the prompts' KV once (`PrefixKV`) and an empty cache for each row's own
         tokens; flat, every row its own copy of its prompt's KV, mask and logits."""
-        index = torch.tensor(source, device=self.device)  # [new]; row → its unique prefill
         if split:
             cache = empty_suffix(self.model.config, done.cache, len(rows), _spare_for(rows))
             mask = done.mask.new_zeros((len(rows), 0))
-            return cache, mask, done.last[index], PrefixKV.of(done.cache, done.mask, source)
+            return cache, mask, done.last[index], PrefixKV.of(done.cache, done.mask, index)
         cache, mask, last = done.cache, done.mask, done.last
         if done.mask.shape[0] < len(rows):
             cache.batch_select_indices(index)  # index_select: every row its own copy

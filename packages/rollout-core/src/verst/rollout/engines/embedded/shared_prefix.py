@@ -105,10 +105,9 @@ class PrefixKV:
         return self.mask.shape[1]
 
     @classmethod
-    def of(cls, cache: Any, mask: torch.Tensor, source: list[int]) -> PrefixKV:
+    def of(cls, cache: Any, mask: torch.Tensor, group: torch.Tensor) -> PrefixKV:
         """The prefill `cache` (one row per distinct prompt, `mask` `[groups, width]`) shared by
-        slots whose distinct prompt is `source[slot]`."""
-        group = torch.tensor(source, device=mask.device)
+        slots whose distinct prompt is `group[slot]` (`[slots]` long)."""
         return cls([x.keys for x in cache.layers], [x.values for x in cache.layers], mask, group)
 
     def merge(self, other: PrefixKV) -> PrefixKV:
