@@ -116,10 +116,10 @@ async def _in_flight(engine, task, rid: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def _busy(engine, n: int = 62) -> list[asyncio.Future]:
-    """`n` long requests ("busy-*") submitted right after the one under test, so that it decodes
-    in a full batch and a 200-token request cannot finish within the tests' 0.4 s wait on a fast
-    engine (a tiny model decodes one row at hundreds of tokens a second; 64 rows take seconds)."""
+def _busy(engine, n: int) -> list[asyncio.Future]:
+    """`n` long requests ("busy-*") that make the one under test decode in a full batch, so that
+    a 200-token request cannot finish within the tests' waits on a fast engine (a tiny model
+    decodes one row at hundreds of tokens a second; 64 rows take seconds)."""
     long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
     return [
         asyncio.ensure_future(engine.generate(_req(PROMPTS[2], rid=f"busy-{i}", **long))) for i in range(n)
@@ -131,22 +131,42 @@ async def _end_busy(engine, busy: list[asyncio.Future]) -> None:
     await asyncio.gather(*busy)
 
 
+async def _aborted_mid_flight(engine, prompt: list[int], rid: str, tries: int = 3, **sampling):
+    """A 200-token request `rid` joining a batch of busy rows (submitted first, so that it decodes
+    slowly and the abort does not queue behind their requests), aborted once it is generating;
+    its output. A starved box can let it finish (or not start) before the abort lands: then it
+    runs again with twice the busy rows (`tries` times at most), so an abort that never takes
+    still fails here."""
+    busy_n = 62
+    for _ in range(tries):
+        busy = _busy(engine, busy_n)
+        await asyncio.sleep(0.2)
+        task = asyncio.ensure_future(
+            engine.generate(_req(prompt, rid=rid, max_new_tokens=200, ignore_eos=True, **sampling))
+        )
+        await _in_flight(engine, task, rid)
+        await asyncio.sleep(0.1)
+        prefix = rid.rsplit("-", 1)[0] + "-"
+        if hasattr(engine, "abort_confirmed"):  # vLLM: its abort count proves nothing; the answer does
+            ended = await engine.abort_confirmed(prefix)
+        else:
+            await engine.abort(prefix)
+        out = await task
+        await _end_busy(engine, busy)
+        if hasattr(engine, "abort_confirmed"):  # {} when it had ended before the abort was sent
+            assert ended in ({}, {rid: out.finish_reason})
+        if out.finish_reason == "abort" and 0 < len(out.output_ids) < 200:
+            return out
+        busy_n *= 2
+    raise AssertionError(f"{rid} was never aborted mid-flight in {tries} tries (last: {out.finish_reason})")
+
+
 async def test_abort_mid_flight_ends_the_victim_only(engine):
-    long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
-    victim = asyncio.ensure_future(engine.generate(_req(PROMPTS[0], rid="victim-1", **long)))
-    busy = _busy(engine)
     other = asyncio.ensure_future(
         engine.generate(_req(PROMPTS[1], rid="other-1", max_new_tokens=30, ignore_eos=True))
     )
-    await _in_flight(engine, victim, "victim-1")
-    await asyncio.sleep(0.1)
-    if hasattr(engine, "abort_confirmed"):  # vLLM: its abort count proves nothing; the answer does
-        ended = await engine.abort_confirmed("victim-")
-        assert ended == {"victim-1": "abort"}
-    else:
-        await engine.abort("victim-")
-    v, o = await asyncio.gather(victim, other)
-    await _end_busy(engine, busy)
+    v = await _aborted_mid_flight(engine, PROMPTS[0], "victim-1", temperature=1.0)
+    o = await other
     assert v.finish_reason == "abort" and len(v.output_ids) < 200
     assert len(v.output_logprobs) == len(v.output_ids)
     assert o.finish_reason == "length" and len(o.output_ids) == 30
@@ -177,17 +197,7 @@ async def test_partial_rollout_across_a_refit_resumes_on_the_new_version(engine,
 
     new = perturbed_checkpoint(model_dir, tmp_path / "v1", seed=4)
     before = await engine.get_weight_version()
-    rid = "partial-1"
-    task = asyncio.ensure_future(
-        engine.generate(_req(PROMPTS[0], rid=rid, max_new_tokens=200, ignore_eos=True))
-    )
-    busy = _busy(engine)
-    await _in_flight(engine, task, rid)
-    await asyncio.sleep(0.1)
-    await engine.abort("partial-")
-    first = await task
-    await _end_busy(engine, busy)
-    assert first.finish_reason == "abort" and 0 < len(first.output_ids) < 200
+    first = await _aborted_mid_flight(engine, PROMPTS[0], "partial-1")
     await engine.update_weights_from_disk(str(new), weight_version=before + 1)
     sample = Sample(tokens=PROMPTS[0] + first.output_ids, response_length=len(first.output_ids))
     sample.token_versions = [before] * len(first.output_ids)

