@@ -27,7 +27,7 @@ import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines.embedded.direct import DirectDecode
-from verst.rollout.engines.embedded.kv_cache import growing_cache, pad_left
+from verst.rollout.engines.embedded.kv_cache import cat_left_padded, growing_cache
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
 from verst.rollout.engines.embedded.ragged import prefill_group_tokens
 from verst.rollout.engines.embedded.sampling import (
@@ -306,14 +306,10 @@ class DecodeBatch:
             self._resample()
             return
         assert self.mask is not None and self.next_pos is not None and self.last is not None
-        a, b = self.mask.shape[1], mask.shape[1]
-        width = max(a, b)
         for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([pad_left(mine.keys, width - a, 2), pad_left(theirs.keys, width - b, 2)])
-            mine.values = torch.cat(
-                [pad_left(mine.values, width - a, 2), pad_left(theirs.values, width - b, 2)]
-            )
-        self.mask = torch.cat([pad_left(self.mask, width - a, 1), pad_left(mask, width - b, 1)])
+            mine.keys = cat_left_padded(mine.keys, theirs.keys, 2)
+            mine.values = cat_left_padded(mine.values, theirs.values, 2)
+        self.mask = cat_left_padded(self.mask, mask, 1)
         self.next_pos = torch.cat([self.next_pos, pos])
         self.last = torch.cat([self.last, last])
         self.rows = self.slot_rows = self.rows + rows

@@ -31,13 +31,20 @@ def growing_cache(config: Any) -> Any:
     return cache
 
 
-def pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """`t` with `n` zero entries (masked columns) before its own along `dim`."""
     if n == 0:
         return t
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def cat_left_padded(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """`a`'s rows then `b`'s (dim 0), each left-padded with zeros (masked columns) along `dim`
+    to the wider of the two: two batches' caches or masks joined."""
+    width = max(a.shape[dim], b.shape[dim])
+    return torch.cat([_pad_left(a, width - a.shape[dim], dim), _pad_left(b, width - b.shape[dim], dim)])
 
 
 def _with_capacity(x: torch.Tensor, cap: int) -> torch.Tensor:

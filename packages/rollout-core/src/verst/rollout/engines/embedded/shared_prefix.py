@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from verst.rollout.engines.embedded.kv_cache import growing_cache, pad_left
+from verst.rollout.engines.embedded.kv_cache import cat_left_padded, growing_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +40,14 @@ class GroupLayout:
     @classmethod
     def of(cls, group: torch.Tensor, groups: int) -> GroupLayout:
         """The layout of slots whose groups are `group` (`[slots]` long, values in `[0, groups)`)."""
+        gs = group.tolist()
         seen = [0] * groups
         member = []
-        for g in group.tolist():
+        for g in gs:
             member.append(seen[g])
             seen[g] += 1
         size = max(seen)
-        place = [g * size + j for g, j in zip(group.tolist(), member, strict=True)]
+        place = [g * size + j for g, j in zip(gs, member, strict=True)]
         if place == list(range(groups * size)):
             return cls(groups, size, None)
         return cls(groups, size, torch.tensor(place, device=group.device))
@@ -113,15 +114,10 @@ class PrefixKV:
     def merge(self, other: PrefixKV) -> PrefixKV:
         """This batch's prefix then `other`'s (its slots after these, its groups after these),
         both left-padded to the wider of the two."""
-        width = max(self.width, other.width)
-
-        def cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-            return torch.cat([pad_left(a, width - a.shape[dim], dim), pad_left(b, width - b.shape[dim], dim)])
-
         return PrefixKV(
-            [cat(a, b, 2) for a, b in zip(self.keys, other.keys, strict=True)],
-            [cat(a, b, 2) for a, b in zip(self.values, other.values, strict=True)],
-            cat(self.mask, other.mask, 1),
+            [cat_left_padded(a, b, 2) for a, b in zip(self.keys, other.keys, strict=True)],
+            [cat_left_padded(a, b, 2) for a, b in zip(self.values, other.values, strict=True)],
+            cat_left_padded(self.mask, other.mask, 1),
             torch.cat([self.group, other.group + self.mask.shape[0]]),
         )
 
