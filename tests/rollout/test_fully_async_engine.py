@@ -5,6 +5,7 @@ background event loop (the producer generates while the trainer trains), the run
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -137,15 +138,27 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
 
     produced_during_training: list[int] = []
     at_train_start = [0]
+    # Pace the producer so that it has work left when a train step begins: group i may start
+    # generating once the trainer has begun i // batch_size train steps (without this, the tiny
+    # model's 6-token groups could refill the buffer before the trainer reaches "train", leaving
+    # nothing to produce then). Starting is paced, finishing is not.
+    batch = cfg.rollout.batch_size
+    train_steps_begun = [0]
 
     class Spy(InMemoryLogger):
         def phase(self, name):
             super().phase(name)
-            produced = trainer_strategy[0].produced_groups
             if name == "train":
-                at_train_start[0] = produced
+                strategy = trainer_strategy[0]
+                at_train_start[0] = strategy.produced_groups
+                train_steps_begun[0] += 1
+                # the trainer's thread is held here, outside any rollout call: only a producer
+                # running in its own thread can finish a group now
+                deadline = time.monotonic() + 30
+                while strategy.produced_groups == at_train_start[0] and time.monotonic() < deadline:
+                    time.sleep(0.01)
             if name == "sync":  # the train step just ran: did the producer keep generating?
-                produced_during_training.append(produced - at_train_start[0])
+                produced_during_training.append(trainer_strategy[0].produced_groups - at_train_start[0])
 
     trainer_strategy: list[FullyAsyncRollout] = []
     from verst.trainer.run import rollout_side
@@ -155,6 +168,15 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
     def capture(path, context):
         strategy = original(path, context)
         trainer_strategy.append(strategy)
+        generate, started = strategy._generate_with_retries, [0]
+
+        async def paced(group):
+            index, started[0] = started[0], started[0] + 1
+            while index >= batch * (train_steps_begun[0] + 1) and not strategy._closing:
+                await asyncio.sleep(0.005)
+            return await generate(group)
+
+        strategy._generate_with_retries = paced
         return strategy
 
     monkeypatch.setattr(rollout_side, "load_rollout_strategy", capture)
@@ -164,7 +186,10 @@ def test_fully_async_training_run_overlaps_and_checkpoints_the_buffer(tmp_path, 
     (strategy,) = trainer_strategy
     assert isinstance(strategy, FullyAsyncRollout)
     # groups finish only while the rollout side's loop runs: between calls, in its own thread
-    assert sum(produced_during_training) > 0, "the producer generated while the trainer trained"
+    assert len(produced_during_training) == 3
+    assert all(n > 0 for n in produced_during_training), (
+        f"the producer generated while the trainer trained: {produced_during_training}"
+    )
     steps = [m for _, m in logger.records if "rollout/buffer_size" in m]
     assert len(steps) == 3
     for m in steps:
