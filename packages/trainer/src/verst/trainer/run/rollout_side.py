@@ -30,6 +30,7 @@ from verst.rollout.engines.common.replicas import reported_weight_dtype
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
+from verst.rollout.openmp import release_openmp_workers
 from verst.rollout.protocols import RolloutContext, RolloutRequest, RolloutResult
 from verst.rollout.rewards import build_reward_fns
 from verst.rollout.selection import resolve_strategy_path
@@ -192,6 +193,7 @@ class RolloutSide:
             raise RuntimeError(
                 "RolloutSide methods are synchronous; do not call them from its own event loop"
             )
+        release_openmp_workers()  # this thread waits: let the engine's kernels spin (`openmp`)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _run_until_stopped(self, coro: Coroutine[Any, Any, T], stop: Callable[[], bool] | None) -> T:
@@ -199,6 +201,7 @@ class RolloutSide:
         if stop is None:
             return self._run(coro)
         task_box: list[asyncio.Task[T]] = []
+        release_openmp_workers()
 
         async def guarded() -> T:
             task = asyncio.ensure_future(coro)

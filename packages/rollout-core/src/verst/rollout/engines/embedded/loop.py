@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verst.rollout.engine import EngineError, GenerateOutput
+from verst.rollout.openmp import release_openmp_workers
 
 
 @dataclass(slots=True)
@@ -166,6 +167,8 @@ class DecodeLoopMixin:
         with torch.inference_mode():
             while True:
                 with self._cond:
+                    if not self._closed and not self._has_work():
+                        release_openmp_workers()  # idle: let the trainer's kernels spin (`openmp`)
                     while not self._closed and not self._has_work():
                         self._cond.wait()
                     if self._closed:

@@ -1,0 +1,59 @@
+"""The trainer's thread hands its OpenMP workers back while it waits on the rollout side
+(`verst.rollout.openmp`): during a synchronous rollout the engine's kernels run with the only
+worker team in the process. Real runtime threads, counted in `/proc/self/task`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from run_testlib import install_reward_module, write_prompts
+
+from verst.rollout.openmp import _libgomp_pauses, release_openmp_workers
+
+pytestmark = pytest.mark.skipif(
+    not _libgomp_pauses(), reason="PyTorch here does not run on GNU libgomp (the runtime this is for)"
+)
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def parallel_kernel() -> None:
+    torch.ones(4_000_000).add_(1.0)  # far above ATen's grain size: runs on the OpenMP team
+
+
+def test_the_trainer_thread_releases_its_workers_while_it_waits(tmp_path, tiny_checkpoint, monkeypatch):
+    from verst.trainer.config import run_config_from_dict
+    from verst.trainer.run.rollout_side import RolloutSide
+
+    reward = install_reward_module(tmp_path, monkeypatch, "omp_rewards")
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = run_config_from_dict({
+        "engine": {"type": "embedded", "device": "cpu", "max_batch_size": 8},
+        "rollout": {"batch_size": 2, "n_samples_per_prompt": 2, "max_response_len": 4,
+                    "data": {"path": str(data)}, "reward": {"type": reward}},
+    })  # fmt: skip
+    before = torch.get_num_threads()
+    side = RolloutSide(cfg, model_path=str(tiny_checkpoint), env={})
+    torch.set_num_threads(2)
+    try:
+        release_openmp_workers()
+        base = threads()
+        parallel_kernel()
+        assert threads() == base + 1  # this thread's team: one worker
+        side.state_dict()
+        assert threads() == base, "released before waiting on the loop"
+        parallel_kernel()
+        result = side.rollout(0, 0, stop=lambda: False)
+        assert len(result.groups) == 2
+        deadline = time.monotonic() + 10  # the engine releases its own team when it goes idle
+        while threads() != base and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() == base
+    finally:
+        side.close()
+        torch.set_num_threads(before)
