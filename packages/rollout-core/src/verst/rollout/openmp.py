@@ -19,7 +19,7 @@ time, kernel time ×10).
 thread's own workers only, and refuses (-1) inside a parallel region. The thread's next parallel
 kernel starts a fresh team (one thread creation per worker, tens of microseconds). The engine
 calls it when it goes idle, the trainer before it blocks on the rollout side. Other OpenMP
-runtimes (LLVM's libomp, Intel's) have no such throttle; nothing is done there.
+runtimes (LLVM's libomp, Intel's) are left alone: this handles libgomp's throttle only.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def release_openmp_workers() -> bool:
     more libgomp runtimes accepted. A no-op before torch is imported or without libgomp."""
     if "torch" not in sys.modules:  # nothing has loaded PyTorch's OpenMP runtime yet
         return False
-    pauses = _libgomp_pauses()
-    return bool(pauses) and all(pause(OMP_PAUSE_SOFT) == 0 for pause in pauses)
+    answers = [pause(OMP_PAUSE_SOFT) for pause in _libgomp_pauses()]  # every copy, even after a refusal
+    return bool(answers) and all(a == 0 for a in answers)
 
 
 @functools.cache
