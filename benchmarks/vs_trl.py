@@ -16,7 +16,8 @@ verst `normalize_std=true`). Two references are measured in the same run:
 - the **fair floor** (`fair_floor.py`): only the work the job needs — each distinct prompt
   prefilled once, decode of the live rows on an unrepeated KV cache, a train forward over each
   prompt once plus every response token once with the LM head on response positions only, the
-  backward, one fused AdamW step. `verst_over_floor` is verst's step over this floor;
+  backward, one fused AdamW step. `verst_over_floor` is verst's step over this floor, measured
+  just before and just after verst's run (their mean: the box's speed drifts);
 - the **plain HF baseline** (what this benchmark called its floor before): `model.generate` of the
   left-padded batch, one forward+backward over the padded rows, one fused AdamW step.
   `verst_over_hf_plain` is verst's step over it. Step times are medians over the steps of each run after `--warmup` steps, then
@@ -352,6 +353,11 @@ def main() -> None:
         verst_steps.append(statistics.median(times[args.warmup :]))
         verst_evals.append(ev)
         print(f"verst run {seed}: median step {verst_steps[-1] * 1e3:.1f} ms, eval {ev:.3f}", flush=True)
+        # the floor again right after verst: the box's speed drifts (1.5x within an hour seen), so
+        # verst is compared with the mean of the floors measured just before and just after it
+        after = sum(measure_fair_floor(args.floor_repeats, seed=seed).values())
+        print(f"fair floor run {seed} (after verst): total={after * 1e3:.1f}ms", flush=True)
+        floors[-1] = (floors[-1] + after) / 2
         times, ev = run_trl(seed, args.steps, eval_rows)
         trl_steps.append(statistics.median(times[args.warmup :]))
         trl_evals.append(ev)
