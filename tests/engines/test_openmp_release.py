@@ -8,29 +8,18 @@ workers a parallel kernel starts and the ones a release joins.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import time
 
 import pytest
 import torch
+from openmp_testlib import parallel_kernel, requires_libgomp, threads, until
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
-from verst.rollout.openmp import _libgomp_pauses, release_openmp_workers
+from verst.rollout.openmp import release_openmp_workers
 from verst.rollout.toy import build_tiny_llama
 
-pytestmark = pytest.mark.skipif(
-    not _libgomp_pauses(), reason="PyTorch here does not run on GNU libgomp (the runtime this is for)"
-)
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def parallel_kernel() -> None:
-    torch.ones(4_000_000).add_(1.0)  # far above ATen's grain size: runs on the OpenMP team
+pytestmark = requires_libgomp
 
 
 @pytest.fixture
@@ -39,15 +28,6 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-
-
-def until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_release_joins_the_calling_threads_workers_only(two_threads):

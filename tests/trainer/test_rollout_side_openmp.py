@@ -4,26 +4,13 @@ worker team in the process. Real runtime threads, counted in `/proc/self/task`."
 
 from __future__ import annotations
 
-import os
-import time
-
-import pytest
 import torch
+from openmp_testlib import parallel_kernel, requires_libgomp, threads, until
 from run_testlib import install_reward_module, write_prompts
 
-from verst.rollout.openmp import _libgomp_pauses, release_openmp_workers
+from verst.rollout.openmp import release_openmp_workers
 
-pytestmark = pytest.mark.skipif(
-    not _libgomp_pauses(), reason="PyTorch here does not run on GNU libgomp (the runtime this is for)"
-)
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def parallel_kernel() -> None:
-    torch.ones(4_000_000).add_(1.0)  # far above ATen's grain size: runs on the OpenMP team
+pytestmark = requires_libgomp
 
 
 def test_the_trainer_thread_releases_its_workers_while_it_waits(tmp_path, tiny_checkpoint, monkeypatch):
@@ -50,10 +37,7 @@ def test_the_trainer_thread_releases_its_workers_while_it_waits(tmp_path, tiny_c
         parallel_kernel()
         result = side.rollout(0, 0, stop=lambda: False)
         assert len(result.groups) == 2
-        deadline = time.monotonic() + 10  # the engine releases its own team when it goes idle
-        while threads() != base and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert threads() == base
+        assert until(lambda: threads() == base)  # the engine releases its own team when it goes idle
     finally:
         side.close()
         torch.set_num_threads(before)
