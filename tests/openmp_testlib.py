@@ -16,13 +16,18 @@ requires_libgomp = pytest.mark.skipif(
 )
 
 
-def threads() -> int:
-    """The process's threads, OpenMP workers included."""
-    return len(os.listdir("/proc/self/task"))
+def tids() -> set[int]:
+    """The process's threads, OpenMP workers included (by id: a thread some earlier test left
+    behind may end at any time, so tests follow the ids they saw appear, not counts)."""
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def parallel_kernel() -> None:
+def parallel_kernel() -> set[int]:
+    """Run a kernel on the calling thread's OpenMP team; the thread ids that appeared meanwhile
+    (its workers, when it had no team yet)."""
+    before = tids()
     torch.ones(4_000_000).add_(1.0)  # far above ATen's grain size: runs on the OpenMP team
+    return tids() - before
 
 
 def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

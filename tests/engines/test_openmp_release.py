@@ -1,8 +1,8 @@
 """A thread hands its OpenMP workers back (`verst.rollout.openmp`), and the embedded engine does
 so when it goes idle, so the trainer's kernels run with the process's only worker team.
 
-Real threads of the real runtime: the process's thread count (`/proc/self/task`) shows the
-workers a parallel kernel starts and the ones a release joins.
+Real threads of the real runtime, followed by id in `/proc/self/task`: the workers a parallel
+kernel starts, and whether a release joined them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from openmp_testlib import parallel_kernel, requires_libgomp, threads, until
+from openmp_testlib import parallel_kernel, requires_libgomp, tids, until
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
@@ -31,30 +31,28 @@ def two_threads():
 
 
 def test_release_joins_the_calling_threads_workers_only(two_threads):
-    release_openmp_workers()  # this thread's team (if any) out of the counts below
-    seen: dict[str, int] = {}
+    release_openmp_workers()  # this thread's team (if any) out of the way
+    seen: dict[str, object] = {}
 
     def worker() -> None:
-        seen["start"] = threads()
-        parallel_kernel()
-        seen["team"] = threads()
-        seen["released"] = int(release_openmp_workers())
-        seen["after"] = threads()
-        parallel_kernel()  # a fresh team: the runtime still works
-        seen["again"] = threads()
+        seen["team"] = team = parallel_kernel()
+        seen["released"] = release_openmp_workers()
+        seen["left"] = team & tids()
+        seen["again"] = again = parallel_kernel()  # a fresh team: the runtime still works
         release_openmp_workers()
+        seen["left_again"] = again & tids()
 
     t = threading.Thread(target=worker)
     t.start()
     t.join()
-    assert seen["team"] == seen["start"] + 1, seen  # one worker beside the thread itself
-    assert seen["released"] == 1 and seen["after"] == seen["start"], seen
-    assert seen["again"] == seen["start"] + 1, seen
+    assert len(seen["team"]) == 1, seen  # one worker beside the thread itself
+    assert seen["released"] is True and not seen["left"], seen
+    assert len(seen["again"]) == 1 and not seen["left_again"], seen
 
-    parallel_kernel()  # this thread's own team is untouched by another thread's release
-    mine = threads()
+    mine = parallel_kernel()  # this thread's own team is untouched by another thread's release
+    assert len(mine) == 1
     release_openmp_workers()
-    assert threads() == mine - 1
+    assert not mine & tids()
 
 
 def test_an_idle_engine_hands_its_workers_back(two_threads):
@@ -62,23 +60,23 @@ def test_an_idle_engine_hands_its_workers_back(two_threads):
     engine = EmbeddedEngine(model, None, max_batch_size=64)
     try:
         release_openmp_workers()
-        base = threads()  # the engine's thread included, no worker team anywhere
-        peak = [base]
+        before = tids()  # the engine's thread included, no worker team anywhere
+        seen: set[int] = set()
 
         async def run() -> None:
             request = GenerateRequest(
                 [5, 6, 7, 8], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
             )
-            streams = [engine.generate_stream(request) for _ in range(64)]
 
             async def drain(stream) -> None:
                 async for _ in stream:
-                    peak[0] = max(peak[0], threads())
+                    seen.update(tids())
 
-            await asyncio.gather(*(drain(s) for s in streams))
+            await asyncio.gather(*(drain(engine.generate_stream(request)) for _ in range(64)))
 
         asyncio.run(run())
-        assert peak[0] > base, "the engine's decode ran parallel kernels (a worker team existed)"
-        assert until(lambda: threads() == base), f"{threads()} threads, {base} with no worker team"
+        workers = seen - before
+        assert workers, "the engine's decode ran parallel kernels (a worker team existed)"
+        assert until(lambda: not workers & tids()), f"threads {workers & tids()} outlived the decode"
     finally:
         asyncio.run(engine.close())
