@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -55,28 +56,47 @@ def test_release_joins_the_calling_threads_workers_only(two_threads):
     assert not mine & tids()
 
 
-def test_an_idle_engine_hands_its_workers_back(two_threads):
+def decode(engine: EmbeddedEngine) -> set[int]:
+    """Decode 64 rows; the thread ids seen while they streamed."""
+    seen: set[int] = set()
+    request = GenerateRequest(
+        [5, 6, 7, 8], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    )
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            seen.update(tids())
+
+    async def run() -> None:
+        await asyncio.gather(*(drain(engine.generate_stream(request)) for _ in range(64)))
+
+    asyncio.run(run())
+    return seen
+
+
+@pytest.fixture
+def engine():
     model = build_tiny_llama(8192, hidden_size=256, num_layers=2, num_heads=4)
     engine = EmbeddedEngine(model, None, max_batch_size=64)
-    try:
-        release_openmp_workers()
-        before = tids()  # the engine's thread included, no worker team anywhere
-        seen: set[int] = set()
+    yield engine
+    asyncio.run(engine.close())
 
-        async def run() -> None:
-            request = GenerateRequest(
-                [5, 6, 7, 8], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
-            )
 
-            async def drain(stream) -> None:
-                async for _ in stream:
-                    seen.update(tids())
+def test_an_idle_engine_hands_its_workers_back(two_threads, engine):
+    release_openmp_workers()
+    before = tids()  # the engine's thread included, no worker team anywhere
+    workers = decode(engine) - before
+    assert workers, "the engine's decode ran parallel kernels (a worker team existed)"
+    assert until(lambda: not workers & tids()), f"threads {workers & tids()} outlived the decode"
 
-            await asyncio.gather(*(drain(engine.generate_stream(request)) for _ in range(64)))
 
-        asyncio.run(run())
-        workers = seen - before
-        assert workers, "the engine's decode ran parallel kernels (a worker team existed)"
-        assert until(lambda: not workers & tids()), f"threads {workers & tids()} outlived the decode"
-    finally:
-        asyncio.run(engine.close())
+def test_a_short_gap_keeps_the_engines_workers(two_threads, engine):
+    engine.IDLE_RELEASE_S = 3.0  # read by the worker at each idle moment
+    release_openmp_workers()
+    before = tids()
+    workers = decode(engine) - before
+    assert workers
+    time.sleep(0.3)  # idle, but well within IDLE_RELEASE_S: the same team serves the next decode
+    again = decode(engine)
+    assert workers <= again and not again - before - workers, (workers, again - before)
+    assert until(lambda: not workers & tids()), "released once idle for IDLE_RELEASE_S"

@@ -45,6 +45,9 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
 
     BATCH_WAIT_CAP = 10
     """An idle engine collects companions of a first request for at most this × `batch_wait_s`."""
+    IDLE_RELEASE_S = 0.05
+    """An engine idle this long hands its OpenMP workers back (`verst.rollout.openmp`); a shorter
+    gap (the next turn of an agentic episode, a late request) keeps them."""
 
     def __init__(
         self,

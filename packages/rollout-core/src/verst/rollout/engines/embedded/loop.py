@@ -74,6 +74,7 @@ class DecodeLoopMixin:
     """The worker-thread half of `EmbeddedEngine` (its state is set up by the engine)."""
 
     BATCH_WAIT_CAP: float
+    IDLE_RELEASE_S: float
     batch_wait_s: float
     max_batch_size: int
     context_len: int
@@ -168,7 +169,9 @@ class DecodeLoopMixin:
             while True:
                 with self._cond:
                     if not self._closed and not self._has_work():
-                        release_openmp_workers()  # idle: let the trainer's kernels spin (`openmp`)
+                        self._cond.wait(self.IDLE_RELEASE_S)
+                        if not self._closed and not self._has_work():
+                            release_openmp_workers()  # idle: let the trainer's kernels spin (`openmp`)
                     while not self._closed and not self._has_work():
                         self._cond.wait()
                     if self._closed:
