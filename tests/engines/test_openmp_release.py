@@ -1,8 +1,8 @@
 """A thread hands its OpenMP workers back (`verst.rollout.openmp`), and the embedded engine does
 so when it goes idle, so the trainer's kernels run with the process's only worker team.
 
-Real threads of the real runtime, followed by id in `/proc/self/task`: the workers a parallel
-kernel starts, and whether a release joined them.
+Real threads of the real runtime in `/proc/self/task`, each team's workers told apart by the
+name they inherit from the thread that owns the team (`openmp_testlib`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from openmp_testlib import parallel_kernel, requires_libgomp, tids, until
+from openmp_testlib import name_thread, parallel_kernel, requires_libgomp, tids, until, workers_of
 
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
@@ -57,7 +57,9 @@ def test_release_joins_the_calling_threads_workers_only(two_threads):
 
 
 def decode(engine: EmbeddedEngine) -> set[int]:
-    """Decode 64 rows; the thread ids seen while they streamed."""
+    """Decode 64 rows; the engine's workers seen while they streamed."""
+    tid = engine._thread.native_id
+    name = name_thread(tid)  # the engine thread's workers inherit the name
     seen: set[int] = set()
     request = GenerateRequest(
         [5, 6, 7, 8], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
@@ -65,7 +67,7 @@ def decode(engine: EmbeddedEngine) -> set[int]:
 
     async def drain(stream) -> None:
         async for _ in stream:
-            seen.update(tids())
+            seen.update(workers_of(tid, name))
 
     async def run() -> None:
         await asyncio.gather(*(drain(engine.generate_stream(request)) for _ in range(64)))
@@ -84,8 +86,7 @@ def engine():
 
 def test_an_idle_engine_hands_its_workers_back(two_threads, engine):
     release_openmp_workers()
-    before = tids()  # the engine's thread included, no worker team anywhere
-    workers = decode(engine) - before
+    workers = decode(engine)
     assert workers, "the engine's decode ran parallel kernels (a worker team existed)"
     assert until(lambda: not workers & tids()), f"threads {workers & tids()} outlived the decode"
 
@@ -93,10 +94,9 @@ def test_an_idle_engine_hands_its_workers_back(two_threads, engine):
 def test_a_short_gap_keeps_the_engines_workers(two_threads, engine):
     engine.IDLE_RELEASE_S = 3.0  # read by the worker at each idle moment
     release_openmp_workers()
-    before = tids()
-    workers = decode(engine) - before
+    workers = decode(engine)
     assert workers
     time.sleep(0.3)  # idle, but well within IDLE_RELEASE_S: the same team serves the next decode
     again = decode(engine)
-    assert workers <= again and not again - before - workers, (workers, again - before)
+    assert again == workers, (workers, again)
     assert until(lambda: not workers & tids()), "released once idle for IDLE_RELEASE_S"

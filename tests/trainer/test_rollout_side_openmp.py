@@ -1,7 +1,7 @@
 """The trainer's thread hands its OpenMP workers back while it waits on the rollout side
 (`verst.rollout.openmp`): during a synchronous rollout the engine's kernels run with the only
 worker team in the process (the engine's own release: `tests/engines/test_openmp_release.py`).
-Real runtime threads, followed by id in `/proc/self/task`."""
+Real runtime threads in `/proc/self/task`, a team's workers told apart by name (`openmp_testlib`)."""
 
 from __future__ import annotations
 
