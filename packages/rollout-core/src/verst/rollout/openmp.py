@@ -18,8 +18,9 @@ time, kernel time ×10).
 `omp_pause_resource_all(omp_pause_soft)`, which in libgomp (`gomp_pause_host`) joins the calling
 thread's own workers only, and refuses (-1) inside a parallel region. The thread's next parallel
 kernel starts a fresh team (one thread creation per worker, tens of microseconds each). The
-engine calls it once idle for `IDLE_RELEASE_S`, the trainer before it blocks on the rollout side. Other OpenMP
-runtimes (LLVM's libomp, Intel's) are left alone: this handles libgomp's throttle only.
+engine calls it once idle for `IDLE_RELEASE_S`, the trainer before it blocks on the rollout
+side. Other OpenMP runtimes (LLVM's libomp, Intel's) are left alone: this handles libgomp's
+throttle only.
 """
 
 from __future__ import annotations
