@@ -23,7 +23,7 @@ from verst.trainer.train.batch import micro_batches
 from verst.trainer.train.layout import LAYOUTS, DecoderShape, PackedInputs, SharedPromptLayout, prompt_groups
 from verst.trainer.train.layout_choice import LayoutChooser, shared_prompt_unsupported
 from verst.trainer.train.logprobs import PolicyLogprobs, pack_sequences
-from verst.trainer.train.pieces import use_pieces_attention
+from verst.trainer.train.pieces import ATTENTION_NAME, pieces_sdpa, use_pieces_attention
 
 VOCAB = 61
 
@@ -85,8 +85,13 @@ def test_shared_prompt_and_packed_equal_padded(attn, batch):
     tokens, resp, w = batch
     model, weights = MODELS[attn], torch.tensor(w)
     ref_lp, ref_ent, ref_grads = run(model, pack_sequences(tokens, resp, layout="padded"), weights)
-    for layout in ("shared_prompt", "packed", 2):  # 2: shared prompts, at most 2 responses per row
-        if layout == 2:
+    flat = ("flat",) if attn == "pieces" else ()  # one unpadded row: the pieces attention only
+    for layout in ("shared_prompt", "packed", 2, *flat):  # 2: shared prompts, ≤ 2 responses per row
+        if layout == "flat":
+            inputs = SharedPromptLayout(flat=True).build(tokens, resp)
+            assert inputs.input_ids.shape == (1, sum(SharedPromptLayout().row_widths(
+                tokens, resp, SharedPromptLayout().rows(tokens, resp))))  # fmt: skip
+        elif layout == 2:
             inputs = SharedPromptLayout(per_row=2).build(tokens, resp)
         else:
             inputs = pack_sequences(tokens, resp, layout=layout)
@@ -150,6 +155,50 @@ def test_auto_picks_shared_prompt_for_groups_and_padded_for_distinct_prompts():
     assert chooser.pick(group, [12] * 8) == SharedPromptLayout()
     for name, layout in LAYOUTS.items():  # the cost is what decides
         assert layout.cost(group, [12] * 8, shape(), "sdpa") > 0, name
+
+
+def test_flat_shared_prompt_row_only_on_the_pieces_attention_and_when_it_saves_padding():
+    """One unpadded row of every group (`SharedPromptLayout(flat=True)`): offered on the pieces
+    attention only (probed), picked where the rows' padding costs more than the pieces' overhead,
+    and refused by a model that does not run the pieces attention."""
+    pieces_model = MODELS["pieces"]
+
+    def probe(inputs):
+        with torch.no_grad():
+            return pieces_model(inputs)[0]
+
+    on_pieces = LayoutChooser.build(
+        "auto", config=pieces_model.policy.config, attn=ATTENTION_NAME, probe=probe
+    )
+    assert on_pieces.flat
+    assert not LayoutChooser.build("auto", config=tiny_llama("sdpa").config, attn="sdpa").flat
+    assert not LayoutChooser.build("padded", config=pieces_model.policy.config, attn=ATTENTION_NAME).flat
+    dropout = tiny_llama("sdpa", attention_dropout=0.1).config
+    assert not LayoutChooser.build("auto", config=dropout, attn=ATTENTION_NAME).flat
+    # the tiny benchmark's shapes: its model's layer, 8 groups of 8, prompts of 4-11 tokens and
+    # responses of 2-10 (its rows were 13-29% padding; flat measured 13% faster there)
+    bench = LayoutChooser.build(
+        "auto",
+        config=LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_attention_heads=4),
+        attn=ATTENTION_NAME,
+    )
+    groups = [(list(range(1, 5 + g)), [2 + g + j % 2 for j in range(8)]) for g in range(8)]  # 35% padding
+    tokens = [p + [7] * r for p, rs in groups for r in rs]
+    resp = [r for _, rs in groups for r in rs]
+    assert bench.flat and bench.pick(tokens, resp) == SharedPromptLayout(flat=True)
+    assert on_pieces.pick(tokens, resp) != SharedPromptLayout(
+        flat=True
+    )  # a 32-wide layer: too little to save
+    one_group = tokens[:8]  # one row: no padding to save, the pieces' overhead loses
+    assert bench.pick(one_group, resp[:8]) != SharedPromptLayout(flat=True)
+    flat = SharedPromptLayout(flat=True).build(tokens, resp)
+    assert flat.pieces.flat and flat.input_ids.shape == (1, sum(len(p) + sum(rs) for p, rs in groups))
+    with pytest.raises(ValueError, match="flat shared-prompt row needs the policy on the pieces attention"):
+        MODELS["sdpa"](flat)
+    query = torch.zeros(1, 4, flat.pieces.width, 8)
+    key = torch.zeros(1, 2, flat.pieces.width, 8)
+    with pytest.raises(ValueError, match="runs on the pieces attention only"):
+        pieces_sdpa(None, query, key, key, None, dropout=0.1, shared_pieces=flat.pieces)
 
 
 def test_flash_attention_never_gets_shared_prompt_and_packs_varlen():

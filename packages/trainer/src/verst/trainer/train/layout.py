@@ -19,6 +19,8 @@ the decoder's work from the shapes alone), in one table, `LAYOUTS`:
   additive float mask SDPA and eager both take (transformers passes a 4D mask through as-is).
   Not for flash-attention 2 (no custom masks), nor for models whose attention is not plain
   full causal attention (sliding windows, recurrent/SSM layers): `shared_prompt_unsupported`.
+  On the pieces attention the rows may also go flat, one after another in one unpadded row
+  (`SharedPromptLayout(flat=True)`): the linear layers then see no padding.
 
 `LayoutChooser` (`verst.trainer.train.layout_choice`) picks one layout per micro-batch: a fixed
 one, or with `auto` the cheapest by `cost`. The estimate is per decoder layer (every layer is alike): linear work ∝ tokens processed
@@ -32,14 +34,16 @@ flash-attention's varlen kernels, and for `shared_prompt` on the pieces attentio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from verst.trainer.train.pieces import ATTENTION_NAME as PIECES_ATTENTION
-from verst.trainer.train.pieces import RowPieces, pieces_pairs, worth_pieces
+from verst.trainer.train.pieces import MIN_SAVED_MACS, RowPieces, pieces_pairs, worth_pieces
 
 LAYOUT_NAMES = ("padded", "packed", "shared_prompt")
 Seqs = Sequence[Sequence[int]]
@@ -242,11 +246,21 @@ class SharedPromptLayout:
 
     `per_row` caps the responses in one row: a larger group is split into rows of at most that
     many (balanced), each with its own copy of the prompt — fewer tokens than padding, less
-    attention than one long row (the chooser weighs the two)."""
+    attention than one long row (the chooser weighs the two).
+
+    `flat` puts those rows one after another in ONE row without padding (`[1, Σ widths]`), for a
+    model on the pieces attention (`verst.trainer.train.pieces`), which reads each group's
+    prompt and responses out of it: the linear layers then see the real tokens only, where the
+    padded rows feed every row's padding up to the longest (13–29% of the tiny benchmark's
+    tokens). No dense mask can stand in for the pieces there (it would be `[Σ widths]²`), so the
+    inputs carry a `[1, 1, 1, 1]` placeholder that transformers passes through untouched, and
+    `pieces_sdpa` refuses to run such a row any other way."""
 
     name: ClassVar[str] = "shared_prompt"
     per_row: int | None = None
     """Most responses in one row (None = the whole group)."""
+    flat: bool = False
+    """Every row in one unpadded row, for the pieces attention only."""
 
     def rows(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> list[list[int]]:
         """The sequences of each row: `groups` (default: `prompt_groups`), split by `per_row`."""
@@ -271,14 +285,17 @@ class SharedPromptLayout:
     ) -> PackedInputs:
         _check(tokens, response_lengths)
         groups = self.rows(tokens, response_lengths, groups)
-        width = max(self.row_widths(tokens, response_lengths, groups))
-        # per row, as lists (one tensor each at the end): ids, positions, and the segment of each
-        # position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
+        widths = self.row_widths(tokens, response_lengths, groups)
+        width = sum(widths) if self.flat else max(widths)
+        offsets = [sum(widths[:j]) for j in range(len(widths))] if self.flat else None
+        # per row, as lists: ids, positions, and the segment of each position: 0 = prompt, k = k-th
+        # response, -(col + 1) = padding (unique)
         ids, pos, seg = [], [], []
         first: dict[int, int] = {}  # sequence -> flat index predicting its first response token
         starts: dict[int, int] = {}  # sequence -> flat index of its first response token
         prompts, parts = [], []  # per row: prompt length; (start column, length) of each response
         for row, g in enumerate(groups):
+            at = offsets[row] if offsets is not None else row * width  # the row's first flat index
             p = len(tokens[g[0]]) - response_lengths[g[0]]
             row_ids, row_pos, row_seg = list(tokens[g[0]][:p]), list(range(p)), [0] * p
             prompts.append(p)
@@ -288,31 +305,32 @@ class SharedPromptLayout:
                 row_ids.extend(tokens[i][p:])
                 row_pos.extend(range(p, p + r))
                 row_seg.extend([k] * r)
-                first[i], starts[i] = row * width + p - 1, row * width + col
+                first[i], starts[i] = at + p - 1, at + col
                 parts[-1].append((col, r))
-            used = len(row_ids)
-            ids.append(row_ids + [pad_id] * (width - used))
-            pos.append(row_pos + [0] * (width - used))
-            seg.append(row_seg + list(range(-used - 1, -width - 1, -1)))
-        ids, pos, seg = (torch.tensor(x, dtype=torch.long) for x in (ids, pos, seg))  # [rows, width] each
+            pad = 0 if self.flat else width - len(row_ids)
+            ids.append(row_ids + [pad_id] * pad)
+            pos.append(row_pos + [0] * pad)
+            seg.append(row_seg + list(range(-len(row_ids) - 1, -width - 1, -1))[:pad])
         gather, targets = [], []
         for i, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
             if r:
                 gather.append(first[i])  # the last prompt position, shared by the group
                 gather.extend(range(starts[i], starts[i] + r - 1))
                 targets.extend(seq[len(seq) - r :])
-        q, k = seg[:, :, None], seg[:, None, :]  # [rows, width, 1], [rows, 1, width]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()  # [width, width]
-        mask = causal & (((k == 0) & (q >= 0)) | (q == k))  # [rows, width, width]
+        if self.flat:  # one row; the pieces attention needs no mask (a placeholder: class doc)
+            ids, pos = [list(chain.from_iterable(ids))], [list(chain.from_iterable(pos))]
+            mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        else:
+            mask = _shared_prompt_mask(torch.tensor(seg, dtype=torch.long), width)[:, None]
         return PackedInputs(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask[:, None],
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+            attention_mask=mask,
             gather_index=torch.tensor(gather, dtype=torch.long),
             target_ids=torch.tensor(targets, dtype=torch.long),
             response_lengths=list(response_lengths),
             layout=self.name,
-            pieces=RowPieces.build(prompts, parts, width),
+            pieces=RowPieces.build(prompts, parts, width, offsets),
         )
 
     def cost(
@@ -323,6 +341,7 @@ class SharedPromptLayout:
         attn: str,
         groups: Groups = None,
     ) -> float:
+        """Flat rows are charged `MIN_SAVED_MACS` for the pieces' gathers and scatters (`pieces`)."""
         rows = self.rows(tokens, response_lengths, groups)
         widths = self.row_widths(tokens, response_lengths, rows)
         width = max(widths)
@@ -331,8 +350,21 @@ class SharedPromptLayout:
             longest_prompt = max(len(tokens[g[0]]) - response_lengths[g[0]] for g in rows)
             longest_response = max(response_lengths[i] for g in rows for i in g)
             pairs = pieces_pairs(len(rows), longest_prompt, max(map(len, rows)), longest_response)
+            if self.flat:
+                return _cost(shape, sum(widths), pairs) + MIN_SAVED_MACS
             dense = pairs if worth_pieces(dense, pairs, shape.attn_width) else dense
+        elif self.flat:
+            return math.inf  # only the pieces attention can run it
         return _cost(shape, len(widths) * width, dense)
+
+
+def _shared_prompt_mask(seg: torch.Tensor, width: int) -> torch.Tensor:
+    """The shared-prompt rows' bool mask `[rows, width, width]` from each position's segment
+    (0 = prompt, k = k-th response, negative = padding, unique): causal; the prompt sees
+    itself, a response the prompt and itself, padding only itself."""
+    q, k = seg[:, :, None], seg[:, None, :]  # [rows, width, 1], [rows, 1, width]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [width, width]
+    return causal & (((k == 0) & (q >= 0)) | (q == k))
 
 
 LAYOUTS: dict[str, Layout] = {c.name: c() for c in (PaddedLayout, PackedLayout, SharedPromptLayout)}

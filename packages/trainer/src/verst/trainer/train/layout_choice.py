@@ -26,6 +26,7 @@ from verst.trainer.train.layout import (
     SharedPromptLayout,
     prompt_groups,
 )
+from verst.trainer.train.pieces import ATTENTION_NAME as PIECES_ATTENTION
 
 # ---------------------------------------------------------------- which models can share prompts
 
@@ -81,21 +82,40 @@ def packed_unsupported(
     return _probe_disagrees(probe, "packed", tokens, resp, tolerance, why)
 
 
+def _flat_ok(
+    config: Any, attn: str, probe: Callable[[PackedInputs], torch.Tensor] | None, tolerance: float
+) -> bool:
+    """Whether shared prompts may go in one unpadded row: only the pieces attention runs it, and
+    it has no dropout (`pieces_sdpa` refuses a flat row otherwise); a probe (three sequences, two
+    sharing a prompt) must agree with the padded layout."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if attn != PIECES_ATTENTION or float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0.0:
+        return False
+    if probe is None:
+        return True
+    vocab = int(getattr(cfg, "vocab_size", 64) or 64)
+    ids = [(3 * j + 5) % min(vocab, 97) for j in range(13)]
+    tokens = [ids[:9], ids[:5] + ids[9:13], ids[2:8]]
+    why = "the model mixes tokens outside the pieces attention"
+    return _probe_disagrees(probe, SharedPromptLayout(flat=True), tokens, [4, 4, 3], tolerance, why) is None
+
+
 def _probe_disagrees(
     probe: Callable[[PackedInputs], torch.Tensor],
-    layout: str,
+    layout: str | Layout,
     tokens: Seqs,
     resp: Sequence[int],
     tolerance: float,
     why: str,
 ) -> str | None:
-    """The refusal when `probe`'s log-probs in `layout` differ from the padded layout's by more
-    than `tolerance` (or are not finite), else None."""
+    """The refusal when `probe`'s log-probs in `layout` (a name or a layout) differ from the
+    padded layout's by more than `tolerance` (or are not finite), else None."""
+    other = LAYOUTS[layout] if isinstance(layout, str) else layout
     lp_padded = probe(LAYOUTS["padded"].build(tokens, resp)).float()
-    lp_other = probe(LAYOUTS[layout].build(tokens, resp)).float()
+    lp_other = probe(other.build(tokens, resp)).float()
     diff = float((lp_padded - lp_other).abs().max())
     if not math.isfinite(diff) or diff > tolerance:
-        name = layout.replace("_", "-")
+        name = other.name.replace("_", "-")
         return f"a probe's log-probs differ between the padded and the {name} layout (max {diff:.3g}): {why}"
     return None
 
@@ -127,7 +147,11 @@ class LayoutChooser:
     shape: DecoderShape
     """The decoder's layer shape, for `cost`."""
     attn: str
-    """The resolved attention implementation ('sdpa', 'eager', 'flash_attention_2')."""
+    """The resolved attention implementation ('sdpa', 'eager', 'flash_attention_2', or the pieces
+    attention's name)."""
+    flat: bool = False
+    """Shared prompts may also go in one unpadded row (`SharedPromptLayout(flat=True)`): the model
+    runs the pieces attention without dropout and a probe of that row agreed with padded."""
 
     @classmethod
     def build(
@@ -164,11 +188,13 @@ class LayoutChooser:
             packed_reason = packed_unsupported(probe, vocab=vocab, tolerance=tolerance)
         if requested == "packed" and packed_reason is not None:
             _refuse("packed", packed_reason)
+        shares = requested in ("auto", "shared_prompt") and reason is None
+        flat = shares and _flat_ok(config, attn, probe, tolerance)
         if requested != "auto":
-            return cls((requested,), shape, attn)
+            return cls((requested,), shape, attn, flat)
         names = ("padded",) + (("packed",) if packed_reason is None else ())
         names += ("shared_prompt",) if reason is None else ()
-        return cls(names, shape, attn)
+        return cls(names, shape, attn, flat)
 
     def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
         """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
@@ -178,6 +204,8 @@ class LayoutChooser:
         for name in self.candidates:
             options.append(LAYOUTS[name])
             if name == "shared_prompt":
+                if self.flat:
+                    options.append(SharedPromptLayout(flat=True))
                 if groups is None:
                     groups = prompt_groups(tokens, response_lengths)
                 largest = max(map(len, groups))

@@ -154,6 +154,32 @@ class PolicyLogprobs(nn.Module):
             return 0
         return DecoderShape.from_config(self.policy.config).attn_width
 
+    def _decoder_inputs(self, inputs: PackedInputs) -> dict[str, Any]:
+        """The decoder's keyword arguments for `inputs`: ids (or a vision batch's embeddings),
+        positions, the mask (a shared-prompt bool mask made additive, what SDPA and eager take)
+        and, where the pieces attention runs them, the shared-prompt pieces."""
+        param = next(self.policy.parameters())
+        device = param.device
+        mask = None if inputs.attention_mask is None else inputs.attention_mask.to(device)
+        if mask is not None and mask.dim() == 4:  # shared prompt: bool -> additive (SDPA and eager)
+            mask = additive_mask(mask, param.dtype if param.dtype.is_floating_point else torch.float32)
+        ids = inputs.input_ids.to(device)
+        kwargs: dict[str, Any] = (
+            {"input_ids": ids}
+            if inputs.vision is None
+            else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
+        )
+        pieces = inputs.pieces
+        if pieces is not None and pieces.flat and not self._pieces_width:
+            raise ValueError("a flat shared-prompt row needs the policy on the pieces attention (`pieces`)")
+        if (
+            self._pieces_width
+            and pieces is not None
+            and pieces.worth_it(self._pieces_width, self.pieces_min_saved)
+        ):
+            kwargs["shared_pieces"] = pieces.to(device)  # attention over the pieces, not the mask
+        return {**kwargs, "position_ids": inputs.position_ids.to(device), "attention_mask": mask}
+
     def forward(
         self,
         inputs: PackedInputs,
@@ -168,30 +194,8 @@ class PolicyLogprobs(nn.Module):
         the gathered weight) and its result is returned third — used by on-policy distillation
         for top-k log-probs through the chunked kernels (`head.kernel_args(T)`).
         """
-        param = next(self.policy.parameters())
-        device = param.device
-        mask = None if inputs.attention_mask is None else inputs.attention_mask.to(device)
-        if mask is not None and mask.dim() == 4:  # shared prompt: bool -> additive (SDPA and eager)
-            mask = additive_mask(mask, param.dtype if param.dtype.is_floating_point else torch.float32)
-        decoder = self.policy.get_decoder()
-        ids = inputs.input_ids.to(device)
-        tokens = (
-            {"input_ids": ids}
-            if inputs.vision is None
-            else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
-        )
-        if (
-            self._pieces_width
-            and inputs.pieces is not None
-            and inputs.pieces.worth_it(self._pieces_width, self.pieces_min_saved)
-        ):
-            tokens["shared_pieces"] = inputs.pieces.to(device)  # attention over the pieces, not the mask
-        out = decoder(
-            **tokens,
-            position_ids=inputs.position_ids.to(device),
-            attention_mask=mask,
-            use_cache=False,
-        )
+        device = next(self.policy.parameters()).device
+        out = self.policy.get_decoder()(**self._decoder_inputs(inputs), use_cache=False)
         hidden = out.last_hidden_state  # [rows, width, H]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.gather_index.to(device))
         head = logit_head(self.policy)  # read per forward: under FSDP2 the gathered weight

@@ -28,6 +28,10 @@ keys and values). `PolicyLogprobs` passes the
 pieces of a shared-prompt micro-batch as `shared_pieces=` through the decoder's forward, which
 hands its keyword arguments to every attention call; it still passes the 4D mask, so a model
 that is not on this attention computes the same function the slow way.
+
+Flat pieces (`RowPieces.flat`, from `SharedPromptLayout(flat=True)`) index every group inside ONE
+unpadded row: their `rows` are the groups, the query's batch is 1. No mask can stand in for
+them, so `pieces_sdpa` refuses to run them any other way.
 """
 
 from __future__ import annotations
@@ -73,13 +77,22 @@ class RowPieces:
     destination: torch.Tensor  # [real positions] long: where cat(prompt[valid], response[valid]) go
     width: int
     """Positions per row of the layout (W)."""
+    flat: bool = False
+    """Every group in ONE unpadded row (`SharedPromptLayout(flat=True)`): no dense mask can stand
+    in, so the pieces attention is the only way to run it."""
 
     @classmethod
     def build(
-        cls, prompts: Sequence[int], responses: Sequence[Sequence[tuple[int, int]]], width: int
+        cls,
+        prompts: Sequence[int],
+        responses: Sequence[Sequence[tuple[int, int]]],
+        width: int,
+        offsets: Sequence[int] | None = None,
     ) -> RowPieces:
         """`prompts[row]`: the row's prompt length (it starts at column 0); `responses[row]`:
-        `(start column, length)` of each response in the row."""
+        `(start column, length)` of each response in the row. `offsets[row]`: where the row starts
+        in the flat positions (default `row * width`); given, the pieces are `flat` (one row of
+        `width` positions holding every group)."""
         rows = len(prompts)
         big_l = max(prompts)
         big_k = max(len(r) for r in responses)
@@ -87,7 +100,8 @@ class RowPieces:
         cols = torch.arange(big_l)
         prompt_len = torch.tensor(list(prompts))[:, None]  # [rows, 1]
         prompt_valid = cols[None, :] < prompt_len  # [rows, L]
-        base = (torch.arange(rows) * width)[:, None]  # [rows, 1]
+        starts_at = torch.arange(rows) * width if offsets is None else torch.tensor(list(offsets))
+        base = starts_at[:, None]  # [rows, 1]
         prompt_index = torch.where(prompt_valid, base + cols[None, :], 0)
         fill = [(0, 0)] * big_k
         grid = torch.tensor([list(parts) + fill[len(parts) :] for parts in responses], dtype=torch.long)
@@ -96,7 +110,15 @@ class RowPieces:
         response_valid = offs[None, None, :] < lengths[:, :, None]  # [rows, K, R]
         response_index = torch.where(response_valid, base[:, :, None] + starts[:, :, None] + offs, 0)
         destination = torch.cat([prompt_index[prompt_valid], response_index[response_valid]])
-        return cls(prompt_index, prompt_valid, response_index, response_valid, destination, width)
+        return cls(
+            prompt_index,
+            prompt_valid,
+            response_index,
+            response_valid,
+            destination,
+            width,
+            offsets is not None,
+        )
 
     def to(self, device: torch.device | str) -> RowPieces:
         """The same pieces on `device`."""
@@ -105,7 +127,7 @@ class RowPieces:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return RowPieces(**moved, width=self.width)
+        return RowPieces(**moved, width=self.width, flat=self.flat)
 
     def pairs(self) -> int:
         """Query-key pairs `pieces_sdpa` scores per head (what the layout's cost counts)."""
@@ -114,8 +136,10 @@ class RowPieces:
         return pieces_pairs(rows, big_l, big_k, big_r)
 
     def worth_it(self, attn_width: int, min_saved: int = MIN_SAVED_MACS) -> bool:
-        """Whether these rows save enough over the dense mask (`worth_pieces`)."""
-        return worth_pieces(self.prompt_index.shape[0] * self.width**2, self.pairs(), attn_width, min_saved)
+        """Whether these rows save enough over the dense mask (`worth_pieces`); flat pieces always."""
+        return self.flat or worth_pieces(
+            self.prompt_index.shape[0] * self.width**2, self.pairs(), attn_width, min_saved
+        )
 
 
 def _folded_sdpa(
@@ -143,14 +167,16 @@ def pieces_attention(
     pieces: RowPieces,
     scaling: float | None = None,
 ) -> torch.Tensor:
-    """The shared-prompt attention over its pieces (module doc) → `[rows, W, heads, d]`."""
-    rows, heads, width, d = query.shape
+    """The shared-prompt attention over its pieces (module doc) → `[b, W, heads, d]` (b = rows of
+    the layout; 1 when the pieces are `flat`, their `rows` then being the groups in that row)."""
+    b, heads, width, d = query.shape
     kv = key.shape[1]
     rep = heads // kv
-    flat_q = query.transpose(1, 2).reshape(rows * width, heads, d)
-    flat_k = key.transpose(1, 2).reshape(rows * width, kv, d)
-    flat_v = value.transpose(1, 2).reshape(rows * width, kv, d)
+    flat_q = query.transpose(1, 2).reshape(b * width, heads, d)
+    flat_k = key.transpose(1, 2).reshape(b * width, kv, d)
+    flat_v = value.transpose(1, 2).reshape(b * width, kv, d)
     p_idx, p_ok = pieces.prompt_index, pieces.prompt_valid  # [rows, L]
+    rows = p_idx.shape[0]
     r_idx, r_ok = pieces.response_index, pieces.response_valid  # [rows, K, R]
     big_l, (big_k, big_r) = p_idx.shape[1], r_idx.shape[1:]
     kp = flat_k[p_idx].permute(0, 2, 1, 3)  # [rows, kv, L, d]
@@ -174,8 +200,8 @@ def pieces_attention(
     mask = torch.cat([see_prompt, see_own], -1).reshape(rows * big_k, 1, big_r, big_l + big_r)
     ro = _folded_sdpa(qr, both_k, both_v, mask, scaling)  # [rows·K, kv, rep, R, d]
     ro = ro.permute(0, 3, 1, 2, 4).reshape(rows, big_k, big_r, heads, d)[r_ok]  # [valid responses, heads, d]
-    out = query.new_zeros(rows * width, heads, d).index_copy(0, pieces.destination, torch.cat([po, ro]))
-    return out.view(rows, width, heads, d)
+    out = query.new_zeros(b * width, heads, d).index_copy(0, pieces.destination, torch.cat([po, ro]))
+    return out.view(b, width, heads, d)
 
 
 def pieces_sdpa(
@@ -194,6 +220,11 @@ def pieces_sdpa(
     given (and no dropout), else SDPA with the query heads folded onto their KV head
     (`grouped_sdpa`, the embedded engine's: transformers' SDPA where folding does not apply)."""
     if shared_pieces is None or dropout > 0.0 or query.shape[2] != shared_pieces.width:
+        if shared_pieces is not None and shared_pieces.flat:
+            raise ValueError(
+                f"a flat shared-prompt row runs on the pieces attention only (dropout {dropout}, "
+                f"{query.shape[2]} positions for pieces of {shared_pieces.width})"
+            )
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     return pieces_attention(query, key, value, shared_pieces, scaling=scaling), None
 
