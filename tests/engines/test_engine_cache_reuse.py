@@ -30,10 +30,8 @@ def model(tiny_checkpoint):
 
 def make_row(prompt_len: int, max_new: int, seed: int) -> Row:
     ids = [1] + [4 + (seed * 5 + j) % 50 for j in range(prompt_len - 1)]
-    gen = torch.Generator()
-    gen.manual_seed(seed)
     req = GenerateRequest(ids, SamplingParams(max_new, temperature=1.0, ignore_eos=True), rid=str(seed))
-    return Row(req, RowSampling(1.0, 1.0, -1, gen), frozenset(), 256)
+    return Row(req, RowSampling(1.0, 1.0, -1, seed), frozenset(), 256)
 
 
 def decode(model, waves: list[list[Row]], join_after: int = 2) -> list[Row]:

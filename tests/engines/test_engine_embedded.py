@@ -262,10 +262,8 @@ def test_sampling_respects_topk_topp_and_reports_untruncated_logprobs(rows, seed
 
     vocab = 16
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3  # [rows, vocab]
-    specs = [
-        RowSampling(t, p, k, None if s is None else torch.Generator().manual_seed(s)) for t, k, p, s in rows
-    ]
-    tokens, lps = sample(logits, BatchSampling.build(specs, vocab, "cpu"))
+    specs = [RowSampling(t, p, k, s) for t, k, p, s in rows]
+    tokens, lps = sample(logits, BatchSampling.build(specs, vocab, "cpu"), torch.arange(len(rows)))
     for i, (t, k, p, _) in enumerate(rows):
         expected = torch.log_softmax(logits[i] / (t if t > 0 else 1.0), -1)
         assert torch.allclose(lps.rows(i), expected, atol=1e-5)

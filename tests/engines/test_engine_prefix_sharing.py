@@ -43,10 +43,6 @@ def make_row(
     seed: int | None = None,
     logprobs: bool = False,
 ) -> Row:
-    gen = None
-    if seed is not None and temperature > 0:
-        gen = torch.Generator()
-        gen.manual_seed(seed)
     req = GenerateRequest(
         list(ids),
         SamplingParams(max_new, temperature=temperature, ignore_eos=True, sampling_seed=seed),
@@ -56,7 +52,7 @@ def make_row(
         token_ids_logprob=[5, 9] if logprobs else None,
         rid=str(seed),
     )
-    return Row(req, RowSampling(temperature, 1.0, -1, gen), frozenset(), 256)
+    return Row(req, RowSampling(temperature, 1.0, -1, seed), frozenset(), 256)
 
 
 def decode(model, rows: list[Row], *, share: bool) -> list[int]:

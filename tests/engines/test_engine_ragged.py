@@ -92,7 +92,7 @@ def _row(ids: list[int], max_new: int = 4, seed: int = 0, logprobs: bool = False
         logprob_start_len=0 if logprobs else -1,
         rid=str(seed),
     )
-    return Row(req, RowSampling(1.0, 1.0, -1, torch.Generator().manual_seed(seed)), frozenset(), 256)
+    return Row(req, RowSampling(1.0, 1.0, -1, seed), frozenset(), 256)
 
 
 def _prompts(lens: list[int], seed: int) -> list[list[int]]:

@@ -108,14 +108,13 @@ def prompt_ids(kind: int, length: int) -> list[int]:
 
 
 def make_row(kind: int, length: int, max_new: int, seed: int | None, temperature: float = 1.0) -> Row:
-    gen = torch.Generator().manual_seed(seed) if seed is not None and temperature > 0 else None
     req = GenerateRequest(
         prompt_ids(kind, length),
         SamplingParams(max_new, temperature=temperature, ignore_eos=True, sampling_seed=seed),
         return_logprob=True,
         rid=f"{kind}-{seed}",
     )
-    return Row(req, RowSampling(temperature, 1.0, -1, gen), frozenset(), 256)
+    return Row(req, RowSampling(temperature, 1.0, -1, seed), frozenset(), 256)
 
 
 WAVES = [  # admitted before step 0, 2 and 5: (prompt kind, prompt length, max new, seed, temperature)

@@ -229,7 +229,7 @@ class DecodeBatch:
         padding). Rows with the same prompt and adapter (a GRPO group's n samples) are prefilled
         once: the forward runs over the distinct prompts only, and its KV cache, mask, positions,
         last logits and prompt scores are copied to every row that shares them (sampling stays
-        per row, with each row's own generator). The prompt's KV is copied into each row's own
+        per row, each seeded row by its own seed). The prompt's KV is copied into each row's own
         cache storage (the flat layout), or, in the split layout (`_split`), kept once for the
         whole group while each row's cache holds its own tokens (`embedded.shared_prefix`).
         """
@@ -257,11 +257,11 @@ class DecodeBatch:
                     if key not in memo:
                         memo[key] = prompt_scores(q, done.logits[u], _inv_temp(r))
                     _set_scores(r, memo[key])
+        pos = done.mask.sum(1)[index]  # each row's prompt length: the position of its first token
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
-        tokens, lps = sample(last, sampling)
+        tokens, lps = sample(last, sampling, pos)
         self._record(rows, tokens, lps)
         self._compact()
-        pos = done.mask.sum(1)[index]  # each row's prompt length
         self._merge(rows, cache, mask, pos, tokens, prefix)
 
     def _split(self, rows: int, distinct: int) -> bool:
@@ -349,7 +349,7 @@ class DecodeBatch:
             for r, j in zip(self.rows, at, strict=True):
                 r.routing.append(routed[j : j + 1])
         assert self.sampling is not None
-        tokens, lps = sample(logits, self.sampling)
+        tokens, lps = sample(logits, self.sampling, self.next_pos)  # positions of the tokens drawn
         self.last = tokens
         self._record(self.rows, tokens, lps, self.slots)
 

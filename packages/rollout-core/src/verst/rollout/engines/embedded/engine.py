@@ -379,20 +379,14 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         return request if request.rid else dataclasses.replace(request, rid=new_rid())
 
     def _submit(self, request: GenerateRequest, *, stream: bool) -> tuple[Any, Handle]:
-        import torch
-
         from verst.rollout.engines.embedded.batch import Row
         from verst.rollout.engines.embedded.sampling import RowSampling
 
         request = self._validate(request)
         s = request.sampling
-        generator = None
-        if s.sampling_seed is not None and s.temperature > 0:
-            generator = torch.Generator(device=self._batch.device)
-            generator.manual_seed(int(s.sampling_seed))
         stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self._eos)
         row = Row(
-            request, RowSampling(s.temperature, s.top_p, s.top_k, generator), stop_ids, self.context_len
+            request, RowSampling(s.temperature, s.top_p, s.top_k, s.sampling_seed), stop_ids, self.context_len
         )
         loop = asyncio.get_running_loop()
         handle = Handle(loop, loop.create_future(), asyncio.Queue() if stream else None)

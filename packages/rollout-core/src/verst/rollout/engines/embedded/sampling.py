@@ -5,9 +5,11 @@ sampling parameters. The log-prob reported for a sampled token is `log_softmax(l
 (T = 0 counts as 1) *before* top-k/top-p truncation, computed in float32 — what SGLang returns
 and what the trainer recomputes.
 
-Sampling inverts each row's CDF at one uniform draw per row and step: a seeded request draws
-its uniform from its own `torch.Generator`, so its tokens do not depend on which other requests
-share the batch. The CDF is two-level (sums of `BLOCK`-token blocks, then the cumulative sum
+Sampling inverts each row's CDF at one uniform draw per row and step. A seeded request's draw is
+a hash of its seed and the position of the token being drawn (`seeded_uniforms`), as SGLang
+seeds by (seed, position): its tokens do not depend on which other requests share the batch or
+on when it was admitted, and a whole step's seeded rows draw in a dozen tensor operations
+instead of one generator call each. The CDF is two-level (sums of `BLOCK`-token blocks, then the cumulative sum
 inside the chosen block): it reads the probabilities about twice instead of drawing a noise
 value per vocabulary entry (at a 49k vocabulary the noise was most of a step's sampling time),
 and keeps every float32 running sum short.
@@ -15,7 +17,7 @@ and keeps every float32 running sum short.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +33,8 @@ class RowSampling:
     """Nucleus mass in (0, 1]."""
     top_k: int
     """Top-k (-1 = all)."""
-    generator: Any
-    """A seeded `torch.Generator`, or None for the engine's shared RNG."""
+    seed: int | None = None
+    """The request's `sampling_seed` (any int, taken mod 2⁶⁴), or None for the engine's shared RNG."""
 
 
 @dataclass(slots=True)
@@ -59,8 +61,8 @@ class BatchSampling:
     """Indices of the greedy rows when some (not all) rows are greedy."""
     seeded_rows: torch.Tensor | None = None  # [seeded] long
     """Indices of the seeded sampling rows (None when there are none)."""
-    generators: list[Any] = field(default_factory=list)
-    """Their generators, in the same order."""
+    seed_keys: torch.Tensor | None = None  # [seeded] long, each in [0, 2³²)
+    """Their seeds hashed to 32 bits (`seed_key`), in the same order."""
     probs: torch.Tensor | None = None  # [batch, blocks * BLOCK] float32
     """Scratch for the probabilities, zero past the vocabulary (None when no row samples)."""
 
@@ -76,9 +78,9 @@ class BatchSampling:
         truncate = any(r.top_p < 1.0 or 0 < r.top_k < vocab_size for r in sampling)
         some_greedy = [i for i, t in enumerate(temps) if t <= 0]
         greedy_rows = torch.tensor(some_greedy, device=device) if some_greedy and sampling else None
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None and r.temperature > 0]
+        seeded = [i for i, r in enumerate(rows) if r.seed is not None and r.temperature > 0]
         seeded_rows = torch.tensor(seeded, device=device) if seeded else None
-        generators = [rows[i].generator for i in seeded]
+        seed_keys = torch.tensor([seed_key(rows[i].seed) for i in seeded], device=device) if seeded else None
         probs = None
         if sampling:
             probs = torch.zeros((len(rows), _blocks(vocab_size) * _block(vocab_size)), device=device)
@@ -93,7 +95,7 @@ class BatchSampling:
             all(t <= 0 or t == 1.0 for t in temps),
             greedy_rows,
             seeded_rows,
-            generators,
+            seed_keys,
             probs,
         )
 
@@ -128,15 +130,52 @@ def _truncate(logprobs: torch.Tensor, s: BatchSampling) -> torch.Tensor:
     return torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)
 
 
-def _uniforms(s: BatchSampling, n: int, device: Any) -> torch.Tensor:
-    """One draw in (0, 1] per row, seeded rows' from their own generator.  → [batch, 1]."""
-    u = torch.rand((n, 1), device=device)
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B
+"""The multiplier of the 32-bit integer finaliser `_mix` (under 2²⁷: a product of it and a 32-bit
+value stays inside int64, so the tensor arithmetic never overflows)."""
+
+
+def _mix(x: Any) -> Any:
+    """A 32-bit integer hash with full avalanche (xor-shift, multiply, twice), on Python ints or
+    int64 tensors holding values in [0, 2³²)."""
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    return (x >> 16) ^ x
+
+
+def seed_key(seed: int) -> int:
+    """A request seed (any int, taken mod 2⁶⁴) hashed to 32 bits: both halves count."""
+    seed &= (1 << 64) - 1
+    return _mix((seed & _M32) ^ _mix(seed >> 32))
+
+
+_WEYL = 0x9E3779B9
+"""2³² / φ: consecutive positions step a seed's state by it (SplitMix's Weyl sequence)."""
+
+
+def seeded_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One draw in (0, 1] per seeded row: `_mix(key + position · 2³²/φ)`, SplitMix's construction
+    with the seed's key as the start of its sequence, at the sequence position of the token it
+    draws (24 bits, the resolution of `torch.rand` in float32).
+    keys, positions: [rows] long, positions < 2³¹ → [rows] float32."""
+    h = _mix((positions * _WEYL + keys) & _M32)
+    return ((h >> 8) + 1).float() * 2.0**-24
+
+
+def _uniforms(s: BatchSampling, n: int, device: Any, positions: torch.Tensor | None) -> torch.Tensor:
+    """One draw in (0, 1] per row, seeded rows' from (seed, position).  → [batch, 1]."""
+    u = 1.0 - torch.rand((n, 1), device=device)
     if s.seeded_rows is not None:
-        u[s.seeded_rows] = torch.cat([torch.rand((1, 1), generator=g, device=device) for g in s.generators])
-    return 1.0 - u
+        if positions is None:
+            raise ValueError("seeded rows draw by position: pass the positions of the tokens drawn")
+        u[s.seeded_rows, 0] = seeded_uniforms(s.seed_keys, positions[s.seeded_rows])
+    return u
 
 
-def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+def _invert_cdf(
+    scores: torch.Tensor, s: BatchSampling, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A token per row from `softmax(scores)` at one uniform draw, and each row's
     `logsumexp(scores)`.  scores: [batch, vocab] (-inf = excluded) → ([batch] long, [batch, 1]).
     The probabilities are `exp(scores − row max)`, unnormalised (the draw is scaled by their
@@ -148,7 +187,7 @@ def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, t
     top = scores.amax(-1, keepdim=True)  # [batch, 1]
     if nb == 1:  # a vocabulary of one block: the plain CDF (the same inversion, fewer operations)
         cdf = (scores - top).exp_().cumsum(-1)  # [batch, vocab]
-        x = _uniforms(s, n, scores.device) * cdf[:, -1:]  # [batch, 1], in (0, total]
+        x = _uniforms(s, n, scores.device, positions) * cdf[:, -1:]  # [batch, 1], in (0, total]
         return torch.searchsorted(cdf, x)[:, 0].clamp_(max=vocab - 1), top + cdf[:, -1:].log()
     probs = s.probs
     if probs is None or probs.shape != (n, nb * blk) or probs.device != scores.device:
@@ -156,7 +195,7 @@ def _invert_cdf(scores: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, t
     torch.sub(scores, top, out=probs[:, :vocab]).exp_()  # the padding past the vocabulary stays 0
     blocks = probs.view(n, nb, blk)  # [batch, blocks, blk]
     cum = blocks.sum(-1).cumsum(-1)  # [batch, blocks]
-    x = _uniforms(s, n, scores.device) * cum[:, -1:]  # [batch, 1], in (0, total]
+    x = _uniforms(s, n, scores.device, positions) * cum[:, -1:]  # [batch, 1], in (0, total]
     b = torch.searchsorted(cum, x).clamp_(max=nb - 1)  # [batch, 1]: first block with cum >= x
     before = torch.where(b > 0, cum.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(x))
     inner = blocks.gather(1, b[:, :, None].expand(n, 1, blk))[:, 0].cumsum(-1)  # [batch, blk]
@@ -186,11 +225,14 @@ class StepScores:
         return self.scores[index] - self.lse[index]
 
 
-def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, StepScores]:
+def sample(
+    logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, StepScores]:
     """Pick one token per row.
 
-    logits: [batch, vocab]. Returns (tokens [batch] long, the step's `StepScores`), whose
-    log-probs are the untruncated `log_softmax(logits / T)`.
+    logits: [batch, vocab]; positions: [batch] long, the sequence position of the token each row
+    draws (needed when some row is seeded). Returns (tokens [batch] long, the step's
+    `StepScores`), whose log-probs are the untruncated `log_softmax(logits / T)`.
     """
     # [batch, vocab] float32; unit temperatures skip the scaling pass (never written in place)
     scores = logits.float() if s.unit_temp else logits.float() * s.inv_temp
@@ -198,9 +240,9 @@ def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, StepSc
         return scores.argmax(dim=-1), StepScores(scores, torch.logsumexp(scores, -1, keepdim=True))
     if s.truncate:
         lse = torch.logsumexp(scores, -1, keepdim=True)  # [batch, 1]
-        tokens, _ = _invert_cdf(_truncate(scores - lse, s), s)
+        tokens, _ = _invert_cdf(_truncate(scores - lse, s), s, positions)
     else:
-        tokens, lse = _invert_cdf(scores, s)  # [batch], [batch, 1]
+        tokens, lse = _invert_cdf(scores, s, positions)  # [batch], [batch, 1]
     if s.greedy_rows is not None:
         tokens[s.greedy_rows] = scores[s.greedy_rows].argmax(dim=-1)
     return tokens, StepScores(scores, lse)
