@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -287,7 +287,7 @@ class SharedPromptLayout:
         groups = self.rows(tokens, response_lengths, groups)
         widths = self.row_widths(tokens, response_lengths, groups)
         width = sum(widths) if self.flat else max(widths)
-        offsets = [sum(widths[:j]) for j in range(len(widths))] if self.flat else None
+        offsets = [0, *accumulate(widths[:-1])] if self.flat else None
         # per row, as lists: ids, positions, and the segment of each position: 0 = prompt, k = k-th
         # response, -(col + 1) = padding (unique)
         ids, pos, seg = [], [], []

@@ -9,10 +9,10 @@ Sampling inverts each row's CDF at one uniform draw per row and step. A seeded r
 a hash of its seed and the position of the token being drawn (`seeded_uniforms`), as SGLang
 seeds by (seed, position): its tokens do not depend on which other requests share the batch or
 on when it was admitted, and a whole step's seeded rows draw in a dozen tensor operations
-instead of one generator call each. The CDF is two-level (sums of `BLOCK`-token blocks, then the cumulative sum
-inside the chosen block): it reads the probabilities about twice instead of drawing a noise
-value per vocabulary entry (at a 49k vocabulary the noise was most of a step's sampling time),
-and keeps every float32 running sum short.
+instead of one generator call each. The CDF is two-level (sums of `BLOCK`-token blocks, then
+the cumulative sum inside the chosen block): it reads the probabilities about twice instead of
+drawing a noise value per vocabulary entry (at a 49k vocabulary the noise was most of a step's
+sampling time), and keeps every float32 running sum short.
 """
 
 from __future__ import annotations
