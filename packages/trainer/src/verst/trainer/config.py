@@ -123,8 +123,9 @@ class TrainConfig(AdamWSection):
             "row each), 'packed' (one row, positions restarting; block-diagonal mask with SDPA/eager, "
             "varlen with flash_attention_2), 'shared_prompt' (the samples of a group in one row "
             "[prompt, resp_1, ..., resp_k]: the prompt is computed once; SDPA/eager only, full-attention "
-            "models), or 'auto' = per micro-batch the one with the lowest estimated decoder cost "
-            "(docs/training.md)."
+            "models; on SDPA the rows of a micro-batch may also go unpadded in one row, read by the "
+            "pieces attention), or 'auto' = per micro-batch the one with the lowest estimated decoder "
+            "cost (docs/training.md)."
         ),
     )
     packing: bool | None = Field(
