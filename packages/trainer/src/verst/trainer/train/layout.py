@@ -288,29 +288,25 @@ class SharedPromptLayout:
         widths = self.row_widths(tokens, response_lengths, groups)
         width = sum(widths) if self.flat else max(widths)
         offsets = [0, *accumulate(widths[:-1])] if self.flat else None
-        # per row, as lists: ids, positions, and the segment of each position: 0 = prompt, k = k-th
-        # response, -(col + 1) = padding (unique)
-        ids, pos, seg = [], [], []
+        ids, pos = [], []  # per row, as lists (one tensor each at the end)
         first: dict[int, int] = {}  # sequence -> flat index predicting its first response token
         starts: dict[int, int] = {}  # sequence -> flat index of its first response token
         prompts, parts = [], []  # per row: prompt length; (start column, length) of each response
         for row, g in enumerate(groups):
             at = offsets[row] if offsets is not None else row * width  # the row's first flat index
             p = len(tokens[g[0]]) - response_lengths[g[0]]
-            row_ids, row_pos, row_seg = list(tokens[g[0]][:p]), list(range(p)), [0] * p
+            row_ids, row_pos = list(tokens[g[0]][:p]), list(range(p))
             prompts.append(p)
             parts.append([])
-            for k, i in enumerate(g, start=1):
+            for i in g:
                 r, col = response_lengths[i], len(row_ids)
                 row_ids.extend(tokens[i][p:])
                 row_pos.extend(range(p, p + r))
-                row_seg.extend([k] * r)
                 first[i], starts[i] = at + p - 1, at + col
                 parts[-1].append((col, r))
             pad = 0 if self.flat else width - len(row_ids)
             ids.append(row_ids + [pad_id] * pad)
             pos.append(row_pos + [0] * pad)
-            seg.append(row_seg + list(range(-len(row_ids) - 1, -width - 1, -1))[:pad])
         gather, targets = [], []
         for i, (seq, r) in enumerate(zip(tokens, response_lengths, strict=True)):
             if r:
@@ -321,7 +317,7 @@ class SharedPromptLayout:
             ids, pos = [list(chain.from_iterable(ids))], [list(chain.from_iterable(pos))]
             mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         else:
-            mask = _shared_prompt_mask(torch.tensor(seg, dtype=torch.long), width)[:, None]
+            mask = _shared_prompt_mask(prompts, parts, width)[:, None]
         return PackedInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             position_ids=torch.tensor(pos, dtype=torch.long),
@@ -358,11 +354,19 @@ class SharedPromptLayout:
         return _cost(shape, len(widths) * width, dense)
 
 
-def _shared_prompt_mask(seg: torch.Tensor, width: int) -> torch.Tensor:
-    """The shared-prompt rows' bool mask `[rows, width, width]` from each position's segment
-    (0 = prompt, k = k-th response, negative = padding, unique): causal; the prompt sees
-    itself, a response the prompt and itself, padding only itself."""
-    q, k = seg[:, :, None], seg[:, None, :]  # [rows, width, 1], [rows, 1, width]
+def _shared_prompt_mask(
+    prompts: Sequence[int], parts: Sequence[Sequence[tuple[int, int]]], width: int
+) -> torch.Tensor:
+    """The shared-prompt rows' bool mask `[rows, width, width]` from each row's prompt length and
+    its responses' `(start column, length)`: causal; the prompt sees itself, a response the
+    prompt and itself, padding only itself."""
+    seg = []  # per position: 0 = prompt, k = k-th response, -(col + 1) = padding (unique)
+    for p, row in zip(prompts, parts, strict=True):
+        used = p + sum(r for _, r in row)
+        seg.append([0] * p + [k for k, (_, r) in enumerate(row, start=1) for _ in range(r)])
+        seg[-1] += range(-used - 1, -width - 1, -1)
+    segs = torch.tensor(seg, dtype=torch.long)  # [rows, width]
+    q, k = segs[:, :, None], segs[:, None, :]  # [rows, width, 1], [rows, 1, width]
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # [width, width]
     return causal & (((k == 0) & (q >= 0)) | (q == k))
 

@@ -83,12 +83,11 @@ def packed_unsupported(
 
 
 def _flat_ok(
-    config: Any, attn: str, probe: Callable[[PackedInputs], torch.Tensor] | None, tolerance: float
+    cfg: Any, attn: str, probe: Callable[[PackedInputs], torch.Tensor] | None, tolerance: float
 ) -> bool:
-    """Whether shared prompts may go in one unpadded row: only the pieces attention runs it, and
-    it has no dropout (`pieces_sdpa` refuses a flat row otherwise); a probe (three sequences, two
-    sharing a prompt) must agree with the padded layout."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """Whether shared prompts may go in one unpadded row (`cfg`: the text config): only the pieces
+    attention runs it, and it has no dropout (`pieces_sdpa` refuses a flat row otherwise); a probe
+    (three sequences, two sharing a prompt) must agree with the padded layout."""
     if attn != PIECES_ATTENTION or float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0.0:
         return False
     if probe is None:
@@ -173,6 +172,7 @@ class LayoutChooser:
         if requested != "auto" and requested not in LAYOUTS:
             raise ValueError(f"unknown layout {requested!r}; choose one of 'auto', {', '.join(LAYOUT_NAMES)}")
         shape = DecoderShape.from_config(config)
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         reason = None
         if requested in ("auto", "shared_prompt"):
             if attn == "flash_attention_2":
@@ -183,13 +183,12 @@ class LayoutChooser:
             _refuse("shared_prompt", reason)
         packed_reason = None
         if requested in ("auto", "packed"):
-            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
             vocab = int(getattr(cfg, "vocab_size", 64) or 64)
             packed_reason = packed_unsupported(probe, vocab=vocab, tolerance=tolerance)
         if requested == "packed" and packed_reason is not None:
             _refuse("packed", packed_reason)
         shares = requested in ("auto", "shared_prompt") and reason is None
-        flat = shares and _flat_ok(config, attn, probe, tolerance)
+        flat = shares and _flat_ok(cfg, attn, probe, tolerance)
         if requested != "auto":
             return cls((requested,), shape, attn, flat)
         names = ("padded",) + (("packed",) if packed_reason is None else ())

@@ -169,14 +169,10 @@ class PolicyLogprobs(nn.Module):
             if inputs.vision is None
             else {"inputs_embeds": inputs.vision.embeds(self.policy, ids)}
         )
-        pieces = inputs.pieces
-        if pieces is not None and pieces.flat and not self._pieces_width:
+        pieces, width = inputs.pieces, self._pieces_width
+        if pieces is not None and pieces.flat and not width:
             raise ValueError("a flat shared-prompt row needs the policy on the pieces attention (`pieces`)")
-        if (
-            self._pieces_width
-            and pieces is not None
-            and pieces.worth_it(self._pieces_width, self.pieces_min_saved)
-        ):
+        if width and pieces is not None and pieces.worth_it(width, self.pieces_min_saved):
             kwargs["shared_pieces"] = pieces.to(device)  # attention over the pieces, not the mask
         return {**kwargs, "position_ids": inputs.position_ids.to(device), "attention_mask": mask}
 
