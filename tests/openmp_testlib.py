@@ -36,10 +36,14 @@ def _comm(tid: int) -> str | None:
         return None
 
 
+def _set_comm(tid: int, name: str) -> None:
+    Path(f"/proc/self/task/{tid}/comm").write_text(name)
+
+
 def name_thread(tid: int) -> str:
     """Give thread `tid` a name of its own; the workers it creates from now on inherit it."""
     name = f"omp{tid}"[:15]
-    Path(f"/proc/self/task/{tid}/comm").write_text(name)
+    _set_comm(tid, name)
     return name
 
 
@@ -57,7 +61,7 @@ def parallel_kernel() -> set[int]:
         return workers_of(me, name)
     finally:
         if old is not None:
-            Path(f"/proc/self/task/{me}/comm").write_text(old)
+            _set_comm(me, old)
 
 
 def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
