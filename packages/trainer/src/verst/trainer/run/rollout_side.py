@@ -25,7 +25,13 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verst.rollout.data_sources import build_data_source, build_eval_sets
-from verst.rollout.engine import EngineCapabilities, EngineError, InferenceEngine, engine_capabilities
+from verst.rollout.engine import (
+    EngineCapabilities,
+    EngineError,
+    EngineTimeout,
+    InferenceEngine,
+    engine_capabilities,
+)
 from verst.rollout.engines.common.replicas import reported_weight_dtype
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
@@ -59,6 +65,8 @@ async def wait_healthy(engine: InferenceEngine, what: str, timeout_s: float = HE
         try:
             if await asyncio.wait_for(engine.health(), timeout_s):
                 return
+        except EngineTimeout:  # it accepted the probe and never answered: the error names the bound
+            raise
         except Exception as exc:  # an unreachable or malformed URL, a timeout
             last = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, EngineError) and not exc.retryable:  # InvalidRequest: waiting cannot help
