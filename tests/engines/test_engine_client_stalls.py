@@ -205,3 +205,20 @@ async def test_a_stall_later_than_the_first_try_still_ends_within_one_bound():
             release.set()
             await client.close()
     assert len(seen) >= 2 and time.monotonic() - start < BOUND + SLACK  # retried, within the one bound
+
+
+def test_a_distributed_refit_call_that_never_returns_fails_within_the_group_timeout():
+    """The distributed weight sync waits for each engine call at most `group_timeout_s`, then
+    names the engine and the bound (the call's own bound may be longer)."""
+    import concurrent.futures
+
+    from verst.trainer.sync.distributed import answer
+    from verst.trainer.sync.protocols import WeightSyncError
+
+    never = concurrent.futures.Future()
+    start = time.monotonic()
+    with pytest.raises(
+        WeightSyncError, match=r"SGLangClient\('http://127.0.0.1:9'.*within 0.25s.*group_timeout_s"
+    ):
+        answer(never, BOUND, SGLangClient("http://127.0.0.1:9"))
+    assert time.monotonic() - start < BOUND + SLACK and never.cancelled()
