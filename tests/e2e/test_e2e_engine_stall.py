@@ -1,6 +1,6 @@
 """A run against an engine that stalls stops within the bound with the one-line `EngineTimeout`
 (issue 39, item 7): a generate that never answers during a rollout, and a refit that stalls
-(the start's weight push). `verst train` prints it and exits with `EXIT_ROLLOUT_FAILED` (it is a
+(the start's weight push): `verst train` prints it and exits with `EXIT_ROLLOUT_FAILED` (it is a
 `RolloutError`).
 
 Real parts: the trainer and `run_training`; a stand-in SGLang server (a thread on loopback)
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -20,9 +21,11 @@ from train_testlib_e2e import run_config
 
 from verst.rollout.engine import EngineTimeout
 from verst.rollout.errors import RolloutError
+from verst.trainer.cli import EXIT_ROLLOUT_FAILED, main
 from verst.trainer.run.controller import InMemoryLogger, run_training
 
 pytestmark = pytest.mark.timeout(120)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_digits"
 BOUND = 1.0
 
 
@@ -79,7 +82,7 @@ class PhaseClock(InMemoryLogger):
 
 
 def _engine(url):
-    return {"type": "sglang", "urls": [url], "request_timeout_s": BOUND, "refit_timeout_s": BOUND}
+    return {"type": "sglang", "urls": [url], "request_timeout_s": BOUND}
 
 
 def test_a_generate_that_never_answers_stops_the_run_within_its_bound(tmp_path, tiny_checkpoint, monkeypatch):
@@ -95,12 +98,22 @@ def test_a_generate_that_never_answers_stops_the_run_within_its_bound(tmp_path, 
     assert f"engine {server.url}: POST /generate" in message and "engine.request_timeout_s = 1" in message
 
 
-def test_a_refit_that_stalls_stops_the_run_within_its_bound(tmp_path, tiny_checkpoint, monkeypatch):
+def test_verst_train_against_a_refit_that_stalls_prints_the_line_and_exits(tmp_path, capsys):
     with StallingServer("/update_weights_from_disk") as server:
-        cfg = run_config(tmp_path, tiny_checkpoint, monkeypatch, engine=_engine(server.url))
         start = time.monotonic()
-        with pytest.raises(
-            EngineTimeout, match=r"POST /update_weights_from_disk .*engine.refit_timeout_s = 1"
-        ):
-            run_training(cfg, tmp_path / "run", env={})
-    assert time.monotonic() - start < 30  # the model load and the checkpoint write, then one bound
+        code = main(
+            [
+                "train",
+                str(EXAMPLE / "config.toml"),
+                f'run.output_dir="{tmp_path / "run"}"',
+                "run.num_steps=1",
+                f'engine={{type="sglang", urls=["{server.url}"], refit_timeout_s={BOUND}}}',
+                "rollout.eval.datasets={}",
+            ]
+        )
+    took = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == EXIT_ROLLOUT_FAILED, err
+    line = f"engine {server.url}: POST /update_weights_from_disk got no complete answer within 1s"
+    assert line in err and "(engine.refit_timeout_s = 1)" in err, err
+    assert took < 30  # the model load and the start's weight write, then one bound
