@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from verst.rollout.errors import RolloutError
+
 if TYPE_CHECKING:
     from verst.rollout.moe import RoutedExperts
 
@@ -150,6 +152,14 @@ class EngineError(RuntimeError):
     retryable: bool = True
     """Whether trying the same request again may succeed (a connection error, a 5xx / 503);
     False for a request the engine refuses (a 4xx), which a strategy marks FAILED at once."""
+
+
+class EngineTimeout(EngineError, RolloutError):
+    """An engine call ran past its bound from the config (no answer, half a body, a refit that
+    stalls); the message is one line naming the engine, the route and the bound. Not retried:
+    a rollout stops at once (it is a `RolloutError`) and so does a weight sync."""
+
+    retryable = False
 
 
 @runtime_checkable

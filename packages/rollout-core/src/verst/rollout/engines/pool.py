@@ -15,6 +15,7 @@ from typing import Any
 from verst.rollout.engine import (
     EngineCapabilities,
     EngineError,
+    EngineTimeout,
     GenerateOutput,
     GenerateRequest,
     InferenceEngine,
@@ -73,6 +74,9 @@ class EnginePool(AdapterLoading):
     async def _all(self, what: str, calls: list[Any]) -> list[Any]:
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [f"engine {i}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, EngineTimeout):  # its one line names the engine, the route and the bound
+                raise r
         if errors:
             raise EngineError(
                 f"{what} failed on {len(errors)} of {len(results)} engines: {'; '.join(errors)}"

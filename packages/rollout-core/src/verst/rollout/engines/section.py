@@ -61,7 +61,22 @@ class HttpEngineSection(EngineSection):
     """Base of the configs of engines reached over HTTP (SGLang, vLLM): the client's timeout and
     retries (`verst.rollout.engines.common.http.HttpSettings`)."""
 
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one HTTP request.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Bound of one generate call, retries included (then the run stops)."
+    )
+    control_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Bound of one control call (abort, pause/continue, weight version, worker list), "
+        "retries included.",
+    )
+    refit_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Bound of one weight-sync call (each update, begin/end, reload; LoRA loads, memory "
+        "release/resume), retries included.",
+    )
+    health_timeout_s: float = Field(5.0, gt=0, description="Bound of one health probe.")
     max_retries: int = Field(3, ge=0, description="Retries of a retryable failure (connection error, 5xx).")
     backoff_s: float = Field(0.5, ge=0, description="First retry delay, doubled each retry.")
 
@@ -71,6 +86,9 @@ class HttpEngineSection(EngineSection):
         return {
             "max_connections": max(1, share),
             "timeout_s": self.request_timeout_s,
+            "control_timeout_s": self.control_timeout_s,
+            "refit_timeout_s": self.refit_timeout_s,
+            "health_timeout_s": self.health_timeout_s,
             "max_retries": self.max_retries,
             "backoff_s": self.backoff_s,
         }

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from verst.rollout.engine import SamplingParams
+from verst.rollout.engine import EngineTimeout, SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import GroupGenerationError, generate_and_rm_group, reset_sample
 from verst.rollout.protocols import (
@@ -179,7 +179,7 @@ class ProducerMixin:
                     self._failed.append(mark_failed(group, err))
                     self._tally.failed_groups += 1
                     self._tally.failure_streak.append(group)
-                    self._check_streak()
+                    self._check_streak(err.cause if isinstance(err.cause, EngineTimeout) else None)
                     return None
                 retries += 1
                 self._tally.group_retries += 1
@@ -207,14 +207,17 @@ class ProducerMixin:
                 self._tally.aborted_dropped += 1
                 self._dropped.append(g)
 
-    def _check_streak(self) -> None:
-        """Past one batch of failed groups in a row: stop the producer with `RolloutFailedError`
-        and hand those groups back as fresh prompts (so a checkpoint holds them)."""
+    def _check_streak(self, stalled: EngineTimeout | None = None) -> None:
+        """Past one batch of failed groups in a row, or at once after an engine call ran past its
+        bound (`stalled`): stop the producer with that error (else `RolloutFailedError`) and hand
+        those groups back as fresh prompts (so a checkpoint holds them)."""
         streak = self._tally.failure_streak
-        if len(streak) <= self.context.config.batch_size or self._producer_error is not None:
+        if self._producer_error is not None:
+            return
+        if stalled is None and len(streak) <= self.context.config.batch_size:
             return
         errors = [g[0].metadata.get("error", "") for g in streak if g]
-        self._producer_error = RolloutFailedError(
+        self._producer_error = stalled or RolloutFailedError(
             self._state.rollout_id if self._state else 0, errors, source=self.failure_source()
         )
         ids = {id(g) for g in streak}

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 from verst.rollout.agentic.episode import episode_generate_fn
 from verst.rollout.agentic.metrics import agentic_metrics
 from verst.rollout.agentic.trajectory import generated_token_count
-from verst.rollout.engine import SamplingParams
+from verst.rollout.engine import EngineTimeout, SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
     GroupGenerationError,
@@ -335,6 +335,8 @@ class InferenceRollout:
         else:
             run.failed.append(mark_failed(group, error))
             run.tally.failure_streak.append(group)
+            if isinstance(error.cause, EngineTimeout):  # an engine call ran past its bound: stop now
+                raise error.cause
             self._check_failures(run.tally, run.request.rollout_id)
 
     async def _end(self, run: RolloutRun, grace: float, *, completed: bool) -> None:

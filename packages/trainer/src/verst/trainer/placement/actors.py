@@ -269,8 +269,9 @@ class RolloutManagerActor(ActorBase):
             engine = EnginePool([ActorEngine(h, name) for h, name in engine_actors])
         self.sink = BufferedSink()  # the driver drains it into its lifecycle.jsonl (drain_events)
         self.side = RolloutSide(
-            self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine
-        )
+            self.config, model_path=model_path, env=self.env, sink=self.sink, engine=engine,
+            fresh_engine=engine is not None,  # the run's own engine actors, built from [engine]
+        )  # fmt: skip
         from verst.trainer.sync.colocate import ColocatedMemory
 
         self.memory = ColocatedMemory(self.side.engine, self.side._run, colocated=colocated)
@@ -279,6 +280,7 @@ class RolloutManagerActor(ActorBase):
             "has_eval": self.side.has_eval,
             # engine actors take tensors too (through Ray's object store): their capabilities say so
             "engine_capabilities": self.side.engine_capabilities,
+            "engine_holds_model": self.side.engine_holds_model,
             "strategy_path": self.side.strategy_path,
             "strategy_class": f"{strategy.__module__}:{strategy.__qualname__}",
             "engine_can_release": isinstance(self.side.engine, MemoryReleasable),

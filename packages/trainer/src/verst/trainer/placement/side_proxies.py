@@ -94,6 +94,8 @@ class RolloutProxy:
         through Ray's object store)."""
         self.strategy_path = ""
         """The strategy the rollout manager resolved from its environment."""
+        self.engine_holds_model = False
+        """The manager's engine loaded the trainer's model for this run (`RolloutSide`'s)."""
         self.info: dict[str, Any] = {}
         """Everything the rollout manager reported after setup."""
         self.sink: LifecycleSink | None = None
@@ -103,6 +105,7 @@ class RolloutProxy:
         self.info = dict(info)
         self.has_eval = bool(info["has_eval"])
         self.engine_capabilities = info["engine_capabilities"]
+        self.engine_holds_model = bool(info.get("engine_holds_model", False))
         self.strategy_path = str(info["strategy_path"])
 
     def _actor(self) -> ActorInfo:

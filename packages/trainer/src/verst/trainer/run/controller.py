@@ -1,6 +1,7 @@
 """`run_training`: the training loop, reading top to bottom.
 
-validate → build (train side, rollout side, weight sync) → maybe resume → eval at start →
+validate → build (train side, rollout side, weight sync) → maybe resume → the engines get the
+trainer's weights (`WeightSync.align`: a server another run refitted holds other weights) → eval at start →
 for each step: rollout → train step → weight sync → eval every `rollout.eval.interval` →
 checkpoint every `run.save_interval` → metrics. SIGINT/SIGTERM finish the current step,
 checkpoint and return; during a rollout they cancel it (the engine requests are aborted and its
@@ -200,6 +201,8 @@ class Trainer:
     def run(self) -> TrainingSummary:
         cfg = self.config
         start = self._maybe_resume()
+        if start == 0 and cfg.train.lora is None:  # LoRA: `start_adapters` sent the adapter
+            self.sync.align(0)  # a server another run refitted gets this run's weights back
         summary = TrainingSummary(self.run_dir, start, start, self.sync.weight_version)
         if self.recorder is not None:
             self.recorder.resumed_at(start)
@@ -427,7 +430,7 @@ class Trainer:
         if self.rollout is not None and state["rollout"] is not None:
             self.rollout.load_state_dict(state["rollout"])
         restore_rng(state["rng"])
-        self.sync.push(version=int(meta["weight_version"]))  # a fresh engine gets the trained weights
+        self.sync.align(int(meta["weight_version"]))  # whatever the engine held: the checkpoint's weights
         if self.dist.is_main:
             (self.run_dir / "resume.log").open("a").write(
                 json.dumps({"resumed_from": str(path), "step": meta["step"], "time": time.time()}) + "\n"

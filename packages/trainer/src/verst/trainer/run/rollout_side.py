@@ -25,7 +25,13 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verst.rollout.data_sources import build_data_source, build_eval_sets
-from verst.rollout.engine import EngineCapabilities, EngineError, InferenceEngine, engine_capabilities
+from verst.rollout.engine import (
+    EngineCapabilities,
+    EngineError,
+    EngineTimeout,
+    InferenceEngine,
+    engine_capabilities,
+)
 from verst.rollout.engines.common.replicas import reported_weight_dtype
 from verst.rollout.errors import EngineUnavailableError
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
@@ -59,6 +65,8 @@ async def wait_healthy(engine: InferenceEngine, what: str, timeout_s: float = HE
         try:
             if await asyncio.wait_for(engine.health(), timeout_s):
                 return
+        except EngineTimeout:  # it accepted the probe and never answered: the error names the bound
+            raise
         except Exception as exc:  # an unreachable or malformed URL, a timeout
             last = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, EngineError) and not exc.retryable:  # InvalidRequest: waiting cannot help
@@ -98,13 +106,21 @@ class RolloutSide:
         engine: InferenceEngine | None = None,
         tokenizer: Any = None,
         teacher_engines: Mapping[str, InferenceEngine] | None = None,
+        fresh_engine: bool = False,
     ) -> None:
         """Build the data source, rewards, eval sets and the selected strategy.
 
         `engine` may be given (tests, or an engine shared with another component); otherwise it
         is built from `config.engine`. `teacher_engines` likewise replaces the engines of
-        `[opd.teachers]` scored on the rollout side (by name).
+        `[opd.teachers]` scored on the rollout side (by name). `fresh_engine`: the given engine
+        was built for this run from `config.engine` (Ray engine actors), so it holds the model
+        as loaded, like one built here.
         """
+        self.engine_holds_model = (engine is None or fresh_engine) and loads_trainer_model(config, model_path)
+        """The engine was built for this run and loaded the trainer's model itself (at version
+        0 it holds exactly the trainer's starting weights; `WeightSync.align` then sends none).
+        False for servers that were already running and for an engine handed in: another run
+        may have refitted them."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verst-rollout-loop", daemon=True)
         self._thread.start()
@@ -326,6 +342,14 @@ class RolloutSide:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def loads_trainer_model(config: RunConfig, model_path: str) -> bool:
+    """`[engine]` builds an engine that loads the trainer's model itself (embedded, launched
+    servers, a custom engine that declares `needs_model_path`), not one that connects to
+    running servers."""
+    engine = config.engine.with_model_path(model_path)
+    return engine.capabilities().needs_model_path and engine.model_path == model_path
 
 
 def _describe_engine(config: RunConfig, engine: InferenceEngine) -> str:

@@ -68,7 +68,7 @@ class DistributedTransport:
                 "train.weight_sync='disk' or 'tensors' when colocated, or a disaggregated layout"
             )
         engines = self._engines(rollout)
-        ranks = [rollout.submit(e.weight_group_ranks()).result(c.group_timeout_s) for e in engines]
+        ranks = [answer(rollout.submit(e.weight_group_ranks()), c.group_timeout_s, e) for e in engines]
         offsets, world_size = engine_rank_offsets(ranks)
         if all(getattr(e, "weight_transfer_rendezvous", None) == "nccl_unique_id" for e in engines):
             self.group = _join_unique_id_group(
@@ -83,8 +83,8 @@ class DistributedTransport:
         ]
         try:
             group = join_weight_group(spec, timeout_s=c.group_timeout_s)
-            for call in calls:
-                call.result(timeout=c.group_timeout_s)  # each engine's answer (raises its error)
+            for engine, call in zip(engines, calls, strict=True):
+                answer(call, c.group_timeout_s, engine)  # each engine's answer (raises its error)
         except BaseException:
             for call in calls:
                 call.cancel()
@@ -128,13 +128,13 @@ class DistributedTransport:
                     if hint is exc:
                         raise
                     raise hint from exc
-                for call in calls:
-                    call.result(wait)
+                for engine, call in zip(engines, calls, strict=True):
+                    answer(call, wait, engine)
             ok = True
         finally:
-            for call in [submit(e.end_weight_update(version, check=ok)) for e in begun]:
-                call.result(wait)
-        versions = {rollout.submit(e.get_weight_version()).result(wait) for e in engines}
+            for engine in begun:
+                answer(submit(engine.end_weight_update(version, check=ok)), wait, engine)
+        versions = {answer(rollout.submit(e.get_weight_version()), wait, e) for e in engines}
         return int(versions.pop()) if len(versions) == 1 else -1
 
     def close(self) -> None:
@@ -176,6 +176,22 @@ def _join_unique_id_group(
     return group
 
 
+def answer(call: Any, wait: float, engine: Any) -> Any:
+    """An engine call's result within `wait` s (the group timeout); past it a `WeightSyncError`
+    naming the engine and the bound (the call itself is bounded by `engine.refit_timeout_s` too:
+    whichever runs out first stops the sync)."""
+    import concurrent.futures
+
+    try:
+        return call.result(wait)
+    except concurrent.futures.TimeoutError:
+        call.cancel()
+        raise WeightSyncError(
+            f"weight sync (distributed): {engine!r} did not answer within {wait:g}s "
+            f"(train.weight_sync.group_timeout_s = {wait:g}); check the engine (its log), or raise it"
+        ) from None
+
+
 def _nccl_hint(exc: BaseException) -> BaseException:
     """Name the usual cause when NCCL refuses a group with two ranks on one GPU."""
     text = str(exc)
@@ -202,7 +218,7 @@ def _begin_all(rollout: RolloutSurface, engines: list[Any], wait: float) -> list
     begun, error = [], None
     for engine, call in calls:
         try:
-            call.result(wait)
+            answer(call, wait, engine)
             begun.append(engine)
         except BaseException as exc:
             error = error or exc

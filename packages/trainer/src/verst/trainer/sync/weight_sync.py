@@ -136,6 +136,25 @@ class WeightSync:
             self.planner.done(self.rollout)
         return version
 
+    def align(self, version: int) -> bool:
+        """Before the first generate of a run (start or resume): make the engines hold exactly
+        the train side's weights, numbered `version` (the trainer's numbering). A server that was
+        already running may hold another run's refitted weights, whatever version it reports, so
+        they are pushed, every tensor; only an engine this run built from the trainer's model
+        (`RolloutSide.engine_holds_model`) still at version 0, when `version` is 0, is left as
+        it is. Every rank calls it (a push gathers); returns whether weights were sent."""
+        send = True
+        if self.dist.is_main and self.rollout is not None:
+            fresh = version == 0 and bool(getattr(self.rollout, "engine_holds_model", False))
+            send = not (fresh and self.rollout.weight_version() == 0)
+        if self.dist.distributed:
+            send = bool(broadcast_object(send, self.dist))
+        if send:
+            self.push(version=version)
+        else:
+            self.weight_version = version
+        return send
+
     def _settle(self, got: int | None, target: int) -> int:
         """Check the engine's reported version (rank 0) and share it with every rank."""
         if self.dist.is_main and self.rollout is not None and got != target:

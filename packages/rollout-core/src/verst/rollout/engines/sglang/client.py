@@ -28,13 +28,20 @@ from typing import Any, Unpack
 from verst.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines.common.aborts import AbortResends, InFlight
 from verst.rollout.engines.common.errors import InvalidRequest
-from verst.rollout.engines.common.http import HttpOptions, HttpSettings, RetryingHttp, error_message
+from verst.rollout.engines.common.http import (
+    HttpOptions,
+    HttpSettings,
+    RetryingHttp,
+    engine_bounds,
+    error_message,
+)
 from verst.rollout.engines.common.wire import parse_output, request_json, worker_urls
 from verst.rollout.engines.sglang.lora import SGLangLoraMixin
 from verst.rollout.engines.sglang.refit import (
     ALL_MEMORY_TAGS,
     DEFAULT_BUCKET_BYTES,
     SGLangWeightsMixin,
+    first_stall,
     serialize_named_tensors,
 )
 
@@ -81,7 +88,8 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
         """Memory is released: refits leave generation paused until it is resumed."""
         self._resends = AbortResends(self._inflight, self._abort_exact, abort_resend_s)
         """Background re-sends of exact aborts (cancelled on close)."""
-        self._http = RetryingHttp(self.http_settings)
+        self._http = RetryingHttp(self.http_settings, bounds=engine_bounds(self.http_settings))
+        """Every call bounded as a whole by its route's bound (`common.http.engine_bounds`)."""
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r}, router={self.router})"
@@ -169,6 +177,7 @@ class SGLangClient(SGLangWeightsMixin, SGLangLoraMixin):
         results = await asyncio.gather(*(call(u) for u in urls), return_exceptions=True)
         failed = [(u, r) for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
         if failed:
+            first_stall(failed)
             detail = "; ".join(f"{u}: {e}" for u, e in failed)
             cls = InvalidRequest if all(isinstance(e, InvalidRequest) for _, e in failed) else EngineError
             raise cls(f"{what} failed on {len(failed)} of {len(urls)} workers ({detail})")

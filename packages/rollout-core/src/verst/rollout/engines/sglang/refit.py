@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from verst.rollout.engine import EngineError, WeightBucket, WeightGroupSpec
+from verst.rollout.engine import EngineError, EngineTimeout, WeightBucket, WeightGroupSpec
 from verst.rollout.engines.common.errors import InvalidRequest
 from verst.rollout.engines.common.wire import model_info_version
 
@@ -76,6 +76,7 @@ class SGLangWeightsMixin:
         if failed:
             begun = [u for u, r in zip(urls, results, strict=True) if not isinstance(r, BaseException)]
             await asyncio.gather(*(self._roll_back(u) for u in begun), return_exceptions=True)
+            first_stall(failed)
             detail = "; ".join(f"{u}: {e}" for u, e in failed)
             cls = InvalidRequest if all(isinstance(e, InvalidRequest) for _, e in failed) else EngineError
             raise cls(
@@ -313,6 +314,14 @@ class SGLangWeightsMixin:
             return await self._checked("update_weights_from_distributed", url, body)
 
         return await self._refit_session("update_weights_from_distributed", weight_version, [call])
+
+
+def first_stall(failed: list[tuple[str, BaseException]]) -> None:
+    """Raise the first `EngineTimeout` of the workers' failures: its one line names the worker,
+    the route and the bound (an aggregate message would bury it)."""
+    for _url, error in failed:
+        if isinstance(error, EngineTimeout):
+            raise error
 
 
 def _distributed_body(bucket: WeightBucket, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:

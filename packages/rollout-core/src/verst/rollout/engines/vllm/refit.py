@@ -126,7 +126,7 @@ class VllmWeightTransferMixin:
             "world_size": world_size,
             "packed": False,
         }
-        await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s=None)
+        await self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
     async def init_weights_update_group(self, group: WeightGroupSpec) -> None:
         """SGLang's torch.distributed group cannot be joined by vLLM's workers."""
@@ -151,7 +151,7 @@ class VllmWeightTransferMixin:
         trainer broadcasts while this call waits."""
         dtype_names = [d.removeprefix("torch.") for d in bucket.dtypes]
         info = {"names": bucket.names, "dtype_names": dtype_names, "shapes": bucket.shapes}
-        await self._call("POST", "/update_weights", {"update_info": info}, timeout_s=None)
+        await self._call("POST", "/update_weights", {"update_info": info})
 
     async def end_weight_update(self, weight_version: int | None, *, check: bool = True) -> None:
         """Finish the session (sets the version), drop stale cached prefixes, resume; check."""
