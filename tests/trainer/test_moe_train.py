@@ -266,6 +266,31 @@ def test_replay_on_a_dense_model_is_refused(tmp_path, tiny_checkpoint) -> None:
     assert "dense" in problem.why and "routing_replay = 'off'" in problem.fix
 
 
+def test_replay_on_an_moe_family_verst_does_not_record_is_refused_at_validation(tmp_path) -> None:
+    """GraniteMoE is an MoE (experts per token, local experts) whose router returns another tuple:
+    config validation names it as such, before any model is built, for replay and the aux loss."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    tok = build_char_tokenizer()
+    config = GraniteMoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    path = tmp_path / "granite"
+    GraniteMoeForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    for moe, key in (({"routing_replay": "rollout"}, "routing_replay"), ({"aux_loss_coef": 0.01}, "aux_loss_coef")):
+        cfg = run_config_from_dict(_run(path, data, train={"moe": moe}))
+        with pytest.raises(ConfigError) as info:
+            validate_run_config(cfg, {})
+        (problem,) = [p for p in info.value.problems if p.key == f"train.moe.{key}"]
+        assert "'granitemoe'" in problem.why and "does not record" in problem.why, problem.why
+        assert "dense" not in problem.why and "qwen3_moe" in problem.why
+        assert "routing_replay = 'off'" in problem.fix
+
+
 def test_r3_with_an_engine_that_cannot_record_is_refused(tmp_path, tied) -> None:
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')

@@ -218,6 +218,10 @@ ROUTER_CLASSES = frozenset(
 the hooks read. Other families' routers return other tuples (GraniteMoE: index first), so their
 models are treated as not recordable rather than misread."""
 
+RECORDABLE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"})
+"""`config.json` `model_type`s whose routers are `ROUTER_CLASSES`: the MoE families verst records
+and replays. Another MoE family (GraniteMoE, ...) is refused at config validation by name."""
+
 
 def find_routers(model: Any) -> list[tuple[int, Any]]:
     """`(decoder layer index, router module)` of every supported MoE router (`ROUTER_CLASSES`);

@@ -234,26 +234,44 @@ class MoeAuxTerm:
         return TermOutput(self.coef * aux * share.to(aux.dtype), metrics)
 
 
-def model_moe_spec(model_path: str | None, config_dir: Any = None) -> tuple[int, int, int] | str | None:
-    """`moe_spec` of a local checkpoint's `config.json` (read as JSON, nothing imported); 'unknown'
-    when the path is not a local directory (a hub id: checked when the model loads)."""
+def _model_config(model_path: str | None, config_dir: Any = None) -> dict[str, Any] | None:
+    """A local checkpoint's `config.json` (its `text_config` for a VLM), read as JSON; None when the
+    path is not a local directory (a hub id: checked when the model loads)."""
     import json
     from pathlib import Path
-    from types import SimpleNamespace
 
     if model_path is None:
-        return "unknown"
+        return None
     for base in (Path.cwd(), Path(config_dir) if config_dir else None):
         if base is None:
             continue
         cfg = base / model_path / "config.json"
         if cfg.is_file():
             data = json.loads(cfg.read_text())
-            data = data.get("text_config", data)
-            from verst.rollout.moe import moe_spec
+            return data.get("text_config", data)
+    return None
 
-            return moe_spec(SimpleNamespace(**{"num_hidden_layers": 0, **data}))
-    return "unknown"
+
+def model_moe_spec(model_path: str | None, config_dir: Any = None) -> tuple[int, int, int] | str | None:
+    """`moe_spec` of a local checkpoint's `config.json` (read as JSON, nothing imported); 'unknown'
+    when the path is not a local directory (a hub id: checked when the model loads)."""
+    from types import SimpleNamespace
+
+    from verst.rollout.moe import moe_spec
+
+    data = _model_config(model_path, config_dir)
+    if data is None:
+        return "unknown"
+    return moe_spec(SimpleNamespace(**{"num_hidden_layers": 0, **data}))
+
+
+def _unrecorded_family(model_path: str | None, config_dir: Any) -> str | None:
+    """The `model_type` of a local MoE checkpoint whose routers verst cannot record, else None."""
+    from verst.rollout.moe import RECORDABLE_MODEL_TYPES
+
+    data = _model_config(model_path, config_dir) or {}
+    model_type = data.get("model_type")
+    return model_type if model_type and model_type not in RECORDABLE_MODEL_TYPES else None
 
 
 def moe_problems(cfg: Any, model_path: str | None, config_dir: Any = None) -> list[Any]:
@@ -272,6 +290,20 @@ def moe_problems(cfg: Any, model_path: str | None, config_dir: Any = None) -> li
                 f"routing replay {moe.routing_replay!r} needs a mixture-of-experts model, and {model_path!r} is "
                 "dense (its config has no num_experts_per_tok / num_experts)",
                 "set train.moe.routing_replay = 'off', or train an MoE model (docs/moe.md)",
+            )
+        )
+    family = _unrecorded_family(model_path, config_dir) if isinstance(spec, tuple) else None
+    if family is not None:
+        from verst.rollout.moe import RECORDABLE_MODEL_TYPES
+
+        key = "train.moe.routing_replay" if moe.routing_replay != "off" else "train.moe.aux_loss_coef"
+        out.append(
+            Problem(
+                key,
+                f"{model_path!r} is a mixture-of-experts model of family {family!r}, whose router verst does "
+                f"not record (the families it records: {', '.join(sorted(RECORDABLE_MODEL_TYPES))})",
+                "set train.moe.routing_replay = 'off' and train.moe.aux_loss_coef = 0 to train it without "
+                "replay, or use a model of a recorded family (docs/moe.md)",
             )
         )
     if spec is None and moe.aux_loss_coef and moe.routing_replay == "off":

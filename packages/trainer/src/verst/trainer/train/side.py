@@ -169,16 +169,26 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
             self.extra_terms.append(MoeAuxTerm(moe_cfg.aux_loss_coef))
         elif moe_cfg.routing_replay != "off" or moe_cfg.aux_loss_coef:
             key = "train.moe.routing_replay" if moe_cfg.routing_replay != "off" else "train.moe.aux_loss_coef"
-            raise ConfigError(
-                [
-                    Problem(
-                        key,
-                        f"{self.model_path!r} is a dense model (no MoE routers to replay or balance)",
-                        "set train.moe.routing_replay = 'off' and train.moe.aux_loss_coef = 0, or train an MoE model",
-                    )
-                ]
-            )
+            raise ConfigError([Problem(key, self._no_router_why(), self._no_router_fix())])
         return moe
+
+    def _no_router_why(self) -> str:
+        from verst.rollout.moe import RECORDABLE_MODEL_TYPES, moe_spec
+
+        config = self.bundle.hf_model.config
+        if moe_spec(config) is None:
+            return f"{self.model_path!r} is a dense model (no MoE routers to replay or balance)"
+        family = getattr(config.get_text_config(), "model_type", "?")
+        return (
+            f"{self.model_path!r} is a mixture-of-experts model of family {family!r}, whose router verst does "
+            f"not record (the families it records: {', '.join(sorted(RECORDABLE_MODEL_TYPES))})"
+        )
+
+    def _no_router_fix(self) -> str:
+        return (
+            "set train.moe.routing_replay = 'off' and train.moe.aux_loss_coef = 0, or use a model of a "
+            "recorded MoE family (docs/moe.md)"
+        )
 
     def _opd_trainer(self, opd: OpdConfig) -> OpdTrainer:
         cfg = self.cfg
