@@ -65,6 +65,21 @@ def test_rows_with_paths_base64_and_chat_parts(tmp_path, llava, image_files):
     assert groups[0][0].images == groups[0][1].images == first.images
 
 
+def _bomb_png(width: int = 20_000, height: int = 10_000) -> bytes:
+    """A valid 1-bit PNG of width × height (200 megapixels by default) that is a few KB on disk."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    packer = zlib.compressobj(9)
+    row = bytes(1 + (width + 7) // 8)  # filter byte 0 + the row's bits, all black
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize(
     ("row", "match"),
     [
@@ -86,11 +101,13 @@ def test_rows_with_paths_base64_and_chat_parts(tmp_path, llava, image_files):
             r"d\.jsonl:2: with its 5 image\(s\) expanded the prompt has 80 tokens and the context holds 64",
         ),
         ({"prompt": [{"role": "user", "content": [{"type": "video"}]}]}, r"d\.jsonl:2: message 0 part 0"),
+        ({"prompt": "<image>", "images": ["bomb.png"]}, r"d\.jsonl:2: images\[0\].*decompression bomb"),
     ],
 )
 def test_bad_image_rows_name_file_and_line(tmp_path, llava, image_files, row, match):
     tok, vision = llava
     (tmp_path / "corrupt.png").write_bytes(b"\x89PNG not really")
+    (tmp_path / "bomb.png").write_bytes(_bomb_png())
     (tmp_path / "ok.png").write_bytes(image_files[0].read_bytes())
     data = _write(tmp_path / "d.jsonl", [{"prompt": "fine"}, row])
     with pytest.raises(DataError, match=match):

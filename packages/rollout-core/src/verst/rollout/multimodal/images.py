@@ -52,6 +52,11 @@ def decode_image(data: bytes, *, what: str) -> Any:
         with image_mod.open(io.BytesIO(data)) as img:
             img.load()
             return img.convert("RGB")
+    except image_mod.DecompressionBombError as exc:  # a few KB on disk that decode to gigabytes
+        raise ImageError(
+            f"{what}: refused as a decompression bomb ({exc}); fix: downscale the image below "
+            f"{image_mod.MAX_IMAGE_PIXELS} pixels"
+        ) from None
     except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
         raise ImageError(
             f"{what}: not a readable image ({type(exc).__name__}: {exc}); "
