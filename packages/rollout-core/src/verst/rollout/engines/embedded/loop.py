@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verst.rollout.engine import EngineError, GenerateOutput
+from verst.rollout.engines.embedded.vision import unreadable_image
 from verst.rollout.openmp import release_openmp_workers
 
 
@@ -208,8 +209,11 @@ class DecodeLoopMixin:
         generate = []
         for r in new:
             missing = self.missing_adapter_error(r.request.lora_path)  # at admission: a refit may swap it
+            bad_image = None if missing is not None else unreadable_image(self._batch.vision, r.request.images)
             if missing is not None:
                 fail(r.handle, missing)
+            elif bad_image is not None:
+                fail(r.handle, EngineError(f"embedded engine: {bad_image}"))
             elif r.request.sampling.max_new_tokens == 0:
                 self._guarded(lambda r=r: self._batch.score(r), [r])
                 if r.finish is not None:

@@ -48,3 +48,20 @@ def image_problem(vision: Any, input_ids: list[int], images: Sequence[Any]) -> s
     except ImageError as exc:
         return str(exc)
     return None
+
+
+def unreadable_image(vision: Any, images: Sequence[Any]) -> str | None:
+    """Why one request's images cannot be rebuilt now (a file that vanished or changed since the
+    request was expanded), else None. Checked per request at admission so that one bad image
+    fails its own request, not every request of the same prefill; the pixels stay in the
+    processor's cache for the prefill that follows."""
+    if vision is None or not images:
+        return None
+    from verst.rollout.multimodal.images import ImageError
+
+    try:
+        for image in images:
+            vision.rebuild(image)
+    except ImageError as exc:
+        return str(exc)
+    return None
