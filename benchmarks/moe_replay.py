@@ -27,7 +27,15 @@ Run (about a minute on 2 quiet cores):
   uv run python benchmarks/moe_replay.py
   uv run python benchmarks/moe_replay.py --steps 5 --layers 4
 
-Last line: `r3_mismatch_reduction=<without/with> routing_agreement_without=<x>`.
+  uv run python benchmarks/moe_replay.py --seeds 5 --no-study   # the spread over 5 seeds
+
+`--seeds N` repeats the run for seeds 0..N-1 (the seed makes the random-init checkpoint and the
+sampling seeds) and prints each seed's figures and their min / median / max: under bf16 routers
+the reduction depends strongly on the seed (how many top-k sets flip, and how much each flip
+moves the log-probs), so report the spread, not one figure.
+
+Last line: `r3_mismatch_reduction=<median without/with> routing_agreement_without=<median>`, plus
+with `--seeds` the min and max of each.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "reverse_digits" / "data" / "train.jsonl"
 
 
-def _groups(engine, tok, prompts: list[str], n: int, step: int) -> list:
+def _groups(engine, tok, prompts: list[str], n: int, step: int, seed: int = 0) -> list:
     """One rollout: n samples per prompt from the engine, with recorded routing, scored."""
     import asyncio
 
@@ -56,7 +64,9 @@ def _groups(engine, tok, prompts: list[str], n: int, step: int) -> list:
         reqs = [
             GenerateRequest(
                 ids,
-                SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=1000 * step + 10 * g + j),
+                SamplingParams(
+                    max_new_tokens=10, temperature=1.0, sampling_seed=10**6 * seed + 1000 * step + 10 * g + j
+                ),
                 return_routed_experts=True,
             )
             for j in range(n)
@@ -106,7 +116,7 @@ def _engine_weights(state: dict, engine_dtype: str) -> dict:
     return out
 
 
-def run(steps: int, layers: int, threads: int, engine_dtype: str) -> dict[str, float]:
+def run(steps: int, layers: int, threads: int, engine_dtype: str, seed: int = 0) -> dict[str, float]:
     import asyncio
     import json
 
@@ -125,7 +135,7 @@ def run(steps: int, layers: int, threads: int, engine_dtype: str) -> dict[str, f
     torch.set_num_threads(threads)
     rows = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[: 4 * steps]]
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_moe_checkpoint(Path(tmp) / "moe", family="qwen3_moe", num_layers=layers, seed=0)
+        path = make_tiny_moe_checkpoint(Path(tmp) / "moe", family="qwen3_moe", num_layers=layers, seed=seed)
         tok = AutoTokenizer.from_pretrained(path)
         dtype = torch.bfloat16 if engine_dtype == "bf16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -154,7 +164,7 @@ def run(steps: int, layers: int, threads: int, engine_dtype: str) -> dict[str, f
         started = time.perf_counter()
         metrics = []
         for step in range(steps):
-            groups = _groups(engine, tok, rows[4 * step : 4 * step + 4], 8, step)
+            groups = _groups(engine, tok, rows[4 * step : 4 * step + 4], 8, step, seed)
             metrics.append(side.train_step(build_train_batch(groups)))
             state = _engine_weights(side.state_dict_for_sync(), engine_dtype)
             engine_loop.run_until_complete(engine.update_weights_from_tensors(state))
@@ -287,6 +297,23 @@ def _print_study(layers: int, threads: int) -> None:
         print(f"{part:<14} {m['agreement']:.4f}     {m['without']:.3e}        {m['with']:.3e}     {ratio}")
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    return f"min {min(values):{fmt}} / median {statistics.median(values):{fmt}} / max {max(values):{fmt}}"
+
+
+def _print_run(r: dict[str, float], engine: str, seed: int) -> None:
+    print(
+        f"seed {seed}: {int(r['steps'])} GRPO steps in {r['seconds']:.0f}s (engine {engine}, trainer fp32, tiny Qwen3-MoE)"
+    )
+    print(
+        f"  routing agreement engine vs trainer without replay: {r['agreement']:.4f} (with R3: {r['replay_agreement']:.4f})"
+    )
+    print(f"  mean |log-ratio| without R3: {r['without']:.6f}   with R3: {r['with']:.6f}")
+    print(
+        f"  clip fraction (ratio outside [0.8, 1.2]) without R3: {r['clip_without']:.4f}   with R3: {r['clip_with']:.4f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps")
@@ -305,22 +332,31 @@ def main() -> None:
         action="store_false",
         help="skip the forward study (which part of the engine in bf16 causes how much mismatch)",
     )
+    parser.add_argument("--seeds", type=int, default=1, help="repeat for seeds 0..N-1 and report the spread")
     args = parser.parse_args()
-    r = run(args.steps, args.layers, args.threads, args.engine)
-    print(
-        f"{int(r['steps'])} GRPO steps in {r['seconds']:.0f}s (engine {args.engine}, trainer fp32, tiny Qwen3-MoE)"
-    )
-    print(
-        f"routing agreement engine vs trainer without replay: {r['agreement']:.4f} (with R3: {r['replay_agreement']:.4f})"
-    )
-    print(f"mean |log-ratio| without R3: {r['without']:.6f}   with R3: {r['with']:.6f}")
-    print(
-        f"clip fraction (ratio outside [0.8, 1.2]) without R3: {r['clip_without']:.4f}   with R3: {r['clip_with']:.4f}"
-    )
+    results = [run(args.steps, args.layers, args.threads, args.engine, seed) for seed in range(args.seeds)]
+    for seed, r in enumerate(results):
+        _print_run(r, args.engine, seed)
     if args.study:
         _print_study(args.layers, args.threads)
-    reduction = r["without"] / max(r["with"], 1e-12)
-    print(f"r3_mismatch_reduction={reduction:.2f} routing_agreement_without={r['agreement']:.4f}")
+    reductions = [r["without"] / max(r["with"], 1e-12) for r in results]
+    agreements = [r["agreement"] for r in results]
+    tail = ""
+    if len(results) > 1:
+        print(
+            f"over {len(results)} seeds: reduction "
+            + _spread(reductions, ".2f")
+            + ", agreement "
+            + _spread(agreements, ".4f")
+        )
+        tail = (
+            f" r3_mismatch_reduction_min={min(reductions):.2f} r3_mismatch_reduction_max={max(reductions):.2f}"
+            f" routing_agreement_without_min={min(agreements):.4f}"
+        )
+    print(
+        f"r3_mismatch_reduction={statistics.median(reductions):.2f} "
+        f"routing_agreement_without={statistics.median(agreements):.4f}{tail}"
+    )
     sys.stdout.flush()
 
 
