@@ -12,6 +12,8 @@ import random
 
 import pytest
 
+pytest_plugins = ["leak_check"]  # the session-end check that nothing the suite started is left
+
 LEGACY_FLAG = "VERST_USE_LEGACY_ROLLOUT_V1"
 
 
