@@ -308,7 +308,10 @@ def _print_run(r: dict[str, float], engine: str, seed: int) -> None:
     print(
         f"  routing agreement engine vs trainer without replay: {r['agreement']:.4f} (with R3: {r['replay_agreement']:.4f})"
     )
-    print(f"  mean |log-ratio| without R3: {r['without']:.6f}   with R3: {r['with']:.6f}")
+    print(
+        f"  mean |log-ratio| without R3: {r['without']:.6f}   with R3: {r['with']:.6f}"
+        f"   reduction {r['without'] / max(r['with'], 1e-12):.2f}x"
+    )
     print(
         f"  clip fraction (ratio outside [0.8, 1.2]) without R3: {r['clip_without']:.4f}   with R3: {r['clip_with']:.4f}"
     )
