@@ -368,7 +368,8 @@ class GrpoPerTurn:
             return GrpoPerTurn(normalize_std=self.normalize_std)
 
     def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
-        raise TypeError("grpo_per_turn needs per-turn rewards: set rollout.env.reward = 'per_turn'")
+        """Without per-turn rewards the episode reward sits on the last token: GRPO."""
+        return self.with_turn_rewards(rewards, mask, kl_penalty, token_rewards(rewards, mask, None))
 
     def with_turn_rewards(
         self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None, turn_rewards: Tensor
@@ -377,8 +378,9 @@ class GrpoPerTurn:
         g, n = rewards.shape
         tok = turn_rewards * mask - (kl_penalty * mask if kl_penalty is not None else 0.0)
         to_go = discounted_returns(tok, 1.0).view(g, n, -1)  # [G, n, T]
-        episode = to_go[:, :, 0]  # [G, n]
-        adv = to_go - episode.mean(dim=1, keepdim=True).unsqueeze(-1)
+        episode = outcome_scores(rewards, kl_penalty)  # [G, n]: r_i = Σ_t ρ_t, minus the penalty
+        first = episode[:, :1]  # shifting by it makes equal returns cancel exactly (group_center)
+        adv = (to_go - first.unsqueeze(-1)) - (episode - first).mean(dim=1, keepdim=True).unsqueeze(-1)
         if self.normalize_std:
             adv = adv / (group_std(episode).unsqueeze(-1) + self.eps)
         return adv.reshape(g * n, -1) * mask
