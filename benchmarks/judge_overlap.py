@@ -79,18 +79,31 @@ class Prompts:
 
 def make_strategy(policy, judge_engine, args, in_flight: int) -> tuple[InferenceRollout, Prompts]:
     config = RolloutConfig(
-        batch_size=args.samples, n_samples_per_prompt=1, max_concurrency=8,
-        max_response_len=args.tokens, temperature=1.0, seed=0,
+        batch_size=args.samples,
+        n_samples_per_prompt=1,
+        max_concurrency=8,
+        max_response_len=args.tokens,
+        temperature=1.0,
+        seed=0,
     )
     judge_cfg = JudgeConfig(
-        engine={"type": "embedded"}, parser="yes_no_logprob", yes="y", no="n",
-        template="{prompt}{response} ok? ", max_concurrency=in_flight, cache=False,
+        engine={"type": "embedded"},
+        parser="yes_no_logprob",
+        yes="y",
+        no="n",
+        template="{prompt}{response} ok? ",
+        max_concurrency=in_flight,
+        cache=False,
     )
     judge = JudgeReward(SlowJudge(EngineJudge(judge_engine), args.judge_ms / 1000), judge_cfg)
     source = Prompts(args.samples)
     ctx = RolloutContext(
-        config=config, data_source=source, engine=policy, tokenizer=policy.tokenizer,
-        reward_fn=judge, sink=NoopSink(),
+        config=config,
+        data_source=source,
+        engine=policy,
+        tokenizer=policy.tokenizer,
+        reward_fn=judge,
+        sink=NoopSink(),
     )
     return InferenceRollout(ctx), source
 

@@ -33,7 +33,9 @@ class ThreeTurns:
 def test_per_turn_rewards_reach_each_model_turns_last_token():
     from verst.trainer.train.batch import build_train_batch
 
-    ctx = context(ScriptEngine(lambda c, r: "go!"), prompts=["p:"], env={"type": "tools", "reward": "per_turn"})
+    ctx = context(
+        ScriptEngine(lambda c, r: "go!"), prompts=["p:"], env={"type": "tools", "reward": "per_turn"}
+    )
     strategy = InferenceRollout(ctx)
     strategy.generate_fn.factory = ThreeTurns
     s = asyncio.run(strategy(RolloutRequest(0))).groups[0][0]
@@ -41,5 +43,7 @@ def test_per_turn_rewards_reach_each_model_turns_last_token():
     assert s.metadata[POSITIONS_KEY] == [[e, r] for e, r in zip(model_ends, [0.25, 0.5, 2.0], strict=True)]
     assert s.reward == 2.75
     row = build_train_batch([[s]]).turn_rewards[0]
-    assert {i: row[i].item() for i in row.nonzero().flatten().tolist()} == dict(zip(model_ends, [0.25, 0.5, 2.0]))
+    assert {i: row[i].item() for i in row.nonzero().flatten().tolist()} == dict(
+        zip(model_ends, [0.25, 0.5, 2.0], strict=True)
+    )
     assert all(s.loss_mask[e] == 1 for e in model_ends)

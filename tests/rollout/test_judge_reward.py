@@ -8,6 +8,8 @@ import asyncio
 import pytest
 import torch
 from aiohttp import web
+from inference_testkit import make_context
+from serve_testlib import serve, serve_app
 
 from verst.rollout.config import JudgeConfig, RolloutConfig
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
@@ -19,9 +21,6 @@ from verst.rollout.rewards.judge_parsers import JudgeError
 from verst.rollout.sample import Sample
 from verst.rollout.strategies.inference import InferenceRollout
 from verst.rollout.toy import make_tiny_checkpoint
-
-from serve_testlib import serve, serve_app
-from inference_testkit import make_context
 
 TEMPLATE = "{rubric} Q:{prompt} A:{response} ->"
 LOGPROB = {"parser": "yes_no_logprob", "yes": "y", "no": "n", "template": TEMPLATE}
@@ -55,7 +54,14 @@ async def test_embedded_judge_batched_equals_one_by_one_and_caches(tiny):
 async def test_policy_checkpoint_as_judge_is_not_refit(tiny):
     """The judge may load the policy's own checkpoint; refitting the policy leaves it alone."""
     cfg = RolloutConfig(
-        reward={"type": "judge", "judge": {**LOGPROB, "cache": False, "engine": {"type": "embedded", "model_path": tiny, "device": "cpu"}}}
+        reward={
+            "type": "judge",
+            "judge": {
+                **LOGPROB,
+                "cache": False,
+                "engine": {"type": "embedded", "model_path": tiny, "device": "cpu"},
+            },
+        }
     )
     judge, _ = build_reward_fns(cfg)
     policy = EmbeddedEngine.from_pretrained(tiny)
@@ -112,7 +118,7 @@ async def test_slow_judge_times_out_as_a_reward_error():
     async with stub_judge(0.8, ["7"]) as url:
         judge = JudgeReward(OpenAIJudge(f"{url}/v1", "m"), JudgeConfig(url=url, timeout_s=0.2))
         try:
-            with pytest.raises(JudgeError, match="no verdict within 0.2 s"):
+            with pytest.raises(JudgeError, match=r"no verdict within 0\.2 s"):
                 await judge(samples(1)[0])
         finally:
             await judge.aclose()

@@ -51,7 +51,9 @@ async def test_two_labels_without_label_index_is_a_reward_error(rm_path):
 
     tok = AutoTokenizer.from_pretrained(rm_path)
     model = _classifier(len(tok), num_labels=2, pad_token_id=tok.pad_token_id)
-    cfg = RolloutConfig(reward={"type": "reward_model", "reward_model": {"path": rm_path}}).reward.reward_model
+    cfg = RolloutConfig(
+        reward={"type": "reward_model", "reward_model": {"path": rm_path}}
+    ).reward.reward_model
     rm = RewardModelReward(cfg, model=model, tokenizer=tok)
     with pytest.raises(RewardModelError, match="label_index"):
         await rm(SAMPLES[0])

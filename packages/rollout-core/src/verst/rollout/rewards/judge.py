@@ -186,7 +186,11 @@ class JudgeReward:
 
         engine_config = parse_engine_config(config.engine)
         tokenizer = None
-        tok_path = config.tokenizer_path or getattr(engine_config, "tokenizer_path", None) or engine_config.model_path
+        tok_path = (
+            config.tokenizer_path
+            or getattr(engine_config, "tokenizer_path", None)
+            or engine_config.model_path
+        )
         if engine_config.type != "embedded" and tok_path:
             from transformers import AutoTokenizer
 

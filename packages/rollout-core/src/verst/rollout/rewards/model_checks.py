@@ -26,7 +26,9 @@ def model_reward_problems(r: RewardConfig) -> Iterator[Problem]:
         )
     if r.judge is not None:
         if r.type != "judge":
-            yield Problem(f"{_KEY}.judge", f"set but reward.type = {r.type!r}", "set type = 'judge' or remove it")
+            yield Problem(
+                f"{_KEY}.judge", f"set but reward.type = {r.type!r}", "set type = 'judge' or remove it"
+            )
         yield from _judge_problems(r.judge)
 
 
@@ -39,7 +41,11 @@ def _judge_problems(j: JudgeConfig) -> Iterator[Problem]:
     if j.parser == "number" and not j.max_score > j.min_score:
         yield Problem(f"{key}.max_score", "must exceed min_score", f"set {key}.max_score > {key}.min_score")
     if j.parser == "choice" and not j.choices:
-        yield Problem(f"{key}.choices", "parser = 'choice' needs choices", f'set {key}.choices = {{yes = 1.0, no = 0.0}}')
+        yield Problem(
+            f"{key}.choices",
+            "parser = 'choice' needs choices",
+            f"set {key}.choices = {{yes = 1.0, no = 0.0}}",
+        )
     fields = {"prompt": "", "response": "", "label": "", "rubric": ""}
     try:
         j.template.format_map(fields)
@@ -57,6 +63,8 @@ def _judge_problems(j: JudgeConfig) -> Iterator[Problem]:
         except ValidationError as exc:
             for err in exc.errors():
                 loc = ".".join(str(p) for p in err["loc"])
-                yield Problem(f"{key}.engine.{loc}", err["msg"], "fix the judge's engine table ([engine] fields)")
+                yield Problem(
+                    f"{key}.engine.{loc}", err["msg"], "fix the judge's engine table ([engine] fields)"
+                )
             return
         yield from engine_problems(engine, key=f"{key}.engine")

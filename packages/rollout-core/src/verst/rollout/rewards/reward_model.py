@@ -42,6 +42,7 @@ class RewardModelReward:
         self._lock = threading.Lock()
         self._queue: list[tuple[str, asyncio.Future[float]]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
         self.batches = 0
         """Forwards run (for tests and metrics)."""
 
@@ -100,14 +101,18 @@ class RewardModelReward:
             self._timer = None
         while self._queue:
             batch, self._queue = self._queue[: self.config.batch_size], self._queue[self.config.batch_size :]
-            asyncio.ensure_future(self._run(batch))
+            task = asyncio.ensure_future(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _run(self, batch: list[tuple[str, asyncio.Future[float]]]) -> None:
         try:
             scores = await asyncio.to_thread(self.score_texts, [t for t, _ in batch])
         except Exception as exc:
-            err = exc if isinstance(exc, RewardModelError) else RewardModelError(
-                f"reward model {self.config.path}: {type(exc).__name__}: {exc}"
+            err = (
+                exc
+                if isinstance(exc, RewardModelError)
+                else RewardModelError(f"reward model {self.config.path}: {type(exc).__name__}: {exc}")
             )
             for _, fut in batch:
                 if not fut.done():
