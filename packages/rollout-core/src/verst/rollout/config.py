@@ -69,13 +69,73 @@ class DataConfig(Section):
     seed: int = Field(0, description="Seed of the per-epoch shuffle.")
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "{rubric}\nQuestion: {prompt}\nReference: {label}\nAnswer: {response}\nVerdict:"
+)
+"""The judge prompt unless `rollout.reward.judge.template` is set (docs/rewards.md)."""
+
+
+class JudgeConfig(Section):
+    """A judge model scoring answers (`rollout.reward.type = 'judge'`; docs/rewards.md)."""
+
+    engine: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "The judge's own engine: a table with the [engine] fields (type embedded, sglang, vllm, ...). "
+            "Never refit with the policy. Exactly one of engine and url."
+        ),
+    )
+    url: str | None = Field(
+        None, description="An OpenAI-compatible server (e.g. 'http://127.0.0.1:8000/v1'; `verst serve`)."
+    )
+    model: str = Field("judge", description="The `model` field sent to an OpenAI-compatible url.")
+    tokenizer_path: str | None = path_field(
+        None, description="Tokenizer of an engine judge (None = engine.tokenizer_path or engine.model_path)."
+    )
+    template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE,
+        description="Judge prompt with {prompt}, {response}, {label} and {rubric} (docs/rewards.md).",
+    )
+    rubric: str = Field("Is the answer correct?", description="Filled into the template's {rubric}.")
+    parser: str = Field(
+        "number", description="How the verdict becomes a score: number, choice or yes_no_logprob."
+    )
+    min_score: float = Field(0.0, description="parser = number: the lowest valid number (maps to 0).")
+    max_score: float = Field(10.0, description="parser = number: the highest valid number (maps to 1).")
+    choices: dict[str, float] = Field(
+        default_factory=lambda: {"yes": 1.0, "no": 0.0},
+        description="parser = choice: each allowed verdict word and its score.",
+    )
+    yes: str = Field("yes", description="parser = yes_no_logprob: the 'yes' token's text.")
+    no: str = Field("no", description="parser = yes_no_logprob: the 'no' token's text.")
+    max_new_tokens: int = Field(16, ge=1, description="Verdict length (yes_no_logprob reads one token).")
+    max_concurrency: int = Field(16, ge=1, description="Judge calls in flight at once.")
+    timeout_s: float = Field(30.0, gt=0, description="Bound of one judge call (a timeout is a reward error).")
+    cache: bool = Field(True, description="Reuse a verdict for the same (judge, template, inputs) within a run.")
+
+
+class RewardModelConfig(Section):
+    """A sequence-classification reward model (`rollout.reward.type = 'reward_model'`)."""
+
+    path: str | None = path_field(None, description="AutoModelForSequenceClassification checkpoint.")
+    device: str = Field("cpu", description="Device of the reward model (cpu, cuda, cuda:1, ...).")
+    batch_size: int = Field(16, ge=1, description="(prompt, response) pairs scored per forward.")
+    batch_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits for more pairs.")
+    max_length: int = Field(1024, ge=8, description="Tokens per pair (longer pairs are cut from the left).")
+    label_index: int | None = Field(
+        None, description="Score = softmax prob of this label (None = the single logit, num_labels = 1)."
+    )
+
+
 class RewardConfig(Section):
     """How samples are scored."""
 
     type: str = Field(
         "exact_match",
-        description="A built-in reward (exact_match, math, partial_credit, reasoning_gym), 'remote', or an import path 'pkg.module:fn'.",
+        description="A built-in reward (exact_match, math, partial_credit, reasoning_gym), 'remote', 'judge', 'reward_model', or an import path 'pkg.module:fn'.",
     )
+    judge: JudgeConfig | None = Field(None, description="The judge (type = 'judge').")
+    reward_model: RewardModelConfig | None = Field(None, description="The reward model (type = 'reward_model').")
     url: str | None = Field(None, description="Remote reward model URL (type = 'remote').")
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")
     group: bool = Field(

@@ -14,6 +14,7 @@ from pathlib import Path
 from verst.rollout.config import DataConfig, RolloutConfig
 from verst.rollout.errors import Problem
 from verst.rollout.importing import ImportPathError, import_object, split_import_path
+from verst.rollout.rewards.model_checks import model_reward_problems
 from verst.rollout.rewards.registry import BUILTIN_REWARDS, REMOTE, is_import_path, valid_reward_types
 from verst.rollout.strategies.fully_async_options import FullyAsyncOptions
 
@@ -91,6 +92,7 @@ def _check_reward(c: RolloutConfig) -> Iterator[Problem]:
             f"a URL is set but reward.type = {r.type!r}, so it would be ignored",
             "set rollout.reward.type = 'remote', or remove rollout.reward.url",
         )
+    yield from model_reward_problems(r)
     if r.key is not None and r.type in BUILTIN_REWARDS:
         yield Problem(
             "rollout.reward.key",

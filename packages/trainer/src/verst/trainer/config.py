@@ -21,6 +21,7 @@ from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, engine_problems
 from verst.rollout.errors import ConfigError, Problem
 from verst.trainer.algorithms import AlgorithmConfig
+from verst.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from verst.trainer.algorithms.optimizer_config import AdamWSection
 from verst.trainer.algorithms.rollout_correction import TokenTis
 from verst.trainer.config_checks import (
@@ -402,6 +403,15 @@ def validate_run_config(
     problems += model_paths_problems(cfg, search_dirs=[config_dir] if config_dir else [])
     problems += engine_problems(cfg.engine, fallback_model_path=cfg.train.model_path)
     problems += list(cfg.algorithm.problems())
+    episodes, estimator = cfg.rollout.env, ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage.type)
+    if episodes and episodes.reward == "per_turn" and estimator and not getattr(estimator, "per_turn", False):
+        problems.append(
+            Problem(
+                "rollout.env.reward",
+                f"per_turn rewards cannot be used by advantage {cfg.algorithm.advantage.type!r}",
+                "use algorithm.advantage = 'gae' or 'grpo_per_turn', or set rollout.env.reward = 'sum'",
+            )
+        )
     try:
         from verst.rollout.validation import validate_rollout_config
 

@@ -54,8 +54,9 @@ class EnvConfig(BaseModel):
         description="An episode aborted mid-way: 'resume' keeps its turns and live environment and continues "
         "it when resubmitted (needs partial_rollout), 'restart' starts it again from its prompt.",
     )
-    reward: Literal["final", "sum", "reward_fn"] = Field(
+    reward: Literal["final", "sum", "reward_fn", "per_turn"] = Field(
         "final",
         description="The episode's reward: the environment's last step reward (final), the sum of its step "
-        "rewards (sum), or rollout.reward over the whole trajectory (reward_fn).",
+        "rewards (sum), rollout.reward over the whole trajectory (reward_fn), or each step's reward on its "
+        "turn's last token (per_turn: for gae and grpo_per_turn only; docs/rewards.md).",
     )

@@ -456,4 +456,8 @@ def _finish(config: EnvConfig, state: GenerateState, sample: Sample, reason: Ter
         rewards = [r for r in sample.metadata.get("turn_rewards", []) if r is not None]
         if rewards:
             sample.reward = float(rewards[-1] if config.reward == "final" else sum(rewards))
+    if config.reward == "per_turn":
+        from verst.rollout.agentic.turn_rewards import POSITIONS_KEY, turn_reward_positions
+
+        sample.metadata[POSITIONS_KEY] = turn_reward_positions(sample)
     return sample

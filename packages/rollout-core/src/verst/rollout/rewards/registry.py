@@ -51,6 +51,10 @@ BUILTIN_REWARDS: dict[str, RuleFn] = {
 REMOTE = "remote"
 """`rollout.reward.type` of a reward model served over HTTP."""
 
+MODEL_REWARDS = ("judge", "reward_model")
+"""`rollout.reward.type`s scored by a model verst runs: a judge (`judge.JudgeReward`, section
+`rollout.reward.judge`) and a sequence-classifier (`reward_model.RewardModelReward`)."""
+
 
 class RewardError(RuntimeError):
     """A reward function raised or returned an invalid value; the message names the function."""
@@ -63,7 +67,7 @@ def is_import_path(name: str) -> bool:
 
 def valid_reward_types() -> list[str]:
     """Names accepted by `rollout.reward.type` besides import paths."""
-    return [*BUILTIN_REWARDS, REMOTE]
+    return [*BUILTIN_REWARDS, REMOTE, *MODEL_REWARDS]
 
 
 def check_reward_value(value: Any, where: str) -> RewardValue:
@@ -211,12 +215,30 @@ def build_sample_reward_fn(config: RolloutConfig) -> RewardFn:
         return RemoteRewardModel(
             reward.url, timeout_s=reward.timeout_s, max_connections=config.max_concurrency
         )
+    if reward.type in MODEL_REWARDS:
+        return _model_reward(config)
     if is_import_path(reward.type):
         return CustomReward.load(reward.type, config, group=False)
     raise RewardError(
         f"unknown rollout.reward.type {reward.type!r}; valid: {valid_reward_types()} "
         f"or an import path 'package.module:function'"
     )
+
+
+def _model_reward(config: RolloutConfig) -> RewardFn:
+    """A judge or reward-model reward from its section (docs/rewards.md)."""
+    reward = config.reward
+    if reward.type == "judge":
+        if reward.judge is None:
+            raise RewardError("rollout.reward.type = 'judge' needs a [rollout.reward.judge] section")
+        from verst.rollout.rewards.judge import JudgeReward
+
+        return JudgeReward.from_config(reward.judge)
+    if reward.reward_model is None:
+        raise RewardError("rollout.reward.type = 'reward_model' needs a [rollout.reward.reward_model] section")
+    from verst.rollout.rewards.reward_model import RewardModelReward
+
+    return RewardModelReward(reward.reward_model)
 
 
 def build_reward_fns(rollout_config: RolloutConfig) -> tuple[RewardFn | None, GroupRewardFn | None]:

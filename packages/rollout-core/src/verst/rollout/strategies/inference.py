@@ -165,7 +165,8 @@ class InferenceRollout:
         self._counters.update(state["counters"])
 
     async def close(self) -> None:
-        """Nothing runs between calls; close loaded generate functions that have a `close`."""
+        """Nothing runs between calls; close loaded generate functions that have a `close` and
+        reward functions that have an `aclose` (a judge's engine, a remote reward's session)."""
         for fn in [self.generate_fn, *self._generate_fn_cache.values()]:
             close = getattr(fn, "close", None)
             if close is not None:
@@ -173,6 +174,11 @@ class InferenceRollout:
                 if asyncio.iscoroutine(out):
                     await out
         self._generate_fn_cache.clear()
+        group_inner = getattr(self.context.group_reward_fn, "reward_fn", None)
+        for reward in (self.context.reward_fn, group_inner):  # a judge's engine, an HTTP session
+            aclose = getattr(reward, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     # ------------------------------------------------------------------ helpers
 

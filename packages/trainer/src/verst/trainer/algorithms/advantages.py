@@ -68,7 +68,7 @@ class AdvantageConfig(Section):
     type: str = Field(
         "grpo",
         description=(
-            "grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or an import path "
+            "grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, grpo_per_turn, or an import path "
             "'pkg.module:Estimator' (a class with a nested Config)."
         ),
     )
@@ -306,6 +306,8 @@ class Gae:
     """Whiten the advantages over the batch's model tokens (the returns are not whitened)."""
     default_loss_agg: ClassVar[str | None] = None
     needs_values: ClassVar[bool] = True
+    per_turn: ClassVar[bool] = True
+    """Uses per-turn rewards (`rollout.env.reward = "per_turn"`) as the token rewards."""
 
     class Config(AdvantageConfig):
         """GAE(gamma, lambda) advantages from a value model (PPO with a critic)."""
@@ -322,14 +324,66 @@ class Gae:
         raise TypeError("gae needs the critic's values: call with_values(rewards, mask, kl_penalty, values)")
 
     def with_values(
-        self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None, values: Tensor
+        self,
+        rewards: Tensor,
+        mask: Tensor,
+        kl_penalty: Tensor | None,
+        values: Tensor,
+        turn_rewards: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """rewards [G, n], mask / kl_penalty / values [G·n, T] → (advantages, returns) [G·n, T]."""
+        """rewards [G, n], mask / kl_penalty / values [G·n, T] → (advantages, returns) [G·n, T];
+        `turn_rewards` [G·n, T] (per-turn rewards at each turn's last token) replace the
+        episode reward at the last token."""
         values = values * mask
-        adv, returns = gae(token_rewards(rewards, mask, kl_penalty), values, mask, self.gamma, self.lam)
+        if turn_rewards is None:
+            tok = token_rewards(rewards, mask, kl_penalty)
+        else:
+            tok = turn_rewards * mask - (kl_penalty * mask if kl_penalty is not None else 0.0)
+        adv, returns = gae(tok, values, mask, self.gamma, self.lam)
         if self.whiten:
             adv = masked_whiten(adv, mask)
         return adv, returns
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GrpoPerTurn:
+    """GRPO with per-turn rewards: a token's advantage is its return-to-go (the rewards of its
+    turn and the later ones, minus the KL penalty from it on) minus the group's mean episode
+    return, divided by the group's std of the episode return. At the first token it is GRPO's
+    advantage; a later turn is credited only with what comes after it."""
+
+    normalize_std: bool = True
+    eps: float = 1e-6
+    default_loss_agg: ClassVar[str | None] = None
+    needs_values: ClassVar[bool] = False
+    per_turn: ClassVar[bool] = True
+
+    class Config(AdvantageConfig):
+        """GRPO over per-turn rewards (rollout.env.reward = 'per_turn'; docs/algorithms.md)."""
+
+        type: Literal["grpo_per_turn"] = Field("grpo_per_turn", description="GRPO over per-turn rewards.")
+        normalize_std: bool = Field(True, description="Divide by the group std of the episode return (+1e-6).")
+
+        def build(self) -> GrpoPerTurn:
+            return GrpoPerTurn(normalize_std=self.normalize_std)
+
+    def __call__(self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+        """Without per-turn rewards the episode reward sits on the last token: GRPO."""
+        return self.with_turn_rewards(rewards, mask, kl_penalty, token_rewards(rewards, mask, None))
+
+    def with_turn_rewards(
+        self, rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None, turn_rewards: Tensor
+    ) -> Tensor:
+        """rewards [G, n], mask / kl_penalty / turn_rewards [G·n, T] → advantages [G·n, T]."""
+        g, n = rewards.shape
+        tok = turn_rewards * mask - (kl_penalty * mask if kl_penalty is not None else 0.0)
+        to_go = discounted_returns(tok, 1.0).view(g, n, -1)  # [G, n, T]
+        episode = outcome_scores(rewards, kl_penalty)  # [G, n]: r_i = Σ_t ρ_t, minus the penalty
+        first = episode[:, :1]  # shifting by it makes equal returns cancel exactly (group_center)
+        adv = (to_go - first.unsqueeze(-1)) - (episode - first).mean(dim=1, keepdim=True).unsqueeze(-1)
+        if self.normalize_std:
+            adv = adv / (group_std(episode).unsqueeze(-1) + self.eps)
+        return adv.reshape(g * n, -1) * mask
 
 
 ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
@@ -339,6 +393,7 @@ ADVANTAGE_ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
     "reinforce_pp": ReinforcePP,
     "reinforce_pp_baseline": ReinforcePPBaseline,
     "gae": Gae,
+    "grpo_per_turn": GrpoPerTurn,
 }
 """Advantage estimators by config name (`[algorithm.advantage] type`)."""
 

@@ -109,10 +109,21 @@ class Algorithm:
         return self.compute_advantages_and_returns(rewards, response_mask, kl)[0]
 
     def compute_advantages_and_returns(
-        self, rewards: Tensor, response_mask: Tensor, kl: Tensor | None = None, values: Tensor | None = None
+        self,
+        rewards: Tensor,
+        response_mask: Tensor,
+        kl: Tensor | None = None,
+        values: Tensor | None = None,
+        turn_rewards: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Advantages (as `compute_advantages`) and, for an estimator with values (GAE), the value
-        targets (returns) [G·n, T] float32; None for the rest. ``values``: the critic's [G·n, T]."""
+        targets (returns) [G·n, T] float32; None for the rest. ``values``: the critic's [G·n, T];
+        ``turn_rewards``: per-turn rewards at their tokens [G·n, T] (estimators with `per_turn`)."""
+        if turn_rewards is not None and not getattr(self.estimator, "per_turn", False):
+            raise ValueError(
+                f"advantage estimator {self.config.advantage.type!r} cannot use per-turn rewards "
+                f"(rollout.env.reward = 'per_turn'); use gae or grpo_per_turn, or set rollout.env.reward = 'sum'"
+            )
         if rewards.dim() != 2:
             raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
         g, n = rewards.shape
@@ -123,12 +134,17 @@ class Algorithm:
         mask = response_mask.to(torch.float64)
         penalty = self._kl_penalty(kl, response_mask, mask)
         r = rewards.detach().to(torch.float64)
+        turns = None if turn_rewards is None else turn_rewards.detach().to(torch.float64)
         if not self.needs_values:
+            if turns is not None:
+                adv = self.estimator.with_turn_rewards(r, mask, penalty, turns)  # type: ignore[attr-defined]
+                return (adv * mask).to(torch.float32), None
             return (self.estimator(r, mask, penalty) * mask).to(torch.float32), None
         if values is None or values.shape != response_mask.shape:
             got = None if values is None else tuple(values.shape)
             raise ValueError(f"{self.config.advantage.type} needs values [B, T] from the critic, got {got}")
-        adv, returns = self.estimator.with_values(r, mask, penalty, values.detach().to(torch.float64))  # type: ignore[attr-defined]
+        extra = {} if turns is None else {"turn_rewards": turns}
+        adv, returns = self.estimator.with_values(r, mask, penalty, values.detach().to(torch.float64), **extra)  # type: ignore[attr-defined]
         return (adv * mask).to(torch.float32), (returns * mask).to(torch.float32)
 
     def _kl_penalty(self, kl: Tensor | None, response_mask: Tensor, mask: Tensor) -> Tensor | None:

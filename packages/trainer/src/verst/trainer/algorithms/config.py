@@ -33,7 +33,7 @@ class AlgorithmConfig(Section):
     advantage: ADVANTAGES.field = Field(  # type: ignore[valid-type]
         default_factory=ADVANTAGES.build_default,
         description=(
-            "Advantage estimator: a name (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, "
+            "Advantage estimator: a name (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, grpo_per_turn, "
             "or 'pkg.module:Estimator') or a table with `type` and the estimator's own options."
         ),
     )

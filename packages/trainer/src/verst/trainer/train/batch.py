@@ -63,6 +63,8 @@ class TrainBatch:
     `train.moe.routing_replay = 'rollout'`; empty when no sample carried any."""
     images: list[list[dict]] | None = None
     """Per sample its `Sample.images` recipes (vision-language models; None when no sample has one)."""
+    turn_rewards: torch.Tensor | None = None  # [B, R]
+    """Per-turn rewards at each turn's last token (`rollout.env.reward = "per_turn"`); None = none."""
 
     @property
     def num_samples(self) -> int:
@@ -192,7 +194,17 @@ def build_train_batch(groups: Sequence[list[Sample]], *, reward_key: str | None 
         if any(s.routed_experts is not None for s in samples)
         else [],
         images=[list(s.images or []) for s in samples] if any(s.images for s in samples) else None,
+        turn_rewards=_turn_rewards(samples, width),
     )
+
+
+def _turn_rewards(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """`[B, width]` per-turn rewards when any sample carries them (agentic `per_turn`), else None."""
+    from verst.rollout.agentic.turn_rewards import POSITIONS_KEY, turn_reward_row
+
+    if not any(POSITIONS_KEY in s.metadata for s in samples):
+        return None
+    return torch.tensor([turn_reward_row(s, width) for s in samples], dtype=torch.float32)
 
 
 def split_even(indices: Sequence[int], parts: int) -> list[list[int]]:

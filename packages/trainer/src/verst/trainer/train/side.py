@@ -263,7 +263,7 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         # the step's prompt groups: the critic splits by them too
         values = self.critic.values(batch, plan.keys) if self.critic is not None else None  # [B, R]
         advantages, returns = algo.compute_advantages_and_returns(
-            batch.rewards, batch.loss_mask, kl=kl, values=values
+            batch.rewards, batch.loss_mask, kl=kl, values=values, turn_rewards=batch.turn_rewards
         )
         for ext in self.extensions:
             advantages = ext.begin_step(self.bundle.module, batch, advantages)
