@@ -1,0 +1,211 @@
+"""One execution: write the inputs, start bwrap (or, only where the config allows it, a plain
+subprocess), read capped output, enforce the wall clock by killing the whole process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+
+from verst.rollout.sandbox.bwrap import INDIR, WORKDIR, BwrapPlan, bwrap_argv, host_python
+from verst.rollout.sandbox.config import SandboxConfig, SandboxLimits
+from verst.rollout.sandbox.launcher import LAUNCHER_SOURCE, SYNTAX_EXIT
+from verst.rollout.sandbox.result import ExecResult, ExecStatus
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 16
+
+
+class SandboxError(ValueError):
+    """Bad input to an execution (a file name that escapes the working directory)."""
+
+
+def rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
+    """The rlimits (name -> soft, hard) the launcher sets before user code runs."""
+    cpu = max(1, round(limits.cpu_s))
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (limits.memory_mb << 20, limits.memory_mb << 20),
+        "RLIMIT_NPROC": (limits.processes, limits.processes),
+        "RLIMIT_FSIZE": (limits.file_size_mb << 20, limits.file_size_mb << 20),
+        "RLIMIT_NOFILE": (limits.open_files, limits.open_files),
+        "RLIMIT_CORE": (0, 0),
+    }
+
+
+def _check_name(name: str) -> PurePosixPath:
+    """`name` as a relative path inside the working directory, or `SandboxError`."""
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or name in ("main.py", "."):
+        raise SandboxError(
+            f"sandbox file name {name!r} must be a relative path inside the working directory "
+            f"(no '..', not absolute, not main.py)"
+        )
+    return path
+
+
+def write_inputs(indir: Path, code: str, stdin: str, files: dict[str, str] | None) -> None:
+    """main.py, stdin and files/ in the host folder bound at /in (readable by the sandbox uid)."""
+    (indir / "files").mkdir(parents=True)
+    for name, text in (files or {}).items():
+        dst = indir / "files" / _check_name(name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text)
+    (indir / "files" / "main.py").write_text(code)
+    (indir / "stdin").write_text(stdin)
+    for root, dirs, names in os.walk(indir):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+        for n in names:
+            os.chmod(os.path.join(root, n), 0o644)
+    os.chmod(indir, 0o755)
+
+
+class _Capture:
+    """Reads one stream up to `cap` bytes; `over` is set once more arrived."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.buf = bytearray()
+        self.over = False
+
+    async def drain(self, stream: asyncio.StreamReader, on_over: asyncio.Event) -> None:
+        while chunk := await stream.read(_CHUNK):
+            room = self.cap - len(self.buf)
+            self.buf += chunk[: max(room, 0)]
+            if len(chunk) > room:
+                self.over = True
+                on_over.set()
+                return
+
+    def text(self) -> str:
+        return self.buf.decode("utf-8", errors="replace")
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process group of bwrap (its inner init dies with it: --die-with-parent,
+    and with the pid namespace's init every process inside)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _status(code: int | None, timed_out: bool, over: bool) -> ExecStatus:
+    if over:
+        return ExecStatus.OUTPUT_LIMIT
+    if timed_out:
+        return ExecStatus.TIMEOUT
+    if code == 0:
+        return ExecStatus.OK
+    if code == SYNTAX_EXIT:
+        return ExecStatus.SYNTAX_ERROR
+    if code is not None and (code < 0 or code > 128):
+        return ExecStatus.KILLED
+    return ExecStatus.ERROR
+
+
+async def _finish(
+    proc: asyncio.subprocess.Process, out: _Capture, err: _Capture, over: asyncio.Event
+) -> int:
+    """Both streams read to their end (or the cap), then the exit status."""
+    await asyncio.gather(out.drain(proc.stdout, over), err.drain(proc.stderr, over))  # type: ignore[arg-type]
+    return await proc.wait()
+
+
+async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> ExecResult:
+    """Start `argv` in its own process group, capture capped output, enforce the wall clock."""
+    start = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+    out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+    over = asyncio.Event()
+    finish = asyncio.ensure_future(_finish(proc, out, err, over))
+    over_wait = asyncio.ensure_future(over.wait())
+    code: int | None = None
+    try:
+        done, _ = await asyncio.wait({finish, over_wait}, timeout=limits.wall_s, return_when="FIRST_COMPLETED")
+        if finish in done and not over.is_set():
+            code = finish.result()
+    finally:
+        _kill_group(proc)
+        over_wait.cancel()
+        finish.cancel()
+        await asyncio.gather(finish, over_wait, return_exceptions=True)
+        if proc.returncode is None:
+            await proc.wait()
+    timed_out = code is None and not over.is_set()
+    return ExecResult(
+        status=_status(code, timed_out, over.is_set()),
+        exit_code=code,
+        stdout=out.text(),
+        stderr=err.text(),
+        stdout_truncated=out.over,
+        stderr_truncated=err.over,
+        wall_s=time.perf_counter() - start,
+    )
+
+
+class SandboxRunner:
+    """Runs one piece of code at a time for one worker slot (its own uid where the host is root)."""
+
+    def __init__(self, cfg: SandboxConfig, slot: int = 0, *, unsandboxed: bool = False) -> None:
+        self.cfg = cfg
+        """The sandbox configuration."""
+        self.uid = cfg.uid_base + slot if os.geteuid() == 0 else None
+        """The uid code runs as (host root only), else None (a user namespace)."""
+        self.unsandboxed = unsandboxed
+        """Run without bwrap (only when the pool found it unusable and the config allows it)."""
+
+    def _launcher_args(self, indir: str, workdir: str, uid: int | None) -> str:
+        python = host_python(self.cfg.python)
+        return json.dumps({
+            "uid": uid, "limits": rlimits(self.cfg.limits), "python": python, "indir": indir,
+            "workdir": workdir, "main": workdir + "/main.py", "syntax_exit": SYNTAX_EXIT,
+        })
+
+    def argv(self, tmp: Path) -> list[str]:
+        """The command line of one execution whose inputs are in `tmp / "in"`."""
+        python = host_python(self.cfg.python)
+        if self.unsandboxed:
+            (tmp / "work").mkdir(exist_ok=True)
+            args = self._launcher_args(str(tmp / "in"), str(tmp / "work"), None)
+            return [python, "-I", "-S", "-c", LAUNCHER_SOURCE, args]
+        inner = [python, "-I", "-S", "-c", LAUNCHER_SOURCE, self._launcher_args(INDIR, WORKDIR, self.uid)]
+        return bwrap_argv(self.cfg, BwrapPlan(indir=str(tmp / "in"), uid=self.uid), inner)
+
+    async def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecResult:
+        """Execute `code` as main.py with `stdin` and `files` in a fresh sandbox."""
+        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-"))
+        try:
+            write_inputs(tmp / "in", code, stdin, files)
+            if self.unsandboxed:
+                log.warning("UNSANDBOXED execution (sandbox.allow_unsandboxed = true, bwrap not usable): "
+                            "the code can read and write this host")
+            return await _run_proc(self.argv(tmp), self.cfg.limits)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def probe(self) -> subprocess.CompletedProcess[bytes]:
+        """Run `print('ok')` synchronously in the sandbox (the pool's check before any work)."""
+        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-"))
+        try:
+            write_inputs(tmp / "in", "print('ok')", "", None)
+            return subprocess.run(self.argv(tmp), capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
