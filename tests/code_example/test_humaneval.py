@@ -80,11 +80,7 @@ async def _run_all(programs: list[str]) -> list:
     try:
         return list(await asyncio.gather(*(pool.run(code) for code in programs)))
     finally:
-        close = getattr(pool, "aclose", None) or getattr(pool, "close", None)
-        if close is not None:
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        await pool.close()
 
 
 def _check_canonical(problems: list[dict]) -> float:
