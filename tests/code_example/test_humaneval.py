@@ -135,3 +135,23 @@ def test_the_reward_scores_humaneval_completions_as_verst_eval_does(monkeypatch)
         return out
 
     assert asyncio.run(score()) == [1.0, 1.0, 0.0]
+
+
+def test_verst_eval_runs_humaneval_through_the_sandboxed_reward(tmp_path, capsys):
+    """`verst eval examples/code_expr/humaneval.toml MODEL` end to end on two problems with a tiny
+    model (long enough context for the prompts): every sample is generated and scored, none fails.
+    A random model passes nothing; the canonical solutions passing is shown above."""
+    import json
+
+    from verst.rollout.toy import make_tiny_checkpoint
+    from verst.trainer.cli import main
+
+    model = make_tiny_checkpoint(tmp_path / "model", seed=0, max_position_embeddings=1024)
+    config = Path(__file__).resolve().parents[2] / "examples" / "code_expr" / "humaneval.toml"
+    sets = ["rollout.eval.datasets.humaneval.options.num_examples=2", "rollout.max_response_len=4"]
+    code = main(["eval", str(config), str(model), *(a for s in sets for a in ("--set", s))])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    metrics = json.loads(out.out[out.out.index("{") :])
+    assert metrics["eval/humaneval/failed_samples"] == 0
+    assert metrics["eval/humaneval/reward_mean"] == 0.0
