@@ -54,14 +54,19 @@ def program(label: dict, answer: str) -> str:
 
 
 def passed_fraction(label: dict, ok: bool, stdout: str) -> float:
-    """The score of one execution's result."""
+    """The score of one execution's result, in [0, 1] (a count line the answer printed itself
+    cannot score more than all tests; this stand-in does not hide the count from the code it runs:
+    the built-in `code_tests` is the hardened one)."""
     tests = label["tests"]
     if isinstance(tests, str):
         return float(ok)
     lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
     if not ok or not lines:
         return 0.0
-    return int(lines[-1].split()[-1]) / len(tests)
+    try:
+        return min(1.0, max(0.0, int(lines[-1].split()[-1]) / len(tests)))
+    except ValueError:
+        return 0.0
 
 
 class CodeTests:
