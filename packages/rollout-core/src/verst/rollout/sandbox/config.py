@@ -47,6 +47,9 @@ class SandboxConfig(BaseModel):
     extra_ro_binds: list[str] = Field(
         default_factory=list, description="More host paths bound read-only at the same place."
     )
+    tmp_dir: str = Field(
+        "", description="Host folder for each execution's input folder (empty: the system temp folder)."
+    )
     allow_unsandboxed: bool = Field(
         False,
         description="Run code as a plain subprocess with rlimits where bwrap cannot work. Unsafe: "

@@ -7,7 +7,7 @@ argv[1]): uid (or null), limits (name -> value), python, stdin (bool).
 
 from __future__ import annotations
 
-LAUNCHER_SOURCE = r'''
+LAUNCHER_SOURCE = r"""
 import json, os, resource, shutil, sys
 a = json.loads(sys.argv[1])
 if a["uid"] is not None and os.getuid() == 0:
@@ -37,7 +37,7 @@ except (SyntaxError, ValueError) as exc:
     sys.stderr.flush()
     os._exit(a["syntax_exit"])
 os.execv(a["python"], [a["python"], "-E", "-s", a["main"]])
-'''
+"""
 """Runs inside the sandbox as `python -I -S -c LAUNCHER_SOURCE ARGS_JSON`."""
 
 SYNTAX_EXIT = 86

@@ -16,7 +16,7 @@ from collections import Counter
 
 from verst.rollout.sandbox.bwrap import INSTALL_HINT
 from verst.rollout.sandbox.config import SandboxConfig
-from verst.rollout.sandbox.result import ExecResult, ExecStatus
+from verst.rollout.sandbox.result import ExecResult
 from verst.rollout.sandbox.runner import SandboxRunner
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 
-class ExecStatus(str, enum.Enum):
+class ExecStatus(enum.StrEnum):
     """How an execution ended; rewards count samples by it."""
 
     OK = "ok"

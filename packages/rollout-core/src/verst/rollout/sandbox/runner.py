@@ -5,6 +5,7 @@ subprocess), read capped output, enforce the wall clock by killing the whole pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -79,13 +80,16 @@ class _Capture:
         self.over = False
 
     async def drain(self, stream: asyncio.StreamReader, on_over: asyncio.Event) -> None:
+        """Keep the first `cap` bytes; read the rest to its end and drop it (a stream left
+        unread would keep asyncio from ever seeing the process end)."""
         while chunk := await stream.read(_CHUNK):
             room = self.cap - len(self.buf)
-            self.buf += chunk[: max(room, 0)]
             if len(chunk) > room:
+                self.buf += chunk[: max(room, 0)]
                 self.over = True
                 on_over.set()
-                return
+            else:
+                self.buf += chunk
 
     def text(self) -> str:
         return self.buf.decode("utf-8", errors="replace")
@@ -94,10 +98,8 @@ class _Capture:
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
     """SIGKILL the process group of bwrap (its inner init dies with it: --die-with-parent,
     and with the pid namespace's init every process inside)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _status(code: int | None, timed_out: bool, over: bool) -> ExecStatus:
@@ -114,12 +116,23 @@ def _status(code: int | None, timed_out: bool, over: bool) -> ExecStatus:
     return ExecStatus.ERROR
 
 
-async def _finish(
-    proc: asyncio.subprocess.Process, out: _Capture, err: _Capture, over: asyncio.Event
-) -> int:
+async def _finish(proc: asyncio.subprocess.Process, out: _Capture, err: _Capture, over: asyncio.Event) -> int:
     """Both streams read to their end (or the cap), then the exit status."""
     await asyncio.gather(out.drain(proc.stdout, over), err.drain(proc.stderr, over))  # type: ignore[arg-type]
     return await proc.wait()
+
+
+async def _reap(proc: asyncio.subprocess.Process, finish: asyncio.Future[int]) -> None:
+    """After the kill: let the readers see the end of both streams and the exit be collected;
+    where something still holds the pipes after 5 s, close them."""
+    try:
+        await asyncio.wait_for(asyncio.shield(finish), 5.0)
+    except (TimeoutError, asyncio.CancelledError, OSError):
+        finish.cancel()
+        transport = getattr(proc, "_transport", None)  # asyncio offers no public way to drop the pipes
+        if transport is not None:
+            transport.close()
+        await asyncio.gather(finish, return_exceptions=True)
 
 
 async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> ExecResult:
@@ -139,16 +152,15 @@ async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> Exe
     over_wait = asyncio.ensure_future(over.wait())
     code: int | None = None
     try:
-        done, _ = await asyncio.wait({finish, over_wait}, timeout=limits.wall_s, return_when="FIRST_COMPLETED")
+        done, _ = await asyncio.wait(
+            {finish, over_wait}, timeout=limits.wall_s, return_when="FIRST_COMPLETED"
+        )
         if finish in done and not over.is_set():
             code = finish.result()
     finally:
         _kill_group(proc)
         over_wait.cancel()
-        finish.cancel()
-        await asyncio.gather(finish, over_wait, return_exceptions=True)
-        if proc.returncode is None:
-            await proc.wait()
+        await _reap(proc, finish)
     timed_out = code is None and not over.is_set()
     return ExecResult(
         status=_status(code, timed_out, over.is_set()),
@@ -159,6 +171,35 @@ async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> Exe
         stderr_truncated=err.over,
         wall_s=time.perf_counter() - start,
     )
+
+
+def uid_processes(uid: int) -> int:
+    """Live (non-zombie) processes of `uid` on the host, from /proc."""
+    n = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields.get("State", "").strip().startswith(
+            "Z"
+        ):
+            n += 1
+    return n
+
+
+async def wait_gone(uid: int | None, timeout_s: float = 2.0) -> None:
+    """Wait until the kernel has torn down every process of a worker's uid (the pid namespace
+    dies with its init, asynchronously); host root only, where each worker has its own uid."""
+    if uid is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while uid_processes(uid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 class SandboxRunner:
@@ -174,10 +215,17 @@ class SandboxRunner:
 
     def _launcher_args(self, indir: str, workdir: str, uid: int | None) -> str:
         python = host_python(self.cfg.python)
-        return json.dumps({
-            "uid": uid, "limits": rlimits(self.cfg.limits), "python": python, "indir": indir,
-            "workdir": workdir, "main": workdir + "/main.py", "syntax_exit": SYNTAX_EXIT,
-        })
+        return json.dumps(
+            {
+                "uid": uid,
+                "limits": rlimits(self.cfg.limits),
+                "python": python,
+                "indir": indir,
+                "workdir": workdir,
+                "main": workdir + "/main.py",
+                "syntax_exit": SYNTAX_EXIT,
+            }
+        )
 
     def argv(self, tmp: Path) -> list[str]:
         """The command line of one execution whose inputs are in `tmp / "in"`."""
@@ -191,19 +239,23 @@ class SandboxRunner:
 
     async def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecResult:
         """Execute `code` as main.py with `stdin` and `files` in a fresh sandbox."""
-        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-"))
+        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-", dir=self.cfg.tmp_dir or None))
         try:
             write_inputs(tmp / "in", code, stdin, files)
             if self.unsandboxed:
-                log.warning("UNSANDBOXED execution (sandbox.allow_unsandboxed = true, bwrap not usable): "
-                            "the code can read and write this host")
-            return await _run_proc(self.argv(tmp), self.cfg.limits)
+                log.warning(
+                    "UNSANDBOXED execution (sandbox.allow_unsandboxed = true, bwrap not usable): "
+                    "the code can read and write this host"
+                )
+            res = await _run_proc(self.argv(tmp), self.cfg.limits)
+            await wait_gone(None if self.unsandboxed else self.uid)
+            return res
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def probe(self) -> subprocess.CompletedProcess[bytes]:
         """Run `print('ok')` synchronously in the sandbox (the pool's check before any work)."""
-        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-"))
+        tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-", dir=self.cfg.tmp_dir or None))
         try:
             write_inputs(tmp / "in", "print('ok')", "", None)
             return subprocess.run(self.argv(tmp), capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
