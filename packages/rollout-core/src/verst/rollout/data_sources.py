@@ -26,6 +26,7 @@ DATA_SOURCES: dict[str, str] = {
     "reasoning_gym": "verst.rollout.integrations.reasoning_gym_data:ReasoningGymSource",
     "verifiers": "verst.rollout.integrations.verifiers_env:VerifiersSource",
     "nemo_gym": "verst.rollout.integrations.nemo_gym_env:NemoGymSource",
+    "humaneval": "verst.rollout.integrations.humaneval_data:HumanEvalSource",
 }
 """Built-in generated data sources: name → import path of the class."""
 
