@@ -232,3 +232,28 @@ def test_config_table_and_problems():
     with pytest.raises(ValueError, match="speculative proposer type"):
         parse_engine_config({"speculative": {"type": "medusa"}})
     assert parse_speculative('{"type": "ngram"}').type == "ngram"
+
+
+async def test_verst_serve_speculates_and_reports_its_counters(tiny_checkpoint):
+    import aiohttp
+    from serve_testlib import serve_app
+
+    from verst.rollout.engines.serve.server import build_app, make_parser
+    from verst.rollout.engines.sglang.client import SGLangClient
+
+    args = make_parser().parse_args(["--model", str(tiny_checkpoint), "--speculative", json.dumps(NGRAM)])
+    prompt = [1] + [4 + j % 4 for j in range(12)]
+    req = GenerateRequest(prompt, SamplingParams(20, 0.0, ignore_eos=True))
+    plain, _ = await _run(tiny_checkpoint, [req])
+    engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, speculative=args.speculative)
+    async with serve_app(build_app(engine)) as url:
+        client = SGLangClient(url)
+        try:
+            out = await client.generate(req)
+        finally:
+            await client.close()
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/server_info") as resp:
+            info = await resp.json()
+    await engine.close()
+    assert out.output_ids == plain[0].output_ids
+    assert info["speculative"]["accepted"] > 0
