@@ -53,8 +53,8 @@ class EmbeddedEngineConfig(EngineSection):
     speculative: SpeculativeConfig = Field(
         default_factory=SpeculativeOff,
         description=(
-            "Speculative decoding: a proposer table {type = 'ngram' | 'draft_model', num_tokens = 4, ...} "
-            "(default off); the output distribution and log-probs stay the target's (docs/engines.md)."
+            "Speculative decoding: a proposer table (type ngram or draft_model, num_tokens, ...; "
+            "default off); the output distribution and log-probs stay the target's (docs/engines.md)."
         ),
     )
 
