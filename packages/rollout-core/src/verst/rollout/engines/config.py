@@ -24,6 +24,7 @@ from pydantic import Field
 
 from verst.rollout.config import path_field
 from verst.rollout.engine import EngineCapabilities, InferenceEngine
+from verst.rollout.engines.embedded.speculative.config import SpeculativeConfig, SpeculativeOff
 from verst.rollout.engines.section import EngineSection, HttpEngineSection
 from verst.rollout.engines.vllm.config import VllmEngineConfig, VllmLaunchEngineConfig
 from verst.rollout.errors import ConfigError, Problem
@@ -49,6 +50,16 @@ class EmbeddedEngineConfig(EngineSection):
             "their KV cache per row."
         ),
     )
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeOff,
+        description=(
+            "Speculative decoding: a proposer table (type ngram or draft_model, num_tokens, ...; "
+            "default off); the output distribution and log-probs stay the target's (docs/engines.md)."
+        ),
+    )
+
+    def problems(self, key: str = "engine") -> list[Problem]:
+        return self.speculative.problems(f"{key}.speculative")
 
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
@@ -79,6 +90,7 @@ class EmbeddedEngineConfig(EngineSection):
                 num_threads=self.num_threads,
                 max_batch_size=self.max_batch_size,
                 prefix_sharing=self.prefix_sharing,
+                speculative=self.speculative,
             )
 
         engines = [await asyncio.to_thread(make) for _ in range(self.num_engines)]

@@ -249,15 +249,17 @@ class RolloutSide:
         self, rollout_id: int, weight_version: int, *, stop: Callable[[], bool] | None = None
     ) -> RolloutResult:
         """One training rollout; `RolloutInterrupted` once `stop()` turns true (see the module doc)."""
+        from verst.rollout.engines.embedded.speculative.metrics import speculative_counters, speculative_metrics
+
         request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)
-        if self.teacher_scorer is None:
-            return self._run_until_stopped(self.strategy(request), stop)
+        before = speculative_counters(self.engine)
         scorer = self.teacher_scorer
 
         async def rollout_and_score() -> RolloutResult:
             result = await self.strategy(request)
-            metrics = await scorer.score(result.groups, rid_prefix=f"opd-{rollout_id}")
-            result.metrics.update(metrics)
+            if scorer is not None:
+                result.metrics.update(await scorer.score(result.groups, rid_prefix=f"opd-{rollout_id}"))
+            result.metrics.update(speculative_metrics(before, speculative_counters(self.engine)))
             return result
 
         return self._run_until_stopped(rollout_and_score(), stop)

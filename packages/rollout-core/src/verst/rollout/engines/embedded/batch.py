@@ -86,6 +86,8 @@ class Row:
     """It asks for more than the sampled token's log-prob (top-k or `token_ids_logprob` pairs)."""
     stop_strings: bool = False
     """It has stop strings (checked on the decoded tail after every token)."""
+    spec: Any = None
+    """Its speculative-decoding state (`embedded.speculative.step.RowSpec`), when enabled."""
 
     def __post_init__(self) -> None:
         req = self.request
@@ -196,6 +198,8 @@ class DecodeBatch:
         """The decode step without the model's wrappers (`embedded.direct`); None: `model(...)`."""
         self.prefill_group_cost = prefill_group_tokens(self.device)
         """One more prefill forward's cost in padded tokens (`ragged.split_by_width`)."""
+        self.speculative: Any = None
+        """`embedded.speculative.step.SpeculativeDecoder` (None: plain decoding); it keeps the flat layout."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -272,7 +276,8 @@ class DecodeBatch:
         if self.rows:
             return self.prefix is not None
         cpu = self.device.type == "cpu"
-        return self.share_decode and self.direct is not None and cpu and distinct < rows
+        flat_only = self.speculative is not None  # its verification forward runs `model(...)`
+        return self.share_decode and self.direct is not None and cpu and distinct < rows and not flat_only
 
     def _shared(
         self, done: Any, rows: list[Row], index: torch.Tensor, split: bool
@@ -323,8 +328,10 @@ class DecodeBatch:
 
     # ---- decoding ---------------------------------------------------------------------------
     def step(self) -> None:
-        """Feed every row's last token and sample the next one."""
+        """Feed every row's last token and sample the next one (or, speculative, verify proposals)."""
         assert self.mask is not None and self.next_pos is not None and self.last is not None
+        if self.speculative is not None and self.speculative.step(self):
+            return
         n = self.mask.shape[0]  # slots, dead ones included
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
         self._route(self.slot_rows)

@@ -31,6 +31,18 @@ LOCAL_FEATURE = "the embedded engine"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _speculative(config: Any, model: Any, vocab: int) -> Any:
+    """The decode batch's `SpeculativeDecoder` for an `engine.speculative` config (None: off)."""
+    from verst.rollout.engines.embedded.speculative.config import parse_speculative
+
+    section = parse_speculative(config)
+    if not section.enabled:
+        return None
+    from verst.rollout.engines.embedded.speculative.step import SpeculativeDecoder
+
+    return SpeculativeDecoder(section.build(model, vocab), section.num_tokens)
+
+
 def _resolve_device(device: str) -> str:
     if device != "auto":
         return device
@@ -61,6 +73,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         weight_version: int = 0,
         prefix_sharing: bool = True,
         vision: Any = None,
+        speculative: Any = None,
     ) -> None:
         """Serve `model` (a transformers causal LM, put in eval mode here).
 
@@ -70,7 +83,8 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         arrival, at most `BATCH_WAIT_CAP` times in total); `prefix_sharing` prefills the requests
         of one admission that have the same prompt (and adapter, and images) once, copying the
         result to each; `vision` is the `MultimodalProcessor` of a vision-language model (requests
-        with `images` need it).
+        with `images` need it); `speculative` is an `engine.speculative` config (a
+        `speculative.config.SpeculativeSection`, a table or a name; None = off).
         """
         require("torch", extra="local", feature=LOCAL_FEATURE)
         from verst.rollout.engines.embedded.batch import DecodeBatch
@@ -91,6 +105,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         self._batch = DecodeBatch(model, int(pad or 0), tokenizer)
         self._batch.share_prefix = prefix_sharing
         self.vision = self._batch.vision = vision
+        self._batch.speculative = _speculative(speculative, model, self.vocab_size)
         self._weight_version = weight_version
         self._cond = threading.Condition()
         self._pending: list[Any] = []
@@ -318,6 +333,12 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         return {"rows": b.prefill_rows, "tokens": b.prefill_tokens, "saved": b.prefill_tokens_saved}
 
     @property
+    def speculative_stats(self) -> dict[str, float] | None:
+        """Speculative decoding's counters so far (`speculative.step.SpeculativeStats`); None: off."""
+        spec = self._batch.speculative
+        return None if spec is None else spec.stats.as_dict()
+
+    @property
     def prefill_tokens_saved(self) -> int:
         """Prompt tokens not prefilled because their row shared an identical prompt's prefill."""
         return self._batch.prefill_tokens_saved
@@ -462,5 +483,7 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
         with torch.no_grad():
             for name, tensor in named.items():
                 state[name].copy_(tensor)
+        if self._batch.speculative is not None:
+            self._batch.speculative.proposer.refit(named)  # a draft with `refit = "with_policy"`
         self._weight_version = self._weight_version + 1 if version is None else int(version)
         return self._weight_version

@@ -156,6 +156,9 @@ async def server_info(request: web.Request) -> web.Response:
     info["max_batch_size"] = state.engine.max_batch_size
     info["dtype"] = state.engine.weight_dtype  # resolved ('auto' becomes the model's)
     info["startup_time"] = state.startup_time
+    spec = getattr(state.engine, "speculative_stats", None)
+    if spec is not None:
+        info["speculative"] = spec  # counters since start (`speculative.step.SpeculativeStats`)
     return web.json_response(info)
 
 

@@ -112,6 +112,12 @@ def build_app(
     return app
 
 
+_SPECULATIVE_HELP = (
+    "speculative decoding: a proposer name (ngram) or a JSON table, e.g. "
+    '\'{"type": "draft_model", "model_path": "draft", "num_tokens": 4}\' (default off; docs/engines.md)'
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="verst serve",
@@ -166,6 +172,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_SEQUENCES,
         help=f"bound of one /generate call: prompts x n; 0 = none (default {DEFAULT_MAX_REQUEST_SEQUENCES})",
     )
+    p.add_argument("--speculative", default=None, help=_SPECULATIVE_HELP)
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     add_lora_args(p)
     return p
@@ -192,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size,
         context_len=args.context_length,
         weight_version=args.weight_version or 0,
+        speculative=args.speculative,
     )
     from verst.rollout.engines.serve.lora_http import configure as configure_lora
 

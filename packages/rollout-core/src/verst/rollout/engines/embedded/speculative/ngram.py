@@ -1,0 +1,80 @@
+"""Prompt lookup (n-gram) proposals: no extra model.
+
+A row's context (prompt + output so far) is searched for the most recent earlier occurrence of
+its last `n` tokens, longest `n` first (`max_ngram` down to `min_ngram`); the tokens that
+followed it are the proposal. Strong where the output copies its context: tool outputs quoted
+back, code edits, reversing or repeating a sequence. The proposal is a point mass (`q = δ`).
+Each row keeps an index of where every token occurs (`NgramIndex`, extended as it grows), so a
+lookup reads the positions of its last token only, not the whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """Positions of every token of one row's context, in order."""
+
+    tokens: list[int] = field(default_factory=list)
+    at: dict[int, list[int]] = field(default_factory=dict)
+
+    prompt_len: int = -1
+
+    def extend(self, prompt: list[int], output: list[int]) -> None:
+        """Index the tokens of `prompt + output` past those seen (the context only ever grows)."""
+        if self.prompt_len < 0:
+            self.prompt_len = len(prompt)
+            self._add(prompt)
+        self._add(output[len(self.tokens) - self.prompt_len :])
+
+    def _add(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self.at.setdefault(tok, []).append(len(self.tokens))
+            self.tokens.append(tok)
+
+    def lookup(self, min_n: int, max_n: int, k: int, max_candidates: int = 64) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier match of the longest suffix n-gram."""
+        ctx, end = self.tokens, len(self.tokens)
+        if k <= 0 or end < min_n + 1:
+            return []
+        best: list[int] = []
+        best_n = min_n - 1
+        places = self.at.get(ctx[-1], [])
+        for j in reversed(places[-max_candidates - 1 : -1]):  # j: an earlier occurrence of the last token
+            n = 1
+            while n < max_n and j - n >= 0 and ctx[j - n] == ctx[end - 1 - n]:
+                n += 1
+            if n > best_n:
+                best, best_n = ctx[j + 1 : j + 1 + k], n
+                if n >= max_n:
+                    break
+        return best if best_n >= min_n else []
+
+
+class NgramProposer:
+    """Proposes continuations found in each row's own context (see the module doc)."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+
+    def propose(self, batch: Any, rows: list[Any], caps: list[int]) -> tuple[list[list[int]], Any]:
+        """Per row up to `caps[i]` proposed tokens, and None (point masses)."""
+        out: list[list[int]] = []
+        for r, cap in zip(rows, caps, strict=True):
+            if cap <= 0:
+                out.append([])
+                continue
+            state = r.spec
+            if state.index is None:
+                state.index = NgramIndex()
+            idx = state.index
+            idx.extend(r.request.input_ids, r.output_ids)
+            out.append(idx.lookup(self.min_ngram, self.max_ngram, cap))
+        return out, None
+
+    def refit(self, named: dict[str, Any]) -> None:
+        """No weights."""
