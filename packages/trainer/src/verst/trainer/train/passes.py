@@ -77,7 +77,8 @@ class ForwardPassesMixin:
         (`verst.trainer.train.pieces`), so the probe checks that path too."""
         config = hf_model.config
         text_only = getattr(config, "vision_config", None) is None
-        if self.cfg.effective_layout in ("auto", "shared_prompt") and attn == "sdpa" and text_only:
+        exact = self.cfg.exact_on_policy  # the model runs verst.rollout.exact_ops' attention
+        if self.cfg.effective_layout in ("auto", "shared_prompt") and attn == "sdpa" and text_only and not exact:
             attn = PIECES_ATTENTION if use_pieces_attention(hf_model) else attn
 
         def probe(inputs: PackedInputs) -> torch.Tensor:

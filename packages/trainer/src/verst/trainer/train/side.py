@@ -30,6 +30,7 @@ from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch
 from verst.trainer.train.checks import resolve_attn_implementation
+from verst.trainer.train.exact_tally import MismatchTally
 from verst.trainer.train.critic import Critic
 from verst.trainer.train.fsdp import DistInfo, MetricSums
 from verst.trainer.train.logprobs import PolicyLogprobs
@@ -143,6 +144,8 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         """The extensions' loss terms, added to the algorithm's (and MoE's aux loss)."""
         self.moe = self._moe_runtime()
         """MoE models: routing replay, routing metrics and the load-balancing loss (`[train.moe]`)."""
+        self.exact_tally = MismatchTally() if cfg.exact_on_policy else None
+        """`train.exact_on_policy`: rollout/mismatch_tokens and rollout/mismatch_max per step."""
 
     def _critic(self, algorithm: AlgorithmConfig, updates: int) -> Critic | None:
         """PPO's value model (`[algorithm.critic]`; None without one), sharded and prepared like the policy."""
@@ -231,6 +234,8 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         if self.moe is not None:
             out.update({f"train/{k}": v for k, v in {**self.moe.step_metrics(), **moe_metrics}.items()})
         out.update(batch.metrics)
+        if self.exact_tally is not None:
+            out.update(self.exact_tally.metrics())
         return out
 
     def _step_tensors(
@@ -369,6 +374,8 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
             metrics["logprob_ratio_clip_frac"] = float((outside_clip(old.detach() - rl) * m).sum()) / max(
                 ntok, 1.0
             )
+        if self.exact_tally is not None and rl is not None and at_old_weights:
+            self.exact_tally.add(old, rl, m)
         sums.add(metrics, ntok)
 
     def _optimizer_step(self) -> dict[str, float]:
