@@ -38,8 +38,9 @@ import torch.nn.functional as F
 ROW_BLOCK = 8
 """Rows of every GEMM are padded to a multiple of this (M >= 8: no GEMV or small-M kernel)."""
 
-KEY_BLOCK = 16
-"""Key columns of the attention's score GEMM are padded to a multiple of this (N >= 16)."""
+KEY_BLOCK = 64
+"""Key columns of the attention are padded to a multiple of this (the score GEMM's N >= 16), and
+the weighted sum over keys runs over blocks of this many key positions."""
 
 
 def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -78,14 +79,39 @@ def exact_logprobs(logits: torch.Tensor, inv_temp: float | torch.Tensor) -> torc
 
 
 def _allowed(mask: torch.Tensor | None, b: int, t: int, length: int, device: Any) -> torch.Tensor:
-    """A bool `[b | 1, 1, t, L]` (True = attend) from transformers' mask: bool, additive, or None
+    """A bool `[b, t, L]` (True = attend) from transformers' mask: bool, additive, or None
     (causal, the queries being the last `t` of the `L` keys)."""
     if mask is None:
         q = torch.arange(length - t, length, device=device)[:, None]
-        return (torch.arange(length, device=device)[None, :] <= q)[None, None]
+        return (torch.arange(length, device=device)[None, :] <= q)[None].expand(b, t, length)
     if mask.dtype != torch.bool:
         mask = mask == 0
-    return mask[:, :1, -t:, -length:] if mask.shape[-1] >= length else mask[:, :1, -t:]
+    return mask[:, 0, -t:, -length:].expand(b, t, length)
+
+
+def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [b, L] of the column holding each row's key position c, the mask in those
+    coordinates [b, t, L]). Each row must be one sequence whose keys are contiguous columns
+    from its first attended one (left padding, right padding, a cache): anything else (packed
+    or shared-prompt rows) is refused, never approximated."""
+    b, t, length = allowed.shape
+    cols = torch.arange(length, device=allowed.device)
+    shift = allowed[:, -1].to(torch.int8).argmax(-1)  # [b] first column the row's last query sees
+    count = allowed.sum(-1, keepdim=True)  # [b, t]
+    expect = (cols >= shift[:, None, None]) & (cols < shift[:, None, None] + count)
+    if not torch.equal(allowed, expect):
+        raise ValueError(
+            "exact_on_policy: a row of this attention is not one contiguous causal sequence "
+            "(packed or shared-prompt rows); use train.layout = 'padded'"
+        )
+    index = (cols[None, :] + shift[:, None]).clamp_(max=length - 1)  # [b, L]
+    return index, cols < count
+
+
+def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, kv, L, d] with its key columns reordered by index [b, L]."""
+    b, kv, length, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, kv, length, d))
 
 
 def exact_attention(
@@ -100,31 +126,41 @@ def exact_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns `([b, t, heads, d], None)`.
 
-    A query's output is the same bits whatever the batch, the key length, the padding and the
-    other queries: scores from a GEMM with rows padded to `ROW_BLOCK` and key columns to
-    `KEY_BLOCK`; softmax's max (exact in any order); `exp`; then one GEMM of the probabilities
-    against `[values | 1]` gives the weighted sum and the denominator, both accumulated over the
-    keys in order (masked keys add exact zeros)."""
+    A query's output is the same bits whatever the batch, the padding, the cache length and the
+    other queries. Each row's keys are moved so that column c holds key position c (a gather:
+    left padding and cache columns differ per row). Scores come from one GEMM (rows padded to
+    `ROW_BLOCK`, columns to `KEY_BLOCK`), masked, minus their max (exact in any order), `exp`.
+    The weighted sum of values and the softmax denominator come from GEMMs of the
+    probabilities against `[values | 1]` over fixed blocks of `KEY_BLOCK` key positions,
+    added block after block in position order: a query's blocks past its position add exact
+    zeros, so neither the number of blocks nor where they end changes a bit (one GEMM over all
+    keys would not do: MKL blocks its inner dimension by the total length)."""
     if dropout:
         raise ValueError("exact_on_policy: attention dropout is not batch-invariant; set it to 0")
     b, heads, t, d = query.shape
     kv, length = key.shape[1], key.shape[2]
     rep = heads // kv
     scale = scaling if scaling is not None else d**-0.5
-    allowed = _allowed(attention_mask, b, t, length, query.device)  # [b|1, 1, t, L]
+    index, ok = _aligned(_allowed(attention_mask, b, t, length, query.device))
+    cols = (-length) % KEY_BLOCK
+    key, value = _gather_keys(key, index), _gather_keys(value, index)
     q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
-    cols = (-length) % KEY_BLOCK if length >= KEY_BLOCK else KEY_BLOCK - length
     kt = F.pad(key, (0, 0, 0, cols)).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
     scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
-    ok = allowed[:, :, None].expand(allowed.shape[0], 1, rep, t, length).reshape(-1, 1, rep * t, length)
-    ok = F.pad(ok, (0, cols, 0, q.shape[2] - rep * t), value=False)  # [b|1, 1, Mp, Lp]
+    ok = ok[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
+    ok = F.pad(ok, (0, cols, 0, q.shape[2] - rep * t), value=False)  # [b, 1, Mp, Lp]
     scores = scores.masked_fill(~ok, float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # fully masked rows: 0
     probs = torch.exp(scores - top)
     ones = value.new_ones((*value.shape[:-1], KEY_BLOCK))
     vv = F.pad(torch.cat([value, ones], dim=-1), (0, 0, 0, cols))  # [b, kv, Lp, d + KEY_BLOCK]
-    acc = torch.matmul(probs, vv)[:, :, : rep * t]  # [b, kv, rep*t, d + KEY_BLOCK]
+    acc = None
+    for j in range(0, length + cols, KEY_BLOCK):  # blocks of key positions, in order
+        part = torch.matmul(probs[..., j : j + KEY_BLOCK], vv[:, :, j : j + KEY_BLOCK])
+        acc = part if acc is None else acc + part
+    assert acc is not None
+    acc = acc[:, :, : rep * t]  # [b, kv, rep*t, d + KEY_BLOCK]
     den = acc[..., d : d + 1]
     out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
     return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous(), None

@@ -88,7 +88,7 @@ class ForwardPassesMixin:
         try:
             with eval_mode(module):
                 return LayoutChooser.build(
-                    self.cfg.effective_layout,
+                    "padded" if exact else self.cfg.effective_layout,  # exact: one sequence per row
                     config=config,
                     attn=attn,
                     probe=probe,
