@@ -63,6 +63,11 @@ def exact_on_policy_problems(cfg: RunConfig, *, cuda_available: bool, world_size
         reasons.append(f"train.dtype={train.dtype!r}: only float32 is covered")
     if train.lora is not None:
         reasons.append("LoRA ([train.lora]) is not covered")
+    if train.effective_layout not in ("auto", "padded"):
+        reasons.append(
+            f"train.layout={train.effective_layout!r}: the exact attention takes one sequence per row "
+            "(padded rows; 'auto' picks them)"
+        )
     if world_size > 1 or train.fsdp or cfg.run.placement == "ray":
         reasons.append("one trainer process only (no FSDP, no Ray placement)")
     reasons += _model_reasons(train.model_path or getattr(cfg.engine, "model_path", None))
