@@ -56,8 +56,14 @@ def _assert_exact(steps: list[dict], n: int) -> None:
 
 def test_reverse_digits_exact_with_batch_7_and_prefix_sharing(tmp_path, capsys):
     steps = _run(
-        tmp_path, "reverse_digits", capsys, "run.num_steps=2", "train.exact_on_policy=true",
-        "engine.max_batch_size=7", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
+        tmp_path,
+        "reverse_digits",
+        capsys,
+        "run.num_steps=2",
+        "train.exact_on_policy=true",
+        "engine.max_batch_size=7",
+        "rollout.batch_size=4",
+        "rollout.n_samples_per_prompt=4",
     )
     _assert_exact(steps, 2)
 
@@ -65,7 +71,11 @@ def test_reverse_digits_exact_with_batch_7_and_prefix_sharing(tmp_path, capsys):
 def test_default_run_differs(tmp_path, capsys):
     """The control: the same run without the setting has engine/trainer log-prob differences."""
     steps = _run(
-        tmp_path, "reverse_digits", capsys, "run.num_steps=2", "rollout.batch_size=4",
+        tmp_path,
+        "reverse_digits",
+        capsys,
+        "run.num_steps=2",
+        "rollout.batch_size=4",
         "rollout.n_samples_per_prompt=4",
     )
     assert any(s["train/logprob_mismatch_max"] > 0 for s in steps)
@@ -75,7 +85,10 @@ def test_default_run_differs(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
-        (['engine={type = "sglang", urls = ["http://127.0.0.1:1"]}'], "computes its log-probs with its own kernels"),
+        (
+            ['engine={type = "sglang", urls = ["http://127.0.0.1:1"]}'],
+            "computes its log-probs with its own kernels",
+        ),
         (["engine.dtype=bfloat16"], "engine.dtype='bfloat16'"),
         (["train.layout=shared_prompt"], "one sequence per row"),
         (["train.dtype=bfloat16"], "train.dtype='bfloat16'"),
@@ -84,8 +97,13 @@ def test_default_run_differs(tmp_path, capsys):
 def test_refused_where_it_cannot_hold(tmp_path, capsys, overrides, fragment):
     run = tmp_path / "refused"
     code = main(
-        ["train", str(EXAMPLES / "reverse_digits" / "config.toml"), f'run.output_dir="{run}"',
-         "train.exact_on_policy=true", *overrides]
+        [
+            "train",
+            str(EXAMPLES / "reverse_digits" / "config.toml"),
+            f'run.output_dir="{run}"',
+            "train.exact_on_policy=true",
+            *overrides,
+        ]
     )
     err = capsys.readouterr().err
     assert code == 2 and not run.exists()
@@ -99,8 +117,13 @@ def test_refused_where_it_cannot_hold(tmp_path, capsys, overrides, fragment):
 def test_reverse_digits_exact_across_batch_sizes_and_prefix_sharing(tmp_path, capsys, batch, sharing):
     n = 150 if (batch, sharing) == (64, True) else 10  # the whole example run once
     steps = _run(
-        tmp_path, "reverse_digits", capsys, f"run.num_steps={n}", "train.exact_on_policy=true",
-        f"engine.max_batch_size={batch}", f"engine.prefix_sharing={str(sharing).lower()}",
+        tmp_path,
+        "reverse_digits",
+        capsys,
+        f"run.num_steps={n}",
+        "train.exact_on_policy=true",
+        f"engine.max_batch_size={batch}",
+        f"engine.prefix_sharing={str(sharing).lower()}",
     )
     _assert_exact(steps, n)
 
@@ -109,7 +132,12 @@ def test_reverse_digits_exact_across_batch_sizes_and_prefix_sharing(tmp_path, ca
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_tool_math_multi_turn_exact(tmp_path, capsys, batch):
     steps = _run(
-        tmp_path, "tool_math", capsys, "run.num_steps=3", "train.exact_on_policy=true",
-        f"engine.max_batch_size={batch}", "rollout.batch_size=4",
+        tmp_path,
+        "tool_math",
+        capsys,
+        "run.num_steps=3",
+        "train.exact_on_policy=true",
+        f"engine.max_batch_size={batch}",
+        "rollout.batch_size=4",
     )
     _assert_exact(steps, 3)

@@ -89,4 +89,3 @@ def install_exact(model: Any) -> None:
 def is_exact(model: Any) -> bool:
     """Whether `install_exact` ran on `model`."""
     return bool(getattr(model, "verst_exact", False))
-

@@ -94,7 +94,7 @@ def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     coordinates [b, t, L]). Each row must be one sequence whose keys are contiguous columns
     from its first attended one (left padding, right padding, a cache): anything else (packed
     or shared-prompt rows) is refused, never approximated."""
-    b, t, length = allowed.shape
+    length = allowed.shape[-1]
     cols = torch.arange(length, device=allowed.device)
     shift = allowed[:, -1].to(torch.int8).argmax(-1)  # [b] first column the row's last query sees
     count = allowed.sum(-1, keepdim=True)  # [b, t]

@@ -78,7 +78,12 @@ class ForwardPassesMixin:
         config = hf_model.config
         text_only = getattr(config, "vision_config", None) is None
         exact = self.cfg.exact_on_policy  # the model runs verst.rollout.exact_ops' attention
-        if self.cfg.effective_layout in ("auto", "shared_prompt") and attn == "sdpa" and text_only and not exact:
+        if (
+            self.cfg.effective_layout in ("auto", "shared_prompt")
+            and attn == "sdpa"
+            and text_only
+            and not exact
+        ):
             attn = PIECES_ATTENTION if use_pieces_attention(hf_model) else attn
 
         def probe(inputs: PackedInputs) -> torch.Tensor:

@@ -30,8 +30,8 @@ from verst.trainer.opd.config import OpdConfig
 from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch
 from verst.trainer.train.checks import resolve_attn_implementation
-from verst.trainer.train.exact_tally import MismatchTally
 from verst.trainer.train.critic import Critic
+from verst.trainer.train.exact_tally import MismatchTally
 from verst.trainer.train.fsdp import DistInfo, MetricSums
 from verst.trainer.train.logprobs import PolicyLogprobs
 from verst.trainer.train.lora import LoraState
@@ -368,15 +368,21 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
             self._detail.add_logprobs(rows, old)
         metrics.pop("logprob_mismatch", None)  # measured here, against the step's old weights
         if rl is not None and at_old_weights:  # the trainer's log-probs before this step's updates
-            diff = (old.detach() - rl).abs() * m
-            metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
-            metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
-            metrics["logprob_ratio_clip_frac"] = float((outside_clip(old.detach() - rl) * m).sum()) / max(
-                ntok, 1.0
-            )
-        if self.exact_tally is not None and rl is not None and at_old_weights:
-            self.exact_tally.add(old, rl, m)
+            metrics.update(self._mismatch_metrics(old, rl, m, ntok))
         sums.add(metrics, ntok)
+
+    def _mismatch_metrics(
+        self, old: torch.Tensor, rl: torch.Tensor, m: torch.Tensor, ntok: float
+    ) -> dict[str, float]:
+        """Trainer (before the step's updates) against rollout log-probs over a micro-batch's tokens."""
+        diff = (old.detach() - rl).abs() * m
+        if self.exact_tally is not None:  # train.exact_on_policy: tokens that differ at all
+            self.exact_tally.add(old, rl, m)
+        return {
+            "logprob_mismatch": float(diff.sum()) / max(ntok, 1.0),
+            "logprob_mismatch_max": float(diff.max()) if ntok else 0.0,
+            "logprob_ratio_clip_frac": float((outside_clip(old.detach() - rl) * m).sum()) / max(ntok, 1.0),
+        }
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.bundle.raw_optimizer().param_groups[0]["lr"]
