@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse_digits"
 CACHE = ROOT / "runs" / "bench-cache"
-SMALL = dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
-             intermediate_size=1024)  # fmt: skip  (vs_trl_scale.SIZES["small"])
+SMALL = dict(
+    hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1024
+)  # fmt: skip  (vs_trl_scale.SIZES["small"])
 
 
 def small_checkpoint() -> Path:

@@ -1,9 +1,9 @@
 """The embedded engine under `train.exact_on_policy` (`verst.rollout.exact_model`).
 
 `enable_exact(batch)` puts the batch's model on the batch-invariant ops and turns off what would
-bypass them: the direct decode step (its own attention and RMSNorm arithmetic; the step goes
-through `model(...)`, whose attention is then `exact_attention`) and with it the split layout of
-shared prompts (`TwoPartAttention`). Prefix sharing at prefill stays as configured: a shared
+bypass them: the direct decode step's own attentions (`ScoresAttention`, SDPA: every layer calls
+the model's attention function, then `exact_attention`) and the split layout of shared prompts
+(`TwoPartAttention`). Prefix sharing at prefill stays as configured: a shared
 prompt's KV is the same bits as each row's own prefill would be. `exact_step_scores` is what a
 step reports: `exact_logprobs` of the step's logits, the trainer's op.
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from verst.rollout.engines.embedded.direct import DirectDecode
 from verst.rollout.engines.embedded.sampling import StepScores
 from verst.rollout.exact_model import install_exact
 from verst.rollout.exact_ops import exact_logprobs
@@ -28,7 +29,8 @@ def enable_exact(batch: Any) -> None:
     if batch.routers is not None:
         raise ValueError("exact_on_policy: MoE models are not covered")
     install_exact(batch.model)
-    batch.direct = None
+    batch.direct = DirectDecode.of(batch.model)  # its layers then call exact_attention
+    batch.share_decode = False  # the split layout's TwoPartAttention is not the exact one
     batch.exact = True
 
 
