@@ -92,6 +92,11 @@ def test_default_run_differs(tmp_path, capsys):
         (["engine.dtype=bfloat16"], "engine.dtype='bfloat16'"),
         (["train.layout=shared_prompt"], "one sequence per row"),
         (["train.dtype=bfloat16"], "train.dtype='bfloat16'"),
+        (["train.lora={rank = 4}"], "LoRA"),
+        (
+            [f'train.model_path="{EXAMPLES / "moe_digits" / "model" / "warm_start"}"', "engine.model_path=null"],
+            "model type 'qwen3_moe' is not covered",
+        ),
     ],
 )
 def test_refused_where_it_cannot_hold(tmp_path, capsys, overrides, fragment):
