@@ -166,6 +166,11 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_SEQUENCES,
         help=f"bound of one /generate call: prompts x n; 0 = none (default {DEFAULT_MAX_REQUEST_SEQUENCES})",
     )
+    p.add_argument(
+        "--exact-on-policy",
+        action="store_true",
+        help="report log-probs bit-equal to the trainer's (batch-invariant CPU ops; docs/training.md)",
+    )
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     add_lora_args(p)
     return p
@@ -193,6 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         context_len=args.context_length,
         weight_version=args.weight_version or 0,
     )
+    if args.exact_on_policy:  # reported in /server_info with the other arguments
+        try:
+            engine.enable_exact_on_policy()
+        except ValueError as exc:
+            raise SystemExit(f"verst serve: --exact-on-policy: {exc}") from None
     from verst.rollout.engines.serve.lora_http import configure as configure_lora
 
     for name, path in configure_lora(engine, args):
