@@ -94,6 +94,15 @@ class TrainConfig(AdamWSection):
         ge=1,
         description="Optimizer steps per rollout (the rollout's samples split into equal mini-batches).",
     )
+    exact_on_policy: bool = Field(
+        False,
+        description=(
+            "Rollout log-probs equal to the trainer's bit for bit: the embedded engine and the trainer "
+            "run the same batch-invariant CPU ops (verst.rollout.exact_ops; docs/training.md, Exactly "
+            "on-policy). Embedded engine on CPU, float32, dense Llama/Mistral/Qwen2/Qwen3, no LoRA; "
+            "refused otherwise. Adds rollout/mismatch_tokens and rollout/mismatch_max per step."
+        ),
+    )
     logprob_backend: Literal["auto", "torch", "triton", "naive"] = Field(
         "auto",
         description=(

@@ -33,7 +33,7 @@ from verst.rollout.engine import (
     engine_capabilities,
 )
 from verst.rollout.engines.common.replicas import reported_weight_dtype
-from verst.rollout.errors import EngineUnavailableError
+from verst.rollout.errors import ConfigError, EngineUnavailableError, Problem
 from verst.rollout.lifecycle import LifecycleSink, NoopSink
 from verst.rollout.loading import load_rollout_strategy
 from verst.rollout.openmp import release_openmp_workers
@@ -91,6 +91,22 @@ async def build_engine_from_config(config: RunConfig, model_path: str) -> Infere
             max_rank=lora.rank, target_modules=lora.target_modules, adapters=1 + len(lora.serve)
         )
     return await build_engine(engine_cfg, max_concurrency=config.rollout.max_concurrency)
+
+
+def _enable_exact(engine: InferenceEngine) -> None:
+    """`train.exact_on_policy` on the engine (validation refused every engine that lacks it)."""
+    enable = getattr(engine, "enable_exact_on_policy", None)
+    if enable is None:
+        raise ConfigError(
+            [
+                Problem(
+                    "train.exact_on_policy",
+                    f"cannot hold: {type(engine).__name__} cannot report the trainer's log-probs bit for bit",
+                    "use engine.type = 'embedded' or set train.exact_on_policy = false",
+                )
+            ]
+        )
+    enable()
 
 
 class RolloutSide:
@@ -198,6 +214,8 @@ class RolloutSide:
         """What the engine can do: the config's declaration, or a given engine's own; the weight
         dtype as the engine reports it when it does (`common.replicas.reported_weight_dtype`)."""
         self._run(wait_healthy(self.engine, _describe_engine(config, self.engine)))
+        if config.train.exact_on_policy:
+            _enable_exact(self.engine)
         reported = self._run(reported_weight_dtype(self.engine))
         if reported is not None:
             self.engine_capabilities = dataclasses.replace(self.engine_capabilities, weight_dtype=reported)

@@ -88,6 +88,9 @@ def train_problems(
             )
         )
     problems += weight_sync_problems(cfg.train, cfg.engine)
+    from verst.trainer.train.exact_checks import exact_on_policy_problems
+
+    problems += exact_on_policy_problems(cfg, cuda_available=cuda_available, world_size=world_size)
     return problems
 
 

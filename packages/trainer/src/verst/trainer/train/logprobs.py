@@ -89,6 +89,8 @@ def hidden_logprobs(
     """
     if isinstance(head, torch.Tensor):
         head = LogitHead(weight=head)
+    if backend == "exact":  # train.exact_on_policy: the engine's ops, bit for bit
+        return _exact_logprobs(hidden, head, target_ids, temperature, return_entropy)
     direct = backend == "auto" and hidden.shape[0] * head.weight.shape[0] <= DIRECT_MAX_LOGITS
     if backend == "naive" or direct:
         logp = torch.log_softmax(head.logits(hidden) / temperature, dim=-1)  # [N, V]
@@ -114,6 +116,20 @@ def hidden_logprobs(
     if return_entropy:
         return out[0].clone(), out[1].clone()
     return (out[0] if isinstance(out, tuple) else out).clone(), None
+
+
+def _exact_logprobs(
+    hidden: torch.Tensor, head: LogitHead, target_ids: torch.Tensor, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`exact_logprobs(exact_linear(hidden, W) * (1/T))`: what the exactly on-policy engine reports."""
+    from verst.rollout.exact_ops import exact_linear, exact_logprobs
+
+    if head.scale != 1.0 or head.softcap is not None:
+        raise ValueError("exact_on_policy: an LM head with a logit scale or soft-cap is not covered")
+    logp = exact_logprobs(exact_linear(hidden, head.weight, head.bias), 1.0 / temperature)  # [N, V]
+    lp = logp.gather(-1, target_ids[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1) if return_entropy else None
+    return lp, ent
 
 
 class PolicyLogprobs(nn.Module):

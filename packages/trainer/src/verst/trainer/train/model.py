@@ -130,10 +130,14 @@ def build_policy(cfg: TrainConfig, model_path: str, *, total_steps: int, dist_in
     """Load the policy, shard it if asked, and build AdamW + the lr schedule."""
     cuda = torch.cuda.is_available()
     hf, peft_model = _load_policy(cfg, model_path, cuda=cuda)
+    if cfg.exact_on_policy:  # the engine's batch-invariant ops (verst.rollout.exact_model)
+        from verst.rollout.exact_model import install_exact
+
+        install_exact(hf)
     compute = None if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
     module = PolicyLogprobs(
         hf,
-        backend=cfg.logprob_backend,
+        backend="exact" if cfg.exact_on_policy else cfg.logprob_backend,
         chunk_size=cfg.logprob_chunk_size,
         compute_dtype=compute,
         keep_logits_mib=cfg.logprob_keep_logits_mib,

@@ -77,7 +77,13 @@ class ForwardPassesMixin:
         (`verst.trainer.train.pieces`), so the probe checks that path too."""
         config = hf_model.config
         text_only = getattr(config, "vision_config", None) is None
-        if self.cfg.effective_layout in ("auto", "shared_prompt") and attn == "sdpa" and text_only:
+        exact = self.cfg.exact_on_policy  # the model runs verst.rollout.exact_ops' attention
+        if (
+            self.cfg.effective_layout in ("auto", "shared_prompt")
+            and attn == "sdpa"
+            and text_only
+            and not exact
+        ):
             attn = PIECES_ATTENTION if use_pieces_attention(hf_model) else attn
 
         def probe(inputs: PackedInputs) -> torch.Tensor:
@@ -87,7 +93,7 @@ class ForwardPassesMixin:
         try:
             with eval_mode(module):
                 return LayoutChooser.build(
-                    self.cfg.effective_layout,
+                    "padded" if exact else self.cfg.effective_layout,  # exact: one sequence per row
                     config=config,
                     attn=attn,
                     probe=probe,

@@ -31,6 +31,7 @@ from verst.trainer.opd.train import OpdTrainer
 from verst.trainer.train.batch import TrainBatch
 from verst.trainer.train.checks import resolve_attn_implementation
 from verst.trainer.train.critic import Critic
+from verst.trainer.train.exact_tally import MismatchTally
 from verst.trainer.train.fsdp import DistInfo, MetricSums
 from verst.trainer.train.logprobs import PolicyLogprobs
 from verst.trainer.train.lora import LoraState
@@ -143,6 +144,8 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         """The extensions' loss terms, added to the algorithm's (and MoE's aux loss)."""
         self.moe = self._moe_runtime()
         """MoE models: routing replay, routing metrics and the load-balancing loss (`[train.moe]`)."""
+        self.exact_tally = MismatchTally() if cfg.exact_on_policy else None
+        """`train.exact_on_policy`: rollout/mismatch_tokens and rollout/mismatch_max per step."""
 
     def _critic(self, algorithm: AlgorithmConfig, updates: int) -> Critic | None:
         """PPO's value model (`[algorithm.critic]`; None without one), sharded and prepared like the policy."""
@@ -241,6 +244,8 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
         if self.moe is not None:
             out.update({f"train/{k}": v for k, v in {**self.moe.step_metrics(), **moe_metrics}.items()})
         out.update(batch.metrics)
+        if self.exact_tally is not None:
+            out.update(self.exact_tally.metrics())
         return out
 
     def _step_tensors(
@@ -373,13 +378,21 @@ class TrainSide(ForwardPassesMixin, TrainStateMixin):
             self._detail.add_logprobs(rows, old)
         metrics.pop("logprob_mismatch", None)  # measured here, against the step's old weights
         if rl is not None and at_old_weights:  # the trainer's log-probs before this step's updates
-            diff = (old.detach() - rl).abs() * m
-            metrics["logprob_mismatch"] = float(diff.sum()) / max(ntok, 1.0)
-            metrics["logprob_mismatch_max"] = float(diff.max()) if ntok else 0.0
-            metrics["logprob_ratio_clip_frac"] = float((outside_clip(old.detach() - rl) * m).sum()) / max(
-                ntok, 1.0
-            )
+            metrics.update(self._mismatch_metrics(old, rl, m, ntok))
         sums.add(metrics, ntok)
+
+    def _mismatch_metrics(
+        self, old: torch.Tensor, rl: torch.Tensor, m: torch.Tensor, ntok: float
+    ) -> dict[str, float]:
+        """Trainer (before the step's updates) against rollout log-probs over a micro-batch's tokens."""
+        diff = (old.detach() - rl).abs() * m
+        if self.exact_tally is not None:  # train.exact_on_policy: tokens that differ at all
+            self.exact_tally.add(old, rl, m)
+        return {
+            "logprob_mismatch": float(diff.sum()) / max(ntok, 1.0),
+            "logprob_mismatch_max": float(diff.max()) if ntok else 0.0,
+            "logprob_ratio_clip_frac": float((outside_clip(old.detach() - rl) * m).sum()) / max(ntok, 1.0),
+        }
 
     def _optimizer_step(self) -> dict[str, float]:
         lr = self.bundle.raw_optimizer().param_groups[0]["lr"]

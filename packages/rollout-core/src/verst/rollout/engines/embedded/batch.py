@@ -27,6 +27,7 @@ import torch
 
 from verst.rollout.engine import FinishReason, GenerateRequest
 from verst.rollout.engines.embedded.direct import DirectDecode
+from verst.rollout.engines.embedded.exact import exact_step_scores
 from verst.rollout.engines.embedded.kv_cache import cat_left_padded, growing_cache
 from verst.rollout.engines.embedded.prefill import PrefillModel, prefill
 from verst.rollout.engines.embedded.ragged import prefill_group_tokens
@@ -183,6 +184,8 @@ class DecodeBatch:
         """Prefill rows with the same prompt and adapter once (see `admit`)."""
         self.share_decode = True
         """On CPU with the direct step, keep a shared prompt's KV once while decoding (see `admit`)."""
+        self.exact = False
+        """`train.exact_on_policy`: batch-invariant ops, the trainer's log-probs (`embedded.exact`)."""
         self.prefix: PrefixKV | None = None
         """The split layout's prompt KV (`embedded.shared_prefix`); None: the flat layout."""
         self.prefill_rows = 0
@@ -264,6 +267,8 @@ class DecodeBatch:
         pos = done.mask.sum(1)[index]  # each row's prompt length: the position of its first token
         sampling = BatchSampling.build([r.sampling for r in rows], self.vocab, self.device)
         tokens, lps = sample(last, sampling, pos)
+        if self.exact:  # the trainer's op on the same logits (`embedded.exact`)
+            lps = exact_step_scores(last, sampling.inv_temp)
         self._record(rows, tokens, lps)
         self._compact()
         self._merge(rows, cache, mask, pos, tokens, prefix)
@@ -357,6 +362,8 @@ class DecodeBatch:
                 r.routing.append(routed[j : j + 1])
         assert self.sampling is not None
         tokens, lps = sample(logits, self.sampling, self.next_pos)  # positions of the tokens drawn
+        if self.exact:
+            lps = exact_step_scores(logits, self.sampling.inv_temp)
         self.last = tokens
         self._record(self.rows, tokens, lps, self.slots)
 

@@ -41,7 +41,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtra
 """transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
 layer pre-norm attention (optional q/k norm, standard RoPE) plus a pre-norm MLP, residuals around both."""
 
-_ATTENTION = frozenset({"sdpa", ATTENTION_NAME})
+_ATTENTION = frozenset({"sdpa", ATTENTION_NAME, "verst_exact"})
 """Attention implementations whose mask is a boolean `[batch, 1, query, keys]` (True = attend)."""
 
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
@@ -83,6 +83,10 @@ class DirectDecode:
         """The attention of CPU steps on at most `ScoresAttention.MAX_COLS` columns (else SDPA)."""
         self.two_part = TwoPartAttention()
         """The attention of steps over a split cache (a `shared_prefix.PrefixKV` given)."""
+        self.exact = model.config._attn_implementation == "verst_exact"
+        """`train.exact_on_policy` (`embedded.exact`): every layer calls the model's attention function."""
+        if self.exact:
+            self.scores = None
 
     @classmethod
     def of(cls, model: Any) -> DirectDecode | None:
@@ -123,7 +127,7 @@ class DirectDecode:
             bias, cols = torch.cat([prefix.bias, bias], dim=-1), cols + prefix.width
         rope = self.rope(hidden, pos, cols)  # (cos, signed sin), [batch, 1, 1, head_dim] each
         cpu = hidden.device.type == "cpu"
-        scores = self.scores if cpu and cols <= ScoresAttention.MAX_COLS else None
+        scores = self.scores if cpu and cols <= ScoresAttention.MAX_COLS and not self.exact else None
         ctx = (rope, bias, scores, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation], prefix)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
@@ -150,7 +154,7 @@ class DirectDecode:
             )
         elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
-        elif q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
+        elif q.shape[1] == k.shape[1] and not self.exact:  # one query head per KV head: SDPA itself (what both functions call)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling)
             out = out.transpose(1, 2)
         else:

@@ -138,6 +138,13 @@ class EmbeddedEngine(DecodeLoopMixin, LoraEngineMixin):
             partial_weights=True,
         )
 
+    def enable_exact_on_policy(self) -> None:
+        """`train.exact_on_policy`: decode on the batch-invariant ops and report the trainer's
+        log-probs bit for bit (`embedded.exact`); before the first request."""
+        from verst.rollout.engines.embedded.exact import enable_exact
+
+        enable_exact(self._batch)
+
     @property
     def weight_dtype(self) -> str:
         """The dtype of the model's floating weights ('float32', 'bfloat16', ...)."""

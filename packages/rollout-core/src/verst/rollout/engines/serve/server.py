@@ -112,6 +112,7 @@ def build_app(
     return app
 
 
+_EXACT_HELP = "report log-probs bit-equal to the trainer's (batch-invariant CPU ops; docs/training.md)"
 _SPECULATIVE_HELP = (
     "speculative decoding: a proposer name (ngram) or a JSON table, e.g. "
     '\'{"type": "draft_model", "model_path": "draft", "num_tokens": 4}\' (default off; docs/engines.md)'
@@ -173,6 +174,7 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"bound of one /generate call: prompts x n; 0 = none (default {DEFAULT_MAX_REQUEST_SEQUENCES})",
     )
     p.add_argument("--speculative", default=None, help=_SPECULATIVE_HELP)
+    p.add_argument("--exact-on-policy", action="store_true", help=_EXACT_HELP)
     p.add_argument("--log-level", default="warning", help="logging level (default warning)")
     add_lora_args(p)
     return p
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version or 0,
         speculative=args.speculative,
     )
+    if args.exact_on_policy:  # reported in /server_info with the other arguments
+        try:
+            engine.enable_exact_on_policy()
+        except ValueError as exc:
+            raise SystemExit(f"verst serve: --exact-on-policy: {exc}") from None
     from verst.rollout.engines.serve.lora_http import configure as configure_lora
 
     for name, path in configure_lora(engine, args):

@@ -3,7 +3,7 @@
 // the config fields that differ (highlighted), and every field on request.
 "use strict";
 
-const COMPARE_FINAL = [/reward/, /^train\/loss$/, /logprob_mismatch$/, /response_len_mean$/, /^train\/kl/, /^time\/step_s$/];
+const COMPARE_FINAL = [/reward/, /^train\/loss$/, /logprob_mismatch$/, /mismatch_tokens$/, /response_len_mean$/, /^train\/kl/, /^time\/step_s$/];
 
 function cellValue(v) {
   if (v == null) return '<span class="muted">–</span>';

@@ -1,0 +1,166 @@
+"""Batch-invariant CPU ops: one token's result is the same bits whatever else is in the call.
+
+`train.exact_on_policy` runs the embedded engine's forwards and the trainer's through these, so a
+response token's rollout log-prob equals the trainer's bit for bit (docs/training.md, "Exactly
+on-policy"). What varies on CPU, measured with torch's MKL GEMM here (fp32, 1-4 threads), and the
+fix each op takes:
+
+- GEMM (`exact_linear`, attention's two matmuls): a row's result depends on the call's row
+  count M — M = 1 takes a GEMV, M = 2-3 (or a thread's share of fewer than 4 rows) another
+  kernel — and, for `q @ kᵀ`, on N < 16. From M a multiple of 8 and N >= 16 every row and
+  column came out the same across M, N, the row's place in the call and 1-4 threads. So rows
+  are padded to a multiple of `ROW_BLOCK` (zero rows, sliced off) and key columns to a
+  multiple of `KEY_BLOCK`.
+- The reduction over keys (softmax's sum and the weighted sum of values): its length is the
+  cache length in a decode step, the row width in training. Both run as ONE GEMM
+  `probs @ [values | 1]` whose inner dimension is the keys: MKL accumulates that dimension in
+  order, so masked keys (probability exactly 0, `exp(-inf)`) add nothing wherever they sit —
+  left padding, another response's tokens in a shared-prompt row, trailing cache columns —
+  and the sum is the same bits for any key length.
+- SiLU: torch's vectorised `silu` differs from its scalar tail in ~4% of values, so the
+  element's place in the tensor mattered; `exact_silu` is `x / (1 + exp(-x))` from ops whose
+  vector and scalar forms agree (exp, add, div: checked over 2^20 values).
+- Log-probs: `log_softmax(logits * (1/T))` on both sides (the engine otherwise reports
+  `scores - logsumexp`, the trainer's kernels divide by T: different roundings).
+- Unchanged because already invariant (checked): RMSNorm's mean over the hidden size,
+  log_softmax over the vocabulary, RoPE's cos/sin and products, embeddings, residual adds.
+
+Imports torch only (both the engine and the trainer import it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROW_BLOCK = 8
+"""Rows of every GEMM are padded to a multiple of this (M >= 8: no GEMV or small-M kernel)."""
+
+KEY_BLOCK = 64
+"""Key columns of the attention are padded to a multiple of this (the score GEMM's N >= 16), and
+the weighted sum over keys runs over blocks of this many key positions."""
+
+
+def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    n = x.shape[dim]
+    extra = (-n) % ROW_BLOCK if n else ROW_BLOCK
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the rows padded to a multiple of `ROW_BLOCK`: a row's
+    output does not depend on how many other rows the call carries. x: [..., in] → [..., out]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k)
+    n = flat.shape[0]
+    out = F.linear(_pad_rows(flat, 0), weight)[:n]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+def exact_silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU from position-independent elementwise ops (see the module doc)."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def exact_logprobs(logits: torch.Tensor, inv_temp: float | torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits * inv_temp)` over the last dim (float32), the same op on both sides."""
+    scores = logits.float()
+    if not (isinstance(inv_temp, float) and inv_temp == 1.0):
+        scores = scores * inv_temp
+    return torch.log_softmax(scores, dim=-1)
+
+
+def _allowed(mask: torch.Tensor | None, b: int, t: int, length: int, device: Any) -> torch.Tensor:
+    """A bool `[b, t, L]` (True = attend) from transformers' mask: bool, additive, or None
+    (causal, the queries being the last `t` of the `L` keys)."""
+    if mask is None:
+        q = torch.arange(length - t, length, device=device)[:, None]
+        return (torch.arange(length, device=device)[None, :] <= q)[None].expand(b, t, length)
+    if mask.dtype != torch.bool:
+        mask = mask == 0
+    return mask[:, 0, -t:, -length:].expand(b, t, length)
+
+
+def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [b, L] of the column holding each row's key position c, the mask in those
+    coordinates [b, t, L]). Each row must be one sequence whose keys are contiguous columns
+    from its first attended one (left padding, right padding, a cache): anything else (packed
+    or shared-prompt rows) is refused, never approximated."""
+    length = allowed.shape[-1]
+    cols = torch.arange(length, device=allowed.device)
+    shift = allowed[:, -1].to(torch.int8).argmax(-1)  # [b] first column the row's last query sees
+    count = allowed.sum(-1, keepdim=True)  # [b, t]
+    expect = (cols >= shift[:, None, None]) & (cols < shift[:, None, None] + count)
+    if not torch.equal(allowed, expect):
+        raise ValueError(
+            "exact_on_policy: a row of this attention is not one contiguous causal sequence "
+            "(packed or shared-prompt rows); use train.layout = 'padded'"
+        )
+    index = (cols[None, :] + shift[:, None]).clamp_(max=length - 1)  # [b, L]
+    return index, cols < count
+
+
+def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, kv, L, d] with its key columns reordered by index [b, L]."""
+    b, kv, length, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, kv, length, d))
+
+
+def exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [b, heads, t, d]
+    key: torch.Tensor,  # [b, kv_heads, L, d]
+    value: torch.Tensor,  # [b, kv_heads, L, d]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; returns `([b, t, heads, d], None)`.
+
+    A query's output is the same bits whatever the batch, the padding, the cache length and the
+    other queries. Each row's keys are moved so that column c holds key position c (a gather:
+    left padding and cache columns differ per row). Scores come from one GEMM (rows padded to
+    `ROW_BLOCK`, columns to `KEY_BLOCK`), masked, minus their max (exact in any order), `exp`.
+    The weighted sum of values and the softmax denominator come from GEMMs of the
+    probabilities against `[values | 1]` over fixed blocks of `KEY_BLOCK` key positions,
+    added block after block in position order: a query's blocks past its position add exact
+    zeros, so neither the number of blocks nor where they end changes a bit (one GEMM over all
+    keys would not do: MKL blocks its inner dimension by the total length)."""
+    if dropout:
+        raise ValueError("exact_on_policy: attention dropout is not batch-invariant; set it to 0")
+    b, heads, t, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    rep = heads // kv
+    scale = scaling if scaling is not None else d**-0.5
+    index, ok = _aligned(_allowed(attention_mask, b, t, length, query.device))
+    cols = (-length) % KEY_BLOCK
+    key, value = _gather_keys(key, index), _gather_keys(value, index)
+    q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
+    kt = F.pad(key, (0, 0, 0, cols)).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
+    scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
+    ok = ok[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
+    ok = F.pad(ok, (0, cols, 0, q.shape[2] - rep * t), value=False)  # [b, 1, Mp, Lp]
+    scores = scores.masked_fill(~ok, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # fully masked rows: 0
+    probs = torch.exp(scores - top)
+    ones = value.new_ones((*value.shape[:-1], KEY_BLOCK))
+    vv = F.pad(torch.cat([value, ones], dim=-1), (0, 0, 0, cols))  # [b, kv, Lp, d + KEY_BLOCK]
+    acc = None
+    for j in range(0, length + cols, KEY_BLOCK):  # blocks of key positions, in order
+        part = torch.matmul(probs[..., j : j + KEY_BLOCK], vv[:, :, j : j + KEY_BLOCK])
+        acc = part if acc is None else acc + part
+    assert acc is not None
+    acc = acc[:, :, : rep * t]  # [b, kv, rep*t, d + KEY_BLOCK]
+    den = acc[..., d : d + 1]
+    out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
+    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous(), None

@@ -1,0 +1,107 @@
+"""The batch-invariant ops of `train.exact_on_policy` (`verst.rollout.exact_ops`), under hypothesis.
+
+A token's result must be the same bits whatever the rest of the call: a linear layer's row for
+any row count and place; a query's attention as a decode step over a left-padded cache in a
+batch of other rows, as one position of a full causal pass, and as a row of a right-padded
+batch, for any lengths, head counts (grouped KV heads too) and 1 or 2 threads. The plain ops
+these replace fail the same properties (checked here too, so the test knows what it proves).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verst.rollout.exact_ops import exact_attention, exact_linear, exact_silu
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 700),
+    k=st.sampled_from([32, 64, 128, 192]),
+    n=st.sampled_from([16, 64, 72, 256]),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_linear_row_is_the_same_for_any_row_count_and_place(m, k, n, seed, threads):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=g), torch.randn(k, generator=g)
+    alone = exact_linear(x[None], w)[0]
+    batch = torch.randn(m, k, generator=g)
+    at = seed % m
+    batch[at] = x
+    assert torch.equal(exact_linear(batch, w)[at], alone)
+
+
+def test_plain_linear_row_depends_on_the_row_count():
+    """What `exact_linear` fixes: M = 1 (GEMV) and M = 2-3 round differently from M >= 4."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 64, generator=g), torch.randn(8, 64, generator=g)
+    assert not torch.equal(F.linear(x[:1], w)[0], F.linear(x, w)[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(1, 300),
+    kv=st.sampled_from([1, 2, 4]),
+    rep=st.sampled_from([1, 3]),
+    d=st.sampled_from([16, 32]),
+    batch=st.sampled_from([1, 3, 8, 64]),
+    pad=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_attention_query_is_the_same_in_decode_full_and_padded_passes(
+    length, kv, rep, d, batch, pad, seed, threads
+):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    h, s = kv * rep, d**-0.5
+    q, k, v = (torch.randn(1, n, length, d, generator=g) for n in (h, kv, kv))
+    full, _ = exact_attention(None, q, k, v, None, scaling=s)  # [1, T, h, d] causal
+    p = seed % length  # the query position checked
+    # decode: row r of a batch, its cache left-padded by `pad`, the other rows random
+    cols = pad + p + 1
+    kk, vv, qq = torch.randn(batch, kv, cols, d), torch.randn(batch, kv, cols, d), torch.randn(batch, h, 1, d)
+    r = seed % batch
+    kk[r, :, pad:], vv[r, :, pad:], qq[r, :, 0] = k[0, :, : p + 1], v[0, :, : p + 1], q[0, :, p]
+    mask = torch.ones(batch, 1, 1, cols, dtype=torch.bool)
+    mask[r, ..., :pad] = False
+    dec, _ = exact_attention(None, qq, kk, vv, mask, scaling=s)
+    assert torch.equal(dec[r, 0], full[0, p])
+    # right-padded rows of a training micro-batch (additive mask, as the trainer gives it)
+    width = length + pad
+    k2, v2, q2 = torch.randn(2, kv, width, d), torch.randn(2, kv, width, d), torch.randn(2, h, width, d)
+    k2[1, :, :length], v2[1, :, :length], q2[1, :, :length] = k[0], v[0], q[0]
+    allowed = torch.tril(torch.ones(width, width, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
+    allowed[1, ..., length:] = False
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    padded, _ = exact_attention(None, q2, k2, v2, additive, scaling=s)
+    assert torch.equal(padded[1, p], full[0, p])
+
+
+def test_attention_refuses_rows_that_are_not_one_sequence():
+    """A shared-prompt row (two responses after one prompt) would be approximated: refused."""
+    q = k = v = torch.randn(1, 2, 5, 16)
+    allowed = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    allowed[4, 3] = False  # position 4 (second response) does not see position 3 (the first)
+    try:
+        exact_attention(None, q, k, v, allowed[None, None], scaling=0.25)
+    except ValueError as exc:
+        assert "train.layout = 'padded'" in str(exc)
+    else:
+        raise AssertionError("a shared-prompt row was attended")
+
+
+def test_silu_agrees_between_vector_body_and_scalar_tail():
+    """torch's vectorised `silu` and its scalar tail differ in some values; `exact_silu` does not."""
+    x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0)) * 4
+    vec, vec_plain = exact_silu(x), F.silu(x)
+    tail = torch.stack([exact_silu(x[i : i + 1])[0] for i in range(2000)])
+    tail_plain = torch.stack([F.silu(x[i : i + 1])[0] for i in range(2000)])
+    assert torch.equal(tail, vec[:2000])
+    assert not torch.equal(tail_plain, vec_plain[:2000])
