@@ -30,7 +30,10 @@ WAIT_S = 10.0
 """How long processes that are already exiting get before they count as leaked (the default of
 `VERST_LEAK_CHECK_WAIT_S`)."""
 
-_IGNORED_TEMP_PREFIXES = ("pytest-of-",)
+_IGNORED_TEMP_PREFIXES = ("pytest-of-", "torchinductor_", "vt")
+"""Kept by design: pytest's `tmp_path` base (its last three runs), torch's compile cache
+(`torchinductor_<user>`, reused across processes), and the temp root of a pytest session a test
+started inside this one (`vt`: that session checks its own)."""
 
 
 def session_temp_root() -> Path:
