@@ -2,14 +2,15 @@
 
 A pytest plugin (loaded by `tests/conftest.py`). At session start it points the temp root of
 the session and of every process it starts (`tempfile.tempdir`, `TMPDIR`) at a folder of its own,
-`<system temp>/vt`, emptied first; at session end — after every session fixture has been torn
+`<system temp>/vt-<pid>` (removed at the end; an earlier session's left by a kill is removed at
+the next start); at session end — after every session fixture has been torn
 down — it waits a bounded moment for exiting processes, then lists what the session left behind:
 - processes descended from the pytest process (a server, an engine, a sandbox, a Ray worker);
 - TCP ports the pytest process itself still listens on;
 - entries left in the session's temp root, except pytest's own `pytest-of-<user>` base (pytest
   keeps its last three runs' `tmp_path`s there by design).
 Anything left fails the session with one report; the leaked processes are then killed and the
-temp entries removed, so the machine is clean for whatever runs next. Other jobs on the machine
+temp root removed, so the machine is clean for whatever runs next. Other jobs on the machine
 cannot trip it: their processes are not the session's children and their temp files land in the
 system temp root, not the session's. `VERST_LEAK_CHECK=0` switches it off for a debugging session
 and `VERST_LEAK_CHECK_WAIT_S` sets the wait (both read here, the one place the suite reads them).
@@ -33,12 +34,21 @@ WAIT_S = 10.0
 _IGNORED_TEMP_PREFIXES = ("pytest-of-", "torchinductor_", "vt")
 """Kept by design: pytest's `tmp_path` base (its last three runs), torch's compile cache
 (`torchinductor_<user>`, reused across processes), and the temp root of a pytest session a test
-started inside this one (`vt`: that session checks its own)."""
+started inside this one (`vt-<pid>`: that session checks its own)."""
 
 
 def session_temp_root() -> Path:
-    """The session's own temp root (short: Unix socket paths under it stay below 108 bytes)."""
-    return Path(tempfile.gettempdir()) / "vt"
+    """This session's own temp root, `<system temp>/vt-<pid>` (short: Unix socket paths under it
+    stay below 108 bytes; per process: two sessions at once never share one)."""
+    return Path(tempfile.gettempdir()) / f"vt-{os.getpid()}"
+
+
+def _remove_stale_roots() -> None:
+    """Temp roots of earlier sessions whose process is gone (killed before their cleanup)."""
+    for root in Path(tempfile.gettempdir()).glob("vt-*"):
+        pid = root.name.removeprefix("vt-")
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _temp_entries(root: Path) -> list[Path]:
@@ -46,13 +56,6 @@ def _temp_entries(root: Path) -> list[Path]:
         return sorted(p for p in root.iterdir() if not p.name.startswith(_IGNORED_TEMP_PREFIXES))
     except OSError:
         return []
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _children() -> list[psutil.Process]:
@@ -93,10 +96,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config._verst_leak_check = enabled  # type: ignore[attr-defined]
     if not enabled:
         return
+    _remove_stale_roots()
     root = session_temp_root()
     root.mkdir(parents=True, exist_ok=True)
-    for entry in _temp_entries(root):  # an earlier, interrupted session's
-        _remove(entry)
     config._verst_temp_root = root  # type: ignore[attr-defined]
     config._verst_leak_wait_s = float(os.environ.get("VERST_LEAK_CHECK_WAIT_S", WAIT_S))  # type: ignore[attr-defined]
     os.environ["TMPDIR"] = str(root)  # the processes the session starts
@@ -113,14 +115,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     root = config._verst_temp_root  # type: ignore[attr-defined]
     lines = leftovers(root, config._verst_leak_wait_s)  # type: ignore[attr-defined]
     if not lines:
+        shutil.rmtree(root, ignore_errors=True)  # pytest's tmp_paths of a clean session go with it
         return
     for p in _children():
         try:
             p.kill()
         except psutil.Error:
             pass
-    for entry in _temp_entries(root):
-        _remove(entry)
+    shutil.rmtree(root, ignore_errors=True)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     report = "the test session left these behind (issue 39 item 9):\n  " + "\n  ".join(lines)
     if reporter is not None:
