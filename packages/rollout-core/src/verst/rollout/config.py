@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verst.rollout.agentic.config import EnvConfig
+from verst.rollout.sandbox.config import SandboxConfig
 
 
 class Section(BaseModel):
@@ -132,7 +133,11 @@ class RewardConfig(Section):
 
     type: str = Field(
         "exact_match",
-        description="A built-in reward (exact_match, math, partial_credit, reasoning_gym), 'remote', 'judge', 'reward_model', or an import path 'pkg.module:fn'.",
+        description="A built-in reward (exact_match, math, partial_credit, reasoning_gym), 'code_tests' / 'code_tests_binary' (the row's tests run in the sandbox, docs/code.md), 'remote', 'judge', 'reward_model', or an import path 'pkg.module:fn'.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="The code sandbox of type = 'code_tests' / 'code_tests_binary' (limits, workers).",
     )
     judge: JudgeConfig | None = Field(None, description="The judge (type = 'judge').")
     reward_model: RewardModelConfig | None = Field(None, description="The reward model (type = 'reward_model').")

@@ -33,7 +33,7 @@ STATUS_BY_FINISH_REASON: dict[str, Status] = {
 }
 """Engine finish reason → sample status."""
 
-_RUN_METADATA_KEYS = ("attempt", "error", "start_rollout_id", *EPISODE_METADATA_KEYS)
+_RUN_METADATA_KEYS = ("attempt", "error", "start_rollout_id", "reward_outcome", *EPISODE_METADATA_KEYS)
 """Per-run metadata removed when a sample is reset to a fresh prompt."""
 
 

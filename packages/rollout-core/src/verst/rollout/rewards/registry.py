@@ -2,6 +2,8 @@
 
 `rollout.reward.type` is one of:
 - a built-in rule from `BUILTIN_REWARDS` (`exact_match`, `math`, `partial_credit`);
+- a sandboxed code reward from `CODE_REWARDS` (`code_tests`, `code_tests_binary`: the row's
+  tests run against the sample's code in `rollout.reward.sandbox`, `code_tests.CodeTestsReward`);
 - `"remote"`: a reward model served over HTTP at `rollout.reward.url` (`RemoteRewardModel`);
 - an import path `"pkg.module:fn"` of a custom function, sync or async. Its signature decides
   how it is called: `fn(sample)` (new style) or `fn(args, sample)` (slime/miles v1, `args` from
@@ -48,6 +50,9 @@ BUILTIN_REWARDS: dict[str, RuleFn] = {
 }
 """Built-in rule rewards by name: the one table a new rule is added to."""
 
+CODE_REWARDS: dict[str, bool] = {"code_tests": False, "code_tests_binary": True}
+"""Sandboxed code rewards by name -> whether the score is binary (1 only when every test passes)."""
+
 REMOTE = "remote"
 """`rollout.reward.type` of a reward model served over HTTP."""
 
@@ -67,7 +72,7 @@ def is_import_path(name: str) -> bool:
 
 def valid_reward_types() -> list[str]:
     """Names accepted by `rollout.reward.type` besides import paths."""
-    return [*BUILTIN_REWARDS, REMOTE, *MODEL_REWARDS]
+    return [*BUILTIN_REWARDS, *CODE_REWARDS, REMOTE, *MODEL_REWARDS]
 
 
 def check_reward_value(value: Any, where: str) -> RewardValue:
@@ -207,6 +212,10 @@ def build_sample_reward_fn(config: RolloutConfig) -> RewardFn:
     reward = config.reward
     if reward.type in BUILTIN_REWARDS:
         return RuleReward(reward.type, BUILTIN_REWARDS[reward.type], config.stop)
+    if reward.type in CODE_REWARDS:
+        from verst.rollout.rewards.code_tests import CodeTestsReward
+
+        return CodeTestsReward(reward.sandbox, binary=CODE_REWARDS[reward.type], stops=config.stop)
     if reward.type == REMOTE:
         if not reward.url:
             raise RewardError("rollout.reward.type = 'remote' needs rollout.reward.url")

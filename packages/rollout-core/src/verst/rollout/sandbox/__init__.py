@@ -6,11 +6,13 @@ install where bwrap is missing or cannot create namespaces.
 """
 
 from verst.rollout.sandbox.config import SandboxConfig, SandboxLimits
+from verst.rollout.sandbox.launcher import SECRET_FD
 from verst.rollout.sandbox.pool import SandboxPool, SandboxUnavailable
 from verst.rollout.sandbox.result import ExecResult, ExecStatus
 from verst.rollout.sandbox.runner import SandboxError, SandboxRunner
 
 __all__ = [
+    "SECRET_FD",
     "ExecResult",
     "ExecStatus",
     "SandboxConfig",

@@ -2,7 +2,8 @@
 copy the input files into the working tmpfs, check the syntax, then exec the interpreter.
 
 Its source is handed to `python -I -S -c`; it imports nothing from verst. Arguments (JSON in
-argv[1]): uid (or null), limits (name -> value), python, stdin (bool).
+argv[1]): uid (or null), limits (name -> value), python, stdin (bool), secret_fd (or null: the
+read end of a pipe holding the caller's secret, moved to fd 3 = `SECRET_FD` for the program).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 LAUNCHER_SOURCE = r"""
 import json, os, resource, shutil, sys
 a = json.loads(sys.argv[1])
+if a.get("secret_fd") is not None and a["secret_fd"] != 3:
+    os.dup2(a["secret_fd"], 3)
+    os.close(a["secret_fd"])
 if a["uid"] is not None and os.getuid() == 0:
     os.setgroups([])
     os.setresgid(a["uid"], a["uid"], a["uid"])
@@ -42,3 +46,7 @@ os.execv(a["python"], [a["python"], "-E", "-s", a["main"]])
 
 SYNTAX_EXIT = 86
 """Exit code the launcher uses for code that does not compile."""
+
+SECRET_FD = 3
+"""The fd a program reads its secret from (`SandboxPool.run(..., secret=...)`): a pipe, so once
+read nothing in the sandbox can read it again (unlike /in's files, which stay readable)."""

@@ -75,14 +75,17 @@ class SandboxPool:
                 self._free.put_nowait(SandboxRunner(self.cfg, i, unsandboxed=self.unsandboxed))
         return self._free
 
-    async def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecResult:
-        """Execute `code` (as main.py, with `stdin` and `files`) once a worker is free."""
+    async def run(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None, secret: bytes | None = None
+    ) -> ExecResult:
+        """Execute `code` (as main.py, with `stdin` and `files`) once a worker is free; `secret` is
+        readable once from fd `SECRET_FD` (see `SandboxRunner.run`)."""
         if not self._checked:
             await asyncio.to_thread(self.check)
         slots = self._slots()
         runner = await slots.get()
         try:
-            res = await runner.run(code, stdin, files)
+            res = await runner.run(code, stdin, files, secret)
         finally:
             slots.put_nowait(runner)
         self.counts[res.status.value] += 1

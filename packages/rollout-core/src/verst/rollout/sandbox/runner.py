@@ -135,17 +135,34 @@ async def _reap(proc: asyncio.subprocess.Process, finish: asyncio.Future[int]) -
         await asyncio.gather(finish, return_exceptions=True)
 
 
-async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> ExecResult:
-    """Start `argv` in its own process group, capture capped output, enforce the wall clock."""
+def _write_secret(fd: int, secret: bytes) -> None:
+    """Write the secret into its pipe and close it (a sandbox that died first: EPIPE, ignored)."""
+    with contextlib.suppress(OSError):
+        view = memoryview(secret)
+        while view:
+            view = view[os.write(fd, view) :]
+    os.close(fd)
+
+
+async def _run_proc(
+    argv: list[str], limits: SandboxLimits, secret: tuple[int, int, bytes] | None = None
+) -> ExecResult:
+    """Start `argv` in its own process group, capture capped output, enforce the wall clock.
+    `secret`: (read fd handed to the child, write fd, bytes written into it once it runs)."""
     start = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=preexec,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(secret[0],) if secret else (),
+        )
+    finally:
+        if secret:
+            os.close(secret[0])
+    writer = asyncio.ensure_future(asyncio.to_thread(_write_secret, secret[1], secret[2])) if secret else None
     out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
     over = asyncio.Event()
     finish = asyncio.ensure_future(_finish(proc, out, err, over))
@@ -161,6 +178,8 @@ async def _run_proc(argv: list[str], limits: SandboxLimits, preexec=None) -> Exe
         _kill_group(proc)
         over_wait.cancel()
         await _reap(proc, finish)
+        if writer is not None:
+            await writer
     timed_out = code is None and not over.is_set()
     return ExecResult(
         status=_status(code, timed_out, over.is_set()),
@@ -213,7 +232,7 @@ class SandboxRunner:
         self.unsandboxed = unsandboxed
         """Run without bwrap (only when the pool found it unusable and the config allows it)."""
 
-    def _launcher_args(self, indir: str, workdir: str, uid: int | None) -> str:
+    def _launcher_args(self, indir: str, workdir: str, uid: int | None, secret_fd: int | None) -> str:
         python = host_python(self.cfg.python)
         return json.dumps(
             {
@@ -224,30 +243,38 @@ class SandboxRunner:
                 "workdir": workdir,
                 "main": workdir + "/main.py",
                 "syntax_exit": SYNTAX_EXIT,
+                "secret_fd": secret_fd,
             }
         )
 
-    def argv(self, tmp: Path) -> list[str]:
-        """The command line of one execution whose inputs are in `tmp / "in"`."""
+    def argv(self, tmp: Path, secret_fd: int | None = None) -> list[str]:
+        """The command line of one execution whose inputs are in `tmp / "in"` (`secret_fd`: the
+        inherited pipe the launcher moves to `SECRET_FD`)."""
         python = host_python(self.cfg.python)
         if self.unsandboxed:
             (tmp / "work").mkdir(exist_ok=True)
-            args = self._launcher_args(str(tmp / "in"), str(tmp / "work"), None)
+            args = self._launcher_args(str(tmp / "in"), str(tmp / "work"), None, secret_fd)
             return [python, "-I", "-S", "-c", LAUNCHER_SOURCE, args]
-        inner = [python, "-I", "-S", "-c", LAUNCHER_SOURCE, self._launcher_args(INDIR, WORKDIR, self.uid)]
+        launcher_args = self._launcher_args(INDIR, WORKDIR, self.uid, secret_fd)
+        inner = [python, "-I", "-S", "-c", LAUNCHER_SOURCE, launcher_args]
         return bwrap_argv(self.cfg, BwrapPlan(indir=str(tmp / "in"), uid=self.uid), inner)
 
-    async def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> ExecResult:
-        """Execute `code` as main.py with `stdin` and `files` in a fresh sandbox."""
+    async def run(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None, secret: bytes | None = None
+    ) -> ExecResult:
+        """Execute `code` as main.py with `stdin` and `files` in a fresh sandbox; `secret`, if
+        given, is readable once from fd `SECRET_FD` (a pipe; it is in no file the code can read)."""
         tmp = Path(tempfile.mkdtemp(prefix="verst-sandbox-", dir=self.cfg.tmp_dir or None))
+        pipe = None
         try:
             write_inputs(tmp / "in", code, stdin, files)
+            pipe = (*os.pipe(), secret) if secret is not None else None
             if self.unsandboxed:
                 log.warning(
                     "UNSANDBOXED execution (sandbox.allow_unsandboxed = true, bwrap not usable): "
                     "the code can read and write this host"
                 )
-            res = await _run_proc(self.argv(tmp), self.cfg.limits)
+            res = await _run_proc(self.argv(tmp, pipe[0] if pipe else None), self.cfg.limits, pipe)
             await wait_gone(None if self.unsandboxed else self.uid)
             return res
         finally:

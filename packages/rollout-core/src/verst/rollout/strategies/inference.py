@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 from verst.rollout.agentic.episode import episode_generate_fn
 from verst.rollout.agentic.metrics import agentic_metrics
+from verst.rollout.rewards.outcomes import reward_outcome_metrics
 from verst.rollout.agentic.trajectory import generated_token_count
 from verst.rollout.engine import EngineTimeout, SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
@@ -107,6 +108,7 @@ def sample_metrics(samples: list[Sample], reward_key: str | None, prefix: str) -
     out[f"{prefix}/response_length_max"] = float(max(lengths))
     out[f"{prefix}/truncated_frac"] = sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
     out.update(agentic_metrics(samples, prefix))
+    out.update(reward_outcome_metrics(samples, prefix))
     return out
 
 
