@@ -45,6 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from verst.rollout.agentic.environment import EnvironmentFactory, EnvSetup, ModelTurn, Observation, StepResult
+from verst.rollout.agentic.python_tool import PythonTool, PythonToolConfig
 from verst.rollout.agentic.tool_runner import SyncToolRunner, run_sync_tool
 from verst.rollout.agentic.tracing import tool_span
 from verst.rollout.importing import import_object
@@ -230,7 +231,11 @@ class ToolEnvironmentConfig(BaseModel):
 
     tools: list[str] = Field(
         default_factory=list,
-        description="Import paths 'pkg.module:function' of the tools (sync or async callables).",
+        description="Import paths 'pkg.module:function' of the tools (sync or async callables), or "
+        "built-in names: 'python' (code run in the sandbox, `python` below).",
+    )
+    python: PythonToolConfig = Field(
+        default_factory=PythonToolConfig, description="Options of the built-in 'python' tool."
     )
     tool_timeout_s: float = Field(
         10.0, gt=0, description="Timeout of one tool call (then an error response)."
@@ -259,6 +264,18 @@ class ToolEnvironmentConfig(BaseModel):
     max_response_chars: int = Field(2000, ge=1, description="Tool results are cut to this many characters.")
 
 
+BUILTIN_TOOLS: dict[str, Callable[[ToolEnvironmentConfig], Callable[..., Any]]] = {
+    "python": lambda config: PythonTool(config.python),
+}
+"""Built-in tools by name (built once per environment factory from the options)."""
+
+
+def _load_tool(path: str, config: ToolEnvironmentConfig) -> Tool:
+    if path in BUILTIN_TOOLS:
+        return Tool.of(BUILTIN_TOOLS[path](config), path)
+    return Tool.of(import_object(path, what="tool"))
+
+
 class ToolEnvironment:
     """One episode with tools (see the module docstring)."""
 
@@ -281,7 +298,7 @@ class ToolEnvironment:
     @classmethod
     def factory(cls, config: ToolEnvironmentConfig, setup: EnvSetup) -> EnvironmentFactory:
         """Load the tools once; every episode gets its own environment over them."""
-        tools = [Tool.of(import_object(path, what="tool")) for path in config.tools]
+        tools = [_load_tool(path, config) for path in config.tools]
         return lambda: cls(tools, config)
 
     @property
