@@ -118,7 +118,9 @@ async def episodes_per_s(engine, args, scope: str) -> float:
     from agentic_overlap import Prompts
 
     source = Prompts(args.episodes)
-    ctx = RolloutContext(config=config, data_source=source, engine=engine, tokenizer=engine.tokenizer, sink=NoopSink())
+    ctx = RolloutContext(
+        config=config, data_source=source, engine=engine, tokenizer=engine.tokenizer, sink=NoopSink()
+    )
     strategy = InferenceRollout(ctx)
     tool = PythonTool(PythonToolConfig(sandbox=SandboxConfig(workers=args.concurrency)))
     strategy.generate_fn = AgenticGenerate(config.env, lambda: PythonToolEnv(tool), semaphore_scope=scope)

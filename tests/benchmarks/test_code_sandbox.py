@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))
-from sandbox_testlib import checked_pool, small_config  # noqa: E402
+from sandbox_testlib import checked_pool, small_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "code_sandbox.py"
 
@@ -25,6 +25,8 @@ def test_the_benchmark_prints_its_three_numbers():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"sandbox_execs_per_s=([\d.]+) sandbox_overhead_ms=(-?[\d.]+) tool_wait_overlap=([\d.]+)", last)
+    m = re.fullmatch(
+        r"sandbox_execs_per_s=([\d.]+) sandbox_overhead_ms=(-?[\d.]+) tool_wait_overlap=([\d.]+)", last
+    )
     assert m, last
     assert float(m.group(1)) > 0 and float(m.group(3)) > 0

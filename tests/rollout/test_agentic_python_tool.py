@@ -13,10 +13,10 @@ from pathlib import Path
 from agentic_testkit import ScriptEngine, call, context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))
-from sandbox_testlib import checked_pool, small_config  # noqa: E402
+from sandbox_testlib import checked_pool, small_config
 
-from verst.rollout.protocols import RolloutRequest  # noqa: E402
-from verst.rollout.strategies.inference import InferenceRollout  # noqa: E402
+from verst.rollout.protocols import RolloutRequest
+from verst.rollout.strategies.inference import InferenceRollout
 
 
 def _options(**python) -> dict:
@@ -41,7 +41,9 @@ def test_the_output_comes_back_as_a_masked_observation_cut_at_the_cap():
 
     (sample,), metrics, _ = _rollout(reply, prompts=["q:"], options=_options(max_output_chars=40))
     observation = sample.response.split("<tool_response>")[1].split("</tool_response>")[0]
-    assert observation == ("pid 2\n" + "x" * 500)[:40] + "…"  # pid 2: a fresh pid namespace (after bwrap's init)
+    assert (
+        observation == ("pid 2\n" + "x" * 500)[:40] + "…"
+    )  # pid 2: a fresh pid namespace (after bwrap's init)
     env = [g for g in sample.metadata["segments"] if g["source"] == "env"]
     assert env and not any(g["trainable"] for g in env)
     masked = [m for m, g in zip(sample.loss_mask, _positions(sample), strict=True) if g == "env"]
@@ -60,7 +62,11 @@ def test_a_failing_program_shows_its_error_and_status():
     def reply(conv, req):
         if "</tool_call>" in conv:
             return "done"
-        return call("python", code="import time\ntime.sleep(60)") if "slow" in conv else call("python", code="1/0")
+        return (
+            call("python", code="import time\ntime.sleep(60)")
+            if "slow" in conv
+            else call("python", code="1/0")
+        )
 
     samples, _, _ = _rollout(reply, prompts=["crash:", "slow:"], options=_options())
     crash, slow = sorted(samples, key=lambda s: str(s.prompt))
@@ -74,7 +80,11 @@ def test_a_call_overlaps_another_episodes_generation():
 
     def reply(conv, req):
         if "run" in conv:
-            return "done" if "</tool_call>" in conv else call("python", code="import time\ntime.sleep(1.5)\nprint(7)")
+            return (
+                "done"
+                if "</tool_call>" in conv
+                else call("python", code="import time\ntime.sleep(1.5)\nprint(7)")
+            )
         return "done"
 
     def delay(conv, req):
@@ -82,4 +92,6 @@ def test_a_call_overlaps_another_episodes_generation():
 
     samples, _, wall = _rollout(reply, prompts=["run:", "think:"], options=_options(), delay_s=delay)
     assert any("<tool_response>7\n</tool_response>" in s.response for s in samples)
-    assert wall < 2.6, f"the tool call and the other episode's generation ran one after the other ({wall:.2f} s)"
+    assert wall < 2.6, (
+        f"the tool call and the other episode's generation ran one after the other ({wall:.2f} s)"
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sandbox_testlib import small_config
 
 from verst.rollout.config import RolloutConfig
 from verst.rollout.rewards import build_reward_fns
@@ -66,7 +65,13 @@ def test_failures_score_zero_and_are_counted_by_kind(reward):
         _sample("2*x+1\nprint('y' * 10**7)"),  # floods stdout
     ]
     got = _score(reward, *samples)
-    assert got == [(0.0, "syntax_error"), (0.0, "timeout"), (0.0, "error"), (0.0, "no_code"), (0.0, "output_limit")]
+    assert got == [
+        (0.0, "syntax_error"),
+        (0.0, "timeout"),
+        (0.0, "error"),
+        (0.0, "no_code"),
+        (0.0, "output_limit"),
+    ]
     assert reward_outcome_metrics(samples, "rollout") == {
         "rollout/reward_outcome/error": 1.0,
         "rollout/reward_outcome/no_code": 1.0,
@@ -96,7 +101,9 @@ def test_code_that_fakes_a_pass_gets_no_credit(reward):
 
 
 def test_the_binary_variant_gives_one_only_when_all_pass(pool):
-    cfg = RolloutConfig.model_validate({"reward": {"type": "code_tests_binary", "sandbox": pool.cfg.model_dump()}})
+    cfg = RolloutConfig.model_validate(
+        {"reward": {"type": "code_tests_binary", "sandbox": pool.cfg.model_dump()}}
+    )
     reward, _ = build_reward_fns(cfg)
     assert isinstance(reward, CodeTestsReward) and reward.binary
     got = _score(reward, _sample("2*x+1"), _sample("2*x+1 if x > 0 else 0"))
@@ -111,7 +118,11 @@ def test_input_output_pairs_compare_stdout_outside_the_sandbox(reward):
 
 
 def test_a_test_program_is_one_test(reward):
-    label = {"prefix": "def inc(x):\n", "tests": "def check(c):\n    assert c(1) == 2\ncheck(inc)\n", "stop": ["\ndef "]}
+    label = {
+        "prefix": "def inc(x):\n",
+        "tests": "def check(c):\n    assert c(1) == 2\ncheck(inc)\n",
+        "stop": ["\ndef "],
+    }
     got = _score(reward, _sample("    return x + 1\ndef junk(", label), _sample("    return x\n", label))
     assert got == [(1.0, "pass"), (0.0, "fail")]
 

@@ -28,7 +28,9 @@ class PythonToolConfig(BaseModel):
     max_output_chars: int = Field(
         1000, ge=1, description="The observation (stdout, stderr, status) is cut to this many characters."
     )
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="The sandbox each call runs in.")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="The sandbox each call runs in."
+    )
 
 
 class PythonTool:

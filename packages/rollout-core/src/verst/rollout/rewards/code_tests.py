@@ -38,7 +38,6 @@ from verst.rollout.rewards.rules import strip_trailing_stop
 from verst.rollout.sample import Sample, Status
 from verst.rollout.sandbox import SECRET_FD, ExecResult, ExecStatus, SandboxConfig, SandboxPool
 
-
 OUTCOMES = (
     "pass", "partial", "fail", "no_code", "syntax_error", "error", "exited_early",
     "timeout", "killed", "output_limit", "sandbox_error", "tampered",
@@ -149,15 +148,21 @@ def check_label(label: Any) -> list[Any]:
             f"code_tests needs a label {{'prefix': str, 'tests': [assert statements] | program | "
             f"[{{'input': str, 'output': str}}]}}; got {label!r:.200}"
         )
-    if shapes == {dict} and not all(isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests):
-        raise ValueError(f"code_tests: every input/output test needs str 'input' and 'output'; got {tests!r:.200}")
+    if shapes == {dict} and not all(
+        isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in tests
+    ):
+        raise ValueError(
+            f"code_tests: every input/output test needs str 'input' and 'output'; got {tests!r:.200}"
+        )
     return tests
 
 
 class CodeTestsReward:
     """The `code_tests` reward (module docstring): one sandbox pool for the run."""
 
-    def __init__(self, sandbox: SandboxConfig | None = None, *, binary: bool = False, stops: Sequence[str] = ()):
+    def __init__(
+        self, sandbox: SandboxConfig | None = None, *, binary: bool = False, stops: Sequence[str] = ()
+    ):
         self.pool = SandboxPool(sandbox or SandboxConfig())
         """Bounds the executions at once (`sandbox.workers`), shared by every sample."""
         self.binary = binary
@@ -175,7 +180,11 @@ class CodeTestsReward:
     async def outcome(self, sample: Sample) -> TestOutcome:
         """Run the sample's code against its tests."""
         tests = check_label(sample.label)
-        code = extract_code(sample.response, sample.label, self.stops) if sample.status is Status.COMPLETED else None
+        code = (
+            extract_code(sample.response, sample.label, self.stops)
+            if sample.status is Status.COMPLETED
+            else None
+        )
         if code is None:
             return TestOutcome(0, len(tests), "no_code")
         source = str(sample.label.get("prefix", "")) + code + "\n"

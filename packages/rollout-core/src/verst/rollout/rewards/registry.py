@@ -244,7 +244,9 @@ def _model_reward(config: RolloutConfig) -> RewardFn:
 
         return JudgeReward.from_config(reward.judge)
     if reward.reward_model is None:
-        raise RewardError("rollout.reward.type = 'reward_model' needs a [rollout.reward.reward_model] section")
+        raise RewardError(
+            "rollout.reward.type = 'reward_model' needs a [rollout.reward.reward_model] section"
+        )
     from verst.rollout.rewards.reward_model import RewardModelReward
 
     return RewardModelReward(reward.reward_model)

@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 
 from verst.rollout.agentic.episode import episode_generate_fn
 from verst.rollout.agentic.metrics import agentic_metrics
-from verst.rollout.rewards.outcomes import reward_outcome_metrics
 from verst.rollout.agentic.trajectory import generated_token_count
 from verst.rollout.engine import EngineTimeout, SamplingParams
 from verst.rollout.errors import RolloutError, RolloutFailedError
@@ -59,6 +58,7 @@ from verst.rollout.protocols import (
     RolloutRequest,
     RolloutResult,
 )
+from verst.rollout.rewards.outcomes import reward_outcome_metrics
 from verst.rollout.sample import Sample, Status
 from verst.rollout.sampling import sampling_params_for
 from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
