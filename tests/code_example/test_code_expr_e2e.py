@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from verst.rollout.rewards.code_tests import OUTCOMES
 from verst.trainer.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "code_expr"
@@ -69,6 +70,8 @@ def test_two_steps_generate_score_in_the_sandbox_and_train(tmp_path, capsys):
     train_rows = [r for r in rows if "rollout/reward_mean" in r]
     assert len(train_rows) == 2
     assert all(r["train/logprob_mismatch"] < 1e-3 and "train/loss" in r for r in train_rows)
+    kinds = {k for r in train_rows for k in r if k.startswith("rollout/reward_outcome/")}
+    assert kinds and kinds <= {f"rollout/reward_outcome/{k}" for k in OUTCOMES}  # the built-in reward's kinds
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     train = [s for s in samples if s["split"] == "train" and s["status"] == "completed"]
     assert train, "no completed training samples recorded"
