@@ -111,12 +111,11 @@ def test_all_164_canonical_solutions_pass_in_the_sandbox():
     _check_canonical(read_problems())
 
 
-def test_the_reward_scores_humaneval_completions_as_verst_eval_does(monkeypatch):
-    """The example's `code_tests` reward on HumanEval samples: the canonical body (with a stop
+def test_the_reward_scores_humaneval_completions_as_verst_eval_does():
+    """The built-in `code_tests` reward on HumanEval samples: the canonical body (with a stop
     string the engine left at its end) scores 1, a chat-style fenced full function scores 1, a
     wrong body 0."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples" / "code_expr"))
-    from code_expr_reward import CodeTests
+    from verst.rollout.rewards.code_tests import CodeTestsReward as CodeTests
 
     problem = read_problems()[2]  # truncate_number
     sample = build_eval_sets(_eval_config(num_examples=3))["he"][2]
