@@ -281,7 +281,9 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verst", description="verst: reinforcement-learning post-training for LLMs."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,sft,eval,serve,dashboard,report,export}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{train,sft,eval,serve,dashboard,report,export,replay}"
+    )
     fmt = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser(
         "train",
@@ -319,7 +321,40 @@ def build_parser(*, with_reference: bool = True) -> argparse.ArgumentParser:
         help="output folder: new, empty, or an earlier export, which is replaced (default RUN_DIR/export/<kind>)",
     )
     export.set_defaults(func=cmd_export)
+    replay = sub.add_parser(
+        "replay",
+        help="re-run train step N from checkpoint N-1 and check it reproduces checkpoint N bit for bit",
+        description="Re-runs train step N from checkpoint N-1 on the step's saved batch (written when the "
+        "run had run.save_rollouts=true) and compares weights and optimizer state with checkpoint N. "
+        "Exit 0 when bit-equal; 1 with the differing tensors (name, max abs diff) when not.",
+    )
+    replay.add_argument("run_dir", help="the run directory (run.output_dir)")
+    replay.add_argument("--step", type=int, required=True, help="the step N to replay (1 = the first)")
+    replay.set_defaults(func=cmd_replay)
     return parser
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`verst replay`: re-run one train step and report whether it is bit-equal to its checkpoint."""
+    from verst.rollout.selection import resolve_extra_env_vars
+    from verst.trainer.config import RunConfig
+    from verst.trainer.run.replay import replay_step
+
+    resolved = Path(args.run_dir) / "config.resolved.json"
+    if not resolved.is_file():
+        raise ConfigError(
+            [
+                Problem(
+                    "run_dir",
+                    f"{args.run_dir} is not a run directory (no config.resolved.json)",
+                    "pass run.output_dir of a run",
+                )
+            ]
+        )
+    env = resolve_extra_env_vars(RunConfig.model_validate_json(resolved.read_text()).run.env)
+    report = replay_step(args.run_dir, args.step, env=env)
+    print("\n".join(report.lines()), flush=True)
+    return 0 if report.equal else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:

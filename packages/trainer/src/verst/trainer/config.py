@@ -229,6 +229,11 @@ class RunSection(Section):
         2, ge=1, description="Keep only the newest N checkpoints (None = keep all)."
     )
     resume: bool = Field(True, description="Resume from the newest complete checkpoint in the run directory.")
+    save_rollouts: bool = Field(
+        False,
+        description="Save each step's training batch and RNG state as rollouts/step_N.pt (the newest "
+        "keep_checkpoints kept) so `verst replay RUN --step N` can re-run step N bit for bit.",
+    )
     placement: Literal["local", "ray"] = Field(
         "local", description="'local' = one process (or torchrun ranks); 'ray' = Ray actors."
     )

@@ -41,6 +41,7 @@ from verst.trainer.run.checkpoint import (
 )
 from verst.trainer.run.recording import RunRecorder, keyed_detail, lazy_decoder
 from verst.trainer.run.rollout_side import RolloutInterrupted, RolloutSide
+from verst.trainer.run.saved_batches import save_batch
 from verst.trainer.run.signals import StopRequest
 from verst.trainer.sync.weight_sync import WeightSync
 from verst.trainer.train.batch import TrainBatch, build_train_batch
@@ -117,6 +118,20 @@ def _rollout_metrics(result: RolloutResult) -> dict[str, float]:
     return {(k if "/" in k else f"rollout/{k}"): float(v) for k, v in result.metrics.items()}
 
 
+def build_train_side(config: RunConfig, model_path: str, env: Mapping[str, str]) -> TrainSide:
+    """The local train side of a run (the loop's and `verst replay`'s: one construction)."""
+    return TrainSide(
+        config.train,
+        config.algorithm,
+        model_path=model_path,
+        total_steps=config.run.num_steps,
+        max_response_len=config.rollout.max_response_len,
+        temperature=config.rollout.temperature,
+        env=dict(env),
+        opd=config.opd,
+    )
+
+
 class Trainer:
     """One run: builds both sides and runs the loop (`run_training` is the function form)."""
 
@@ -181,16 +196,7 @@ class Trainer:
             )
             self.train, self.rollout = self.placement.train, self.placement.rollout
             return
-        self.train = TrainSide(
-            config.train,
-            config.algorithm,
-            model_path=self.model_path,
-            total_steps=config.run.num_steps,
-            max_response_len=config.rollout.max_response_len,
-            temperature=config.rollout.temperature,
-            env=self.env,
-            opd=config.opd,
-        )
+        self.train = build_train_side(config, self.model_path, self.env)
         if self.dist.is_main:
             self.rollout = RolloutSide(
                 config, model_path=self.model_path, env=self.env, sink=self.sink, engine=engine
@@ -319,6 +325,8 @@ class Trainer:
             if recorder is not None:
                 chosen = recorder.choose(s for g in result.groups for s in g)  # type: ignore[union-attr]
                 batch.record_rows = [i for i, key in enumerate(batch.sample_keys) if key in chosen]
+            if self.config.run.save_rollouts and self.dist.is_main:  # for `verst replay`
+                save_batch(self.run_dir, step + 1, batch, keep=self.config.run.keep_checkpoints)
             metrics = self.train.train_step(batch)
         except BaseException:
             if recorder is not None:
