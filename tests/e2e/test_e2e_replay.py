@@ -1,8 +1,9 @@
 """`verst replay RUN --step N` (issue 41): a short reverse_digits run with `run.save_rollouts=true`,
 then three of its steps replayed from checkpoint N-1 reproduce checkpoint N bit for bit (weights
-and optimizer state), with `train.exact_on_policy` off (default suite) and on. A tampered
+and optimizer state), with `train.exact_on_policy` off (default suite) and on (slow). A tampered
 saved batch or checkpoint makes replay name the differing tensors and exit non-zero; a missing run
-dir, checkpoint or saved batch is one clear error naming the fix.
+dir, checkpoint or saved batch is one clear error naming the fix. With LoRA dropout the
+step draws random numbers: the saved RNG states make replay bit-equal, other states do not.
 """
 
 from __future__ import annotations
@@ -100,8 +101,23 @@ def test_missing_inputs_are_one_clear_error(run_dir, tmp_path, capsys):
     assert "no saved batch for step 2" in err and "run.save_rollouts=true" in err
 
 
+@pytest.mark.slow  # a second full run: 6-12 s on the shared 2-core box
 def test_replay_bit_equal_with_exact_on_policy(tmp_path, capsys):
     run = tmp_path / "exact"
     _train(run, "train.exact_on_policy=true")
     for step in CHOSEN:
         assert _replay(run, step) == 0, capsys.readouterr().out
+
+
+def test_a_train_step_that_draws_random_numbers_replays_with_the_saved_rng(tmp_path, capsys):
+    """LoRA dropout draws from the torch RNG during the train step: replay is bit-equal because it
+    restores the RNG states saved with the batch, and another RNG state gives other weights."""
+    run = tmp_path / "lora"
+    _train(run, "run.num_steps=2", "train.lora={rank = 4, dropout = 0.5}")
+    assert _replay(run, 2) == 0, capsys.readouterr().out
+    path = batch_path(run, 2)
+    saved = torch.load(path, weights_only=False)
+    saved["rng"]["torch"] = torch.Generator().manual_seed(12345).get_state()
+    torch.save(saved, path)
+    assert _replay(run, 2) == 1
+    assert "adapter/" in capsys.readouterr().out
