@@ -10,8 +10,8 @@ Setup: the real embedded engine, one torch thread, greedy decoding (same prompts
 both ways: greedy speculation is token-identical), n-gram proposals (`num_tokens = --k`,
 `min_ngram = 1`). Tasks (`--size tiny`): `reverse_digits` and `tool_math` (the examples' models
 and eval prompts; tool_math with its observation in the prompt, to be copied), `loop` (a random
-tiny Llama whose greedy output falls into a loop) and `fail` (the same model with a proposer whose
-proposals always fail). `--size 135m`: a random-init Llama at SmolLM2-135M's shape (hidden 576, 30
+tiny Llama whose greedy output falls into a loop) and `fail` (reverse_digits' model and prompts
+with a proposer whose proposals always fail: the BOS id, never emitted). `--size 135m`: a random-init Llama at SmolLM2-135M's shape (hidden 576, 30
 layers, 9 heads, 3 kv heads, intermediate 1536, vocab 49152), tasks `loop` and `fail`. Each
 (task, batch) runs plain, spec with the gate (`auto`) and spec without it (`off`), interleaved for
 `--repeats` rounds after a warm-up; the median tokens/s counts.
@@ -42,13 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class WrongProposer:
-    """Proposals that always fail: the last vocabulary id, which greedy decoding here never emits."""
+    """Proposals that always fail: the BOS id, which the trained example model never emits."""
 
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
+    def __init__(self, token: int) -> None:
+        self.token = token
 
     def propose(self, batch, rows, caps):  # noqa: ANN001
-        return [[self.vocab - 1] * c for c in caps], None
+        return [[self.token] * c for c in caps], None
 
     def refit(self, named) -> None:  # noqa: ANN001
         pass
@@ -94,8 +94,11 @@ async def _timed(engine: EmbeddedEngine, reqs: list[GenerateRequest]) -> tuple[f
 
 
 async def measure(task: str, size: str, batch: int, args: argparse.Namespace) -> dict[str, float]:
-    model, prompts = _example(task) if task in ("reverse_digits", "tool_math") else _random(size)
-    ignore = task in ("loop", "fail")
+    if task in ("reverse_digits", "tool_math") or (task == "fail" and size == "tiny"):
+        model, prompts = _example("reverse_digits" if task == "fail" else task)
+    else:
+        model, prompts = _random(size)
+    ignore = task == "loop" or (task == "fail" and size != "tiny")
     reqs = [
         GenerateRequest(prompts[i % len(prompts)], SamplingParams(args.tokens, 0.0, ignore_eos=ignore))
         for i in range(batch)
@@ -105,7 +108,7 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
         spec = None if mode == "plain" else {"type": "ngram", "num_tokens": args.k, "min_ngram": 1, "gate": mode}
         engines[mode] = EmbeddedEngine(model, None, max_batch_size=batch, batch_wait_s=0.02, speculative=spec)
         if task == "fail" and spec is not None:
-            engines[mode]._batch.speculative.proposer = WrongProposer(model.config.vocab_size)
+            engines[mode]._batch.speculative.proposer = WrongProposer(model.config.bos_token_id)
     rates: dict[str, list[float]] = {m: [] for m in engines}
     try:
         for m, e in engines.items():
@@ -136,7 +139,6 @@ async def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--headline", default="reverse_digits:1")
-    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
     tasks = args.tasks or (["reverse_digits", "tool_math", "loop", "fail"] if args.size == "tiny" else ["loop", "fail"])

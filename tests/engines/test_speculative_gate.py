@@ -104,3 +104,12 @@ def test_seeded_rows_choose_alone(a, others, slow):
 @given(st.floats(0.0, 0.999), st.integers(0, 16))
 def test_expected_tokens_is_the_geometric_sum(a, m):
     assert abs(expected_tokens(a, m) - sum(a**i for i in range(m + 1))) < 1e-9
+
+
+def test_new_rows_start_from_the_engines_running_acceptance():
+    gate = _timed(1.0, {k: 1.0 + 0.3 * k for k in range(1, 5)})
+    for r in _rows([None] * 8):
+        for _ in range(40):
+            gate.update(r.spec, 0, 4)  # every proposal so far failed
+    assert gate.choose(_rows([None] * 8), [4] * 8) == [0] * 8  # a fresh unseeded row: off
+    assert gate.choose(_rows([None], seeded=True), [4]) != [0]  # a fresh seeded row: its prior

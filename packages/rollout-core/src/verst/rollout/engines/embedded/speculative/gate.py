@@ -7,7 +7,8 @@ slower than plain decoding. The gate weighs, before each step, the expected toke
 expected cost:
 
 - each row's acceptance `a` is an EMA of the fraction of its proposed tokens accepted (its own
-  verification steps only; a new row starts at `prior`). A row proposing `m` tokens is expected
+  verification steps only; a new row starts at the engine's running acceptance, `overall`, an
+  EMA over every row's verification, or at `prior` if it is seeded or nothing was verified yet). A row proposing `m` tokens is expected
   to emit `(1 - a^(m+1)) / (1 - a)` tokens (1 when it proposes nothing);
 - the cost of a verify forward of `k + 1` tokens relative to a plain step is measured: EMAs of
   the wall time of plain steps and of verify steps per `k` (per row of the batch); until both are
@@ -51,6 +52,8 @@ class CostGate:
     """EMA of a verify step's wall time per row, by `k`."""
     plain_run: int = 0
     """Plain steps since the last verification step."""
+    overall: float | None = None
+    """EMA of the acceptance over all rows' verifications: a new unseeded row's estimate."""
 
     def ratio(self, k: int) -> float:
         """Cost of a verify forward of `k + 1` tokens over a plain step's."""
@@ -74,14 +77,16 @@ class CostGate:
         """A row's acceptance EMA after one of its verification steps."""
         frac = accepted / proposed
         spec.accept = frac if spec.accept is None else spec.accept + self.decay * (frac - spec.accept)
+        self.overall = frac if self.overall is None else self.overall + 0.05 * (frac - self.overall)
 
     def choose(self, rows: list[Any], caps: list[int]) -> list[int]:
         """Each row's proposal cap for this step (all 0: run plain)."""
         top = max(caps)
         if top == 0:
             return caps
-        acc = [self.prior if r.spec.accept is None else r.spec.accept for r in rows]
         seeded = [r.sampling.seed is not None for r in rows]
+        fresh = [self.prior if s or self.overall is None else self.overall for s in seeded]
+        acc = [f if r.spec.accept is None else r.spec.accept for r, f in zip(rows, fresh, strict=True)]
         own = [0] * len(rows)  # seeded rows: their own choice, from their own history only
         for i, (a, c, s) in enumerate(zip(acc, caps, seeded, strict=True)):
             if s and c:
