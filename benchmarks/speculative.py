@@ -72,14 +72,29 @@ def _random(size: str) -> tuple[torch.nn.Module, list[list[int]]]:
     torch.manual_seed(0)
     if size == "135m":
         cfg = LlamaConfig(
-            vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=2048,
-            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=49152,
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
     else:
         cfg = LlamaConfig(
-            vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            intermediate_size=256, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=64,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=256,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
     g = torch.Generator().manual_seed(1)
     vocab = min(cfg.vocab_size, 1000)
@@ -105,7 +120,9 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
     ]
     engines = {}
     for mode in ("plain", "auto", "off"):
-        spec = None if mode == "plain" else {"type": "ngram", "num_tokens": args.k, "min_ngram": 1, "gate": mode}
+        spec = (
+            None if mode == "plain" else {"type": "ngram", "num_tokens": args.k, "min_ngram": 1, "gate": mode}
+        )
         engines[mode] = EmbeddedEngine(model, None, max_batch_size=batch, batch_wait_s=0.02, speculative=spec)
         if task == "fail" and spec is not None:
             engines[mode]._batch.speculative.proposer = WrongProposer(model.config.bos_token_id)
@@ -141,10 +158,16 @@ async def main() -> None:
     p.add_argument("--headline", default="reverse_digits:1")
     args = p.parse_args()
     torch.set_num_threads(1)
-    tasks = args.tasks or (["reverse_digits", "tool_math", "loop", "fail"] if args.size == "tiny" else ["loop", "fail"])
+    tasks = args.tasks or (
+        ["reverse_digits", "tool_math", "loop", "fail"] if args.size == "tiny" else ["loop", "fail"]
+    )
     results = {}
-    print(f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} (median tokens/s; shared 2-core box)")
-    print(f"{'task':>15} {'rows':>4} {'plain':>9} {'auto':>9} {'off':>9} {'auto/plain':>10} {'off/plain':>9} {'acc':>5} {'spec%':>5}")
+    print(
+        f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} (median tokens/s; shared 2-core box)"
+    )
+    print(
+        f"{'task':>15} {'rows':>4} {'plain':>9} {'auto':>9} {'off':>9} {'auto/plain':>10} {'off/plain':>9} {'acc':>5} {'spec%':>5}"
+    )
     for task in tasks:
         for b in args.batches:
             r = await measure(task, args.size, b, args)
@@ -156,8 +179,11 @@ async def main() -> None:
                 flush=True,
             )
     h = results.get(args.headline) or next(iter(results.values()))
-    worst = min(r["auto"] / r["plain"] for k, r in results.items() if k.startswith("fail:")) if any(
-        k.startswith("fail:") for k in results) else float("nan")
+    worst = (
+        min(r["auto"] / r["plain"] for k, r in results.items() if k.startswith("fail:"))
+        if any(k.startswith("fail:") for k in results)
+        else float("nan")
+    )
     print(f"fail_worst_auto_over_plain={worst:.2f}")
     print(f"spec_over_plain={h['auto'] / h['plain']:.2f} acceptance={h['off_acceptance']:.2f}")
 

@@ -59,7 +59,9 @@ async def test_gate_turns_failing_proposals_off(tiny_checkpoint):
 
 def _rows(accepts, seeded=False):
     return [
-        SimpleNamespace(spec=RowSpec(4, accept=a), sampling=SimpleNamespace(seed=7 if seeded else None), output_ids=[0])
+        SimpleNamespace(
+            spec=RowSpec(4, accept=a), sampling=SimpleNamespace(seed=7 if seeded else None), output_ids=[0]
+        )
         for a in accepts
     ]
 
