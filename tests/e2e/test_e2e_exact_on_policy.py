@@ -93,6 +93,7 @@ def test_default_run_differs(tmp_path, capsys):
         (["train.layout=shared_prompt"], "one sequence per row"),
         (["train.dtype=bfloat16"], "train.dtype='bfloat16'"),
         (["train.lora={rank = 4}"], "LoRA"),
+        (['engine.speculative={type = "ngram"}'], "engine.speculative.type='ngram'"),
         (
             [f'train.model_path="{EXAMPLES / "moe_digits" / "model" / "warm_start"}"', "engine.model_path=null"],
             "model type 'qwen3_moe' is not covered",

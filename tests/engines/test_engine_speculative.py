@@ -19,7 +19,8 @@ from verst.rollout.engines.embedded.speculative.config import parse_speculative
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
-NGRAM = {"type": "ngram", "num_tokens": 4, "min_ngram": 1}
+NGRAM = {"type": "ngram", "num_tokens": 4, "min_ngram": 1, "gate": "off"}  # the verify path on every step
+# (the cost gate would send a 2-core CPU box to plain decoding: tests/engines/test_speculative_gate.py)
 
 
 async def _run(model_dir, reqs, speculative=None, **kwargs):
@@ -107,7 +108,7 @@ async def test_engine_samples_follow_the_filtered_target(tiny_checkpoint):
     t, top_k, top_p = 0.1, 12, 0.95  # peaked enough that proposals are often kept (and often not)
     n = 2400
     reqs = [GenerateRequest(prompt, SamplingParams(3, t, top_p, top_k, ignore_eos=True)) for _ in range(n)]
-    outs, stats = await _run(tiny_checkpoint, reqs, {"type": "ngram", "num_tokens": 1, "min_ngram": 1}, max_batch_size=600)
+    outs, stats = await _run(tiny_checkpoint, reqs, {"type": "ngram", "num_tokens": 1, "min_ngram": 1, "gate": "off"}, max_batch_size=600)
     assert stats["rows"] >= 0.9 * n and stats["accepted"] > 0.1 * stats["rows"]
     pairs = torch.tensor([o.output_ids[:2] for o in outs])  # [n, 2]
     counts, probs = [], []
@@ -203,7 +204,7 @@ async def test_draft_model_greedy_identical_and_refit_with_policy(tiny_checkpoin
     from verst.rollout.toy import make_tiny_checkpoint
 
     draft = make_tiny_checkpoint(tmp_path / "draft", seed=1, num_layers=1)
-    cfg = {"type": "draft_model", "model_path": str(draft), "num_tokens": 3, "refit": "with_policy"}
+    cfg = {"type": "draft_model", "model_path": str(draft), "num_tokens": 3, "refit": "with_policy", "gate": "off"}
     prompt = [1] + [4 + j % 7 for j in range(12)]
     reqs = [GenerateRequest(prompt[: 6 + i], SamplingParams(16, 0.0, ignore_eos=True)) for i in range(4)]
     plain, _ = await _run(tiny_checkpoint, reqs)

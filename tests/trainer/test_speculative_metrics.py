@@ -42,4 +42,7 @@ def test_metrics_are_the_interval_difference():
     assert m["rollout/speculative/acceptance_rate"] == 6 / 8
     assert m["rollout/speculative/accepted_len"] == (6 + 4) / 4
     assert m["rollout/speculative/plain_step_fraction"] == 2 / 4
+    assert m["rollout/speculative/speculated_fraction"] == 2 / 4
+    gated = speculative_metrics({**before, "gated": 0.0}, {**after, "gated": 1.0})
+    assert gated["rollout/speculative/gated_fraction"] == 1 / 4
     assert speculative_metrics(None, None) == {}

@@ -4,7 +4,11 @@ It holds for the embedded engine on CPU, float32 on both sides, the dense famili
 `verst.rollout.exact_model.FAMILIES`, one process, no LoRA (docs/training.md, Exactly on-policy).
 Every other case is one `Problem` under `train.exact_on_policy` naming why and the fix: vLLM and
 SGLang (and `verst serve` behind the SGLang client) run their own kernels, a GPU has no
-batch-invariant kernels here, a family not covered would be approximated.
+batch-invariant kernels here, a family not covered would be approximated, and speculative
+decoding (`engine.speculative`) is refused: its verify forward feeds `k + 1` tokens per row into
+a cache with masked (rejected) columns, its log-probs come from `verify` rather than
+`exact_logprobs`, and the kept positions' bits are not those of the one-token step the trainer's
+exact forward matches.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ def _engine_reason(engine: Any, cuda: bool) -> str | None:
         return "the embedded engine on a GPU: batch-invariant kernels exist for CPU only"
     if engine.dtype != "float32":
         return f"engine.dtype={engine.dtype!r}: only float32 is covered"
+    spec = getattr(engine, "speculative", None)
+    if spec is not None and spec.enabled:
+        return (
+            f"engine.speculative.type={spec.type!r}: the verify forward scores k + 1 positions per row "
+            "against a cache with masked holes and reports verify's log-probs, not the exact ops' "
+            "(set engine.speculative.type = \"off\")"
+        )
     return None
 
 

@@ -366,6 +366,8 @@ class DecodeBatch:
             lps = exact_step_scores(logits, self.sampling.inv_temp)
         self.last = tokens
         self._record(self.rows, tokens, lps, self.slots)
+        if self.speculative is not None:
+            self.speculative.plain_done(self)
 
     def _record(
         self, rows: list[Row], tokens: torch.Tensor, lps: StepScores, slots: list[int] | None = None

@@ -38,9 +38,11 @@ def _speculative(config: Any, model: Any, vocab: int) -> Any:
     section = parse_speculative(config)
     if not section.enabled:
         return None
+    from verst.rollout.engines.embedded.speculative.gate import CostGate
     from verst.rollout.engines.embedded.speculative.step import SpeculativeDecoder
 
-    return SpeculativeDecoder(section.build(model, vocab), section.num_tokens)
+    gate = CostGate(verify_cost=section.verify_cost) if section.gate == "auto" else None
+    return SpeculativeDecoder(section.build(model, vocab), section.num_tokens, gate=gate)
 
 
 def _resolve_device(device: str) -> str:

@@ -3,6 +3,7 @@
     [engine.speculative]
     type = "ngram"          # "off" (default), "ngram" (prompt lookup), "draft_model", or "pkg.module:Class"
     num_tokens = 4
+    gate = "auto"           # the cost gate: speculate only where it is expected to pay ("off": always)
 
 Each variant is a config class with a `build(model, vocab)` that makes its proposer (the torch
 parts are imported only then) and its own `problems(key)`; `SPECULATIVE` is the table.
@@ -24,6 +25,23 @@ class SpeculativeSection(Section):
 
     type: str = Field("off", description="off, ngram (prompt lookup), draft_model, or 'pkg.module:Class'.")
     num_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per row and step.")
+    gate: Literal["auto", "off"] = Field(
+        "auto",
+        description=(
+            "auto: speculate only when the expected tokens per unit time beat plain decoding (each "
+            "row's acceptance EMA against the measured cost of a k+1-token verify forward); off: "
+            "whenever a row has a proposal (docs/engines.md)."
+        ),
+    )
+    verify_cost: float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "The gate's model of a verify forward's extra cost per proposed token, relative to a "
+            "plain step, until both are measured (seeded rows always use it: their choice must not "
+            "depend on timings)."
+        ),
+    )
 
     @property
     def enabled(self) -> bool:

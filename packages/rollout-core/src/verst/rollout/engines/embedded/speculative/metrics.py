@@ -4,8 +4,9 @@
 engines (None when no engine speculates); `speculative_metrics(before, after)` turns the
 difference over one rollout into `rollout/speculative/*`:
 `acceptance_rate` (accepted / proposed tokens), `accepted_len` (mean tokens a proposing row
-emitted per verification step: accepted + the drawn one), `proposed_per_step` and
-`plain_step_fraction` (steps where no row had a proposal and plain decoding ran).
+emitted per verification step: accepted + the drawn one), `proposed_per_step`,
+`plain_step_fraction` (steps where plain decoding ran), `speculated_fraction` (steps that
+verified proposals) and `gated_fraction` (steps the cost gate sent to plain decoding).
 """
 
 from __future__ import annotations
@@ -35,5 +36,8 @@ def speculative_metrics(before: dict[str, float] | None, after: dict[str, float]
     if d["steps"] > 0:
         out["rollout/speculative/proposed_per_step"] = d["proposed"] / d["steps"]
     if d["steps"] + d["plain_steps"] > 0:
-        out["rollout/speculative/plain_step_fraction"] = d["plain_steps"] / (d["steps"] + d["plain_steps"])
+        total = d["steps"] + d["plain_steps"]
+        out["rollout/speculative/plain_step_fraction"] = d["plain_steps"] / total
+        out["rollout/speculative/speculated_fraction"] = d["steps"] / total
+        out["rollout/speculative/gated_fraction"] = d.get("gated", 0.0) / total
     return out

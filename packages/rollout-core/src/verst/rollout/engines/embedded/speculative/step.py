@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import time
+
 import torch
 
 from verst.rollout.engines.embedded.sampling import ids_logprobs, top_logprobs
@@ -41,6 +43,8 @@ class RowSpec:
     """Consecutive fully rejected proposals."""
     index: Any = None
     """The n-gram proposer's index of its context."""
+    accept: float | None = None
+    """EMA of the fraction of its proposed tokens accepted (`gate.CostGate`)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class SpeculativeStats:
     """Proposed tokens accepted."""
     emitted: int = 0
     """Tokens emitted by verification steps (accepted + one drawn per row)."""
+    gated: int = 0
+    """Plain steps the cost gate chose although some row had proposals allowed."""
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -68,6 +74,7 @@ class SpeculativeStats:
             "proposed": float(self.proposed),
             "accepted": float(self.accepted),
             "emitted": float(self.emitted),
+            "gated": float(self.gated),
         }
 
 
@@ -78,7 +85,16 @@ class SpeculativeDecoder:
     proposer: Any
     num_tokens: int
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    gate: Any = None
+    """`gate.CostGate` (None: `gate = "off"`, speculate whenever a row has a proposal)."""
+    _t0: float | None = None
     REPACK_FRACTION = 0.25
+
+    def plain_done(self, batch: Any) -> None:
+        """`DecodeBatch.step` ran a plain step after `step` returned False: time it for the gate."""
+        if self.gate is not None and self._t0 is not None:
+            self.gate.observe(0, time.perf_counter() - self._t0, len(batch.rows))
+        self._t0 = None
 
     def _caps(self, rows: list[Any]) -> list[int]:
         caps = []
@@ -95,8 +111,13 @@ class SpeculativeDecoder:
 
     def step(self, batch: Any) -> bool:
         """One speculative step of `batch` (a `DecodeBatch`); False: nothing proposed, not stepped."""
+        t0 = self._t0 = time.perf_counter()
         rows = batch.rows
         caps = self._caps(rows)
+        if self.gate is not None and any(caps):
+            caps = self.gate.choose(rows, caps)
+            if not any(caps):
+                self.stats.gated += 1
         if not any(caps):
             self.stats.plain_steps += 1
             return False
@@ -105,6 +126,7 @@ class SpeculativeDecoder:
         if k == 0:
             self.stats.plain_steps += 1
             return False
+        self._t0 = None
         at = batch.slots if batch.slots is not None else list(range(len(rows)))
         n = batch.mask.shape[0]
         props = torch.zeros((n, k), dtype=torch.long, device=batch.device)
@@ -121,6 +143,8 @@ class SpeculativeDecoder:
         verdict = verify(logits, props, counts, q_slots, batch.sampling, batch.next_pos + 1)
         self._advance(batch, verdict, k)
         self._record(batch, rows, at, verdict, counts)
+        if self.gate is not None:
+            self.gate.observe(k, time.perf_counter() - t0, len(rows))
         return True
 
     def _forward(self, batch: Any, props: torch.Tensor, k: int) -> torch.Tensor:
@@ -167,6 +191,8 @@ class SpeculativeDecoder:
                 s.proposed += cnt[j]
                 s.accepted += acc[j]
                 _back_off(r.spec, acc[j], cnt[j], self.num_tokens)
+                if self.gate is not None:
+                    self.gate.update(r.spec, acc[j], cnt[j])
             for t in range(acc[j] + 1):
                 r.output_ids.append(toks[j][t])
                 r.output_logprobs.append(chosen[j][t])

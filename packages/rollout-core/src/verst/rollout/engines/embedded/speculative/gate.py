@@ -1,0 +1,123 @@
+"""The cost gate (`engine.speculative.gate = "auto"`): speculate only where it is expected to pay.
+
+A verify forward feeds `k + 1` tokens per row. When a forward is overhead- or memory-bound (few
+rows, a GPU) that costs little more than a plain step; when it is compute-bound (many rows on a
+CPU) it costs about `k + 1` plain steps, and speculation that is not almost always accepted is
+slower than plain decoding. The gate weighs, before each step, the expected tokens against the
+expected cost:
+
+- each row's acceptance `a` is an EMA of the fraction of its proposed tokens accepted (its own
+  verification steps only; a new row starts at the engine's running acceptance, `overall`, an
+  EMA over every row's verification, or at `prior` if it is seeded or nothing was verified yet). A row proposing `m` tokens is expected
+  to emit `(1 - a^(m+1)) / (1 - a)` tokens (1 when it proposes nothing);
+- the cost of a verify forward of `k + 1` tokens relative to a plain step is measured: EMAs of
+  the wall time of plain steps and of verify steps per `k` (per row of the batch); until both are
+  seen it is modelled as `1 + verify_cost * k`;
+- the step speculates with the `k` (1 … the longest proposal allowed) that maximises expected
+  tokens per unit cost, if that beats plain decoding's (`n` tokens per plain step); otherwise
+  it runs plain. Every `probe_every` plain steps in a row one verification step runs anyway, so
+  the acceptance estimates stay current (a bounded cost: one step in `probe_every`).
+
+Seeded rows decide alone (their proposal length depends only on their own acceptance and the
+modelled cost, never on timings or on what shares the batch), so a seeded request stays
+reproducible; when a seeded row speculates the step verifies, and the other rows' proposals
+ride along at the same `k`.
+
+Why the gate does not bias the output distribution: whether a step speculates, and how far,
+depends only on the past (acceptance of earlier steps, timings of earlier forwards), never on
+the current step's draws or logits. Conditioned on the history, a plain step emits a sample of
+the target's filtered distribution and so does a verification step (the speculative-sampling
+rule, `verify`); a choice between two exact samplers made before either draws is still an exact
+sampler (a stopping-time argument: the token's law given the history is the target's in both
+branches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class CostGate:
+    """The gate's state: timings and the decision (see the module doc)."""
+
+    verify_cost: float = 0.5
+    prior: float = 0.6
+    decay: float = 0.3
+    probe_every: int = 64
+    plain_t: float | None = None
+    """EMA of a plain step's wall time per row."""
+    verify_t: dict[int, float] = field(default_factory=dict)
+    """EMA of a verify step's wall time per row, by `k`."""
+    plain_run: int = 0
+    """Plain steps since the last verification step."""
+    overall: float | None = None
+    """EMA of the acceptance over all rows' verifications: a new unseeded row's estimate."""
+
+    def ratio(self, k: int) -> float:
+        """Cost of a verify forward of `k + 1` tokens over a plain step's."""
+        t = self.verify_t.get(k)
+        if t is None or self.plain_t is None:
+            return 1.0 + self.verify_cost * k
+        return max(1.0, t / self.plain_t)
+
+    def observe(self, k: int, seconds: float, rows: int) -> None:
+        """A step's wall time (`k = 0`: plain)."""
+        per = seconds / max(1, rows)
+        if k == 0:
+            self.plain_t = per if self.plain_t is None else self.plain_t + self.decay * (per - self.plain_t)
+            self.plain_run += 1
+        else:
+            old = self.verify_t.get(k)
+            self.verify_t[k] = per if old is None else old + self.decay * (per - old)
+            self.plain_run = 0
+
+    def update(self, spec: Any, accepted: int, proposed: int) -> None:
+        """A row's acceptance EMA after one of its verification steps."""
+        frac = accepted / proposed
+        spec.accept = frac if spec.accept is None else spec.accept + self.decay * (frac - spec.accept)
+        self.overall = frac if self.overall is None else self.overall + 0.05 * (frac - self.overall)
+
+    def choose(self, rows: list[Any], caps: list[int]) -> list[int]:
+        """Each row's proposal cap for this step (all 0: run plain)."""
+        top = max(caps)
+        if top == 0:
+            return caps
+        seeded = [r.sampling.seed is not None for r in rows]
+        fresh = [self.prior if s or self.overall is None else self.overall for s in seeded]
+        acc = [f if r.spec.accept is None else r.spec.accept for r, f in zip(rows, fresh, strict=True)]
+        own = [0] * len(rows)  # seeded rows: their own choice, from their own history only
+        for i, (a, c, s) in enumerate(zip(acc, caps, seeded, strict=True)):
+            if s and c:
+                k, g = _best_k([a], [c], 1, self._model)
+                probe = len(rows[i].output_ids) % self.probe_every == 0
+                own[i] = k if g > 1.0 else (1 if probe else 0)
+        free = [c if not s else 0 for c, s in zip(caps, seeded, strict=True)]
+        k, gain = _best_k(acc, free, len(rows), self.ratio) if any(free) else (0, 0.0)
+        if gain <= 1.0:
+            k = 1 if (any(own) or self.plain_run >= self.probe_every) and any(free) else 0
+        return [o if s else min(c, k) for o, c, s in zip(own, caps, seeded, strict=True)]
+
+    def _model(self, k: int) -> float:
+        return 1.0 + self.verify_cost * k
+
+
+def expected_tokens(a: float, m: int) -> float:
+    """Tokens a row emits in one verification step proposing `m`, each accepted w.p. `a`."""
+    if m == 0:
+        return 1.0
+    if a >= 1.0:
+        return float(m + 1)
+    return (1.0 - a ** (m + 1)) / (1.0 - a)
+
+
+def _best_k(acc: list[float], caps: list[int], n: int, ratio: Any) -> tuple[int, float]:
+    """The `k` maximising expected tokens per cost over the rows, and its gain over plain (n)."""
+    best, gain = 0, 0.0
+    for k in range(1, max(caps) + 1):
+        tokens = sum(expected_tokens(a, min(c, k)) for a, c in zip(acc, caps, strict=True))
+        g = tokens / (n * ratio(k))
+        if g > gain:
+            best, gain = k, g
+    return best, gain
