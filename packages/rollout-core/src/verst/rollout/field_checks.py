@@ -287,6 +287,13 @@ def _check_env(c: RolloutConfig) -> Iterator[Problem]:
             f"{c.env.max_tokens} exceeds rollout.max_context_len = {c.max_context_len}",
             "lower rollout.env.max_tokens to at most max_context_len, or unset it",
         )
+    if c.env.reward == "per_turn_reward_fn" and c.reward.group:
+        yield Problem(
+            "rollout.env.reward",
+            "'per_turn_reward_fn' scores each turn with a per-sample reward, but rollout.reward.group "
+            "scores whole groups",
+            "set rollout.reward.group = false, or rollout.env.reward = 'reward_fn'",
+        )
 
 
 CROSS_FIELD_CHECKS: tuple[Callable[[RolloutConfig], Iterator[Problem]], ...] = (
