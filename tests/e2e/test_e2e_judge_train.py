@@ -1,7 +1,9 @@
 """`verst train` with a judge reward end to end: the reverse-digits example's policy, judged by
 its own warm-start checkpoint on a separate embedded engine (allowed; the judge is never refit),
-two steps through the CLI. Proves the pipeline (config → judge engine → rewards → train → close),
-not learning: the warm start is no trained judge."""
+two steps through the CLI, the held-out set scored by the example's rule instead
+(`rollout.eval.datasets.heldout.reward`). Proves the pipeline (config → judge engine → rewards →
+train → close) and the judge's counters in metrics.jsonl, not learning: the warm start is no
+trained judge (examples/judge_digits trains one)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def test_verst_train_with_the_policy_checkpoint_as_judge(tmp_path, capsys):
             f'{judge}.yes="1"',
             f'{judge}.no="0"',
             f'{judge}.template="{{prompt}}{{response}}|{{label}}|"',
+            'rollout.eval.datasets.heldout.reward={type="reverse_digits_reward:reward"}',
         ]
     )
     out = capsys.readouterr()
@@ -49,3 +52,41 @@ def test_verst_train_with_the_policy_checkpoint_as_judge(tmp_path, capsys):
     assert [r["step"] for r in train] == [1, 2]
     assert all(0.0 < r["rollout/reward_mean"] < 1.0 and not r.get("rollout/reward_errors") for r in train)
     assert train[-1]["weight_version"] == 2.0  # the policy was refit twice; the judge never was
+    # each step's judge calls, cache hits and errors (that step's, not the run's totals)
+    assert all(r["reward/judge/calls"] > 0 and r["reward/judge/errors"] == 0 for r in train)
+    assert all(r["reward/judge/calls"] + r["reward/judge/cache_hits"] == 16 for r in train)
+    evals = [r for r in metrics if "eval/heldout/reward_mean" in r]
+    assert len(evals) == 2  # start and end, scored by the rule: the judge is not called
+    assert all(r.get("eval/reward/judge/calls", 0) == 0 for r in evals)
+    # the step-0 eval is the warm start's greedy answers scored by the rule, recomputed here
+    assert evals[0]["eval/heldout/reward_mean"] == pytest.approx(_greedy_rule_score(warm, rows), abs=1e-9)
+
+
+def _greedy_rule_score(model: Path, rows: list[str]) -> float:
+    """The example rule's mean score of `model`'s greedy answers (12 new tokens) to `rows`."""
+    import asyncio
+    import sys
+
+    from verst.rollout.engine import GenerateRequest, SamplingParams
+    from verst.rollout.engines.embedded.engine import EmbeddedEngine
+
+    sys.path.insert(0, str(EXAMPLE))
+    from reverse_digits_reward import score
+
+    async def run() -> float:
+        engine = EmbeddedEngine.from_pretrained(model)
+        tok = engine.tokenizer
+        try:
+            total = 0.0
+            for row in map(json.loads, rows):
+                ids = tok.encode(row["prompt"], add_special_tokens=False)
+                out = await engine.generate(
+                    GenerateRequest(ids, SamplingParams(max_new_tokens=12, temperature=0.0))
+                )
+                text = out.text or tok.decode(out.output_ids)
+                total += score(text, row["label"], out.finish_reason == "stop")
+            return total / len(rows)
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())

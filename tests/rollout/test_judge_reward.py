@@ -148,3 +148,28 @@ async def test_dead_judge_stops_the_rollout_with_one_clear_error():
                 await InferenceRollout(ctx)(RolloutRequest(0))
         finally:
             await judge.aclose()
+
+
+async def test_rollout_metrics_count_judge_calls_cache_hits_and_errors_per_rollout(tiny):
+    """A real embedded judge: each rollout's metrics hold the judge calls, cache hits and errors
+    *that rollout* made (not the run's totals). The ToyEngine answers a prompt the same way every
+    time, so a group's second sample is a cache hit; the one prompt longer than the judge's
+    context makes its judge call fail — a counted error, not a crash."""
+    engine = EmbeddedEngine.from_pretrained(tiny, max_batch_size=8)
+    limit = engine.model.config.max_position_embeddings
+    prompts = ["a", "b", "x" * (limit + 10), *(f"p{i}" for i in range(20))]
+    judge = JudgeReward(EngineJudge(engine), JudgeConfig(**LOGPROB))
+    try:
+        ctx = make_context(reward_fn=judge, prompts=prompts, batch_size=2, n_samples_per_prompt=2)
+        strategy = InferenceRollout(ctx)
+        first = (await strategy(RolloutRequest(0))).metrics
+        second = (await strategy(RolloutRequest(1))).metrics
+    finally:
+        await engine.close()
+    assert first["reward/judge/calls"] == 2 and first["reward/judge/cache_hits"] == 2
+    assert first["reward/judge/errors"] == 0 and first["rollout/reward_errors"] == 0
+    # the long prompt's group: one failed call (its twin shares it, a cache hit), both samples
+    # reward errors; the next wave's two groups are judged (one kept, one handed back)
+    assert second["reward/judge/errors"] == 1 and second["rollout/reward_errors"] == 2
+    assert second["reward/judge/calls"] == 4 and second["reward/judge/cache_hits"] == 4
+    assert judge.counters() == {"calls": 6, "cache_hits": 6, "errors": 1}

@@ -139,3 +139,20 @@ def test_config_refuses_per_turn_with_grpo(tmp_path):
     )
     with pytest.raises(ConfigError, match="per_turn rewards cannot be used by advantage 'grpo'"):
         validate_run_config(cfg, {})
+
+
+def test_config_refuses_per_turn_reward_fn_with_grpo_and_with_group_rewards(tmp_path):
+    from verst.rollout.errors import ConfigError
+    from verst.trainer.config import RunConfig, validate_run_config
+
+    cfg = RunConfig.model_validate(
+        {
+            "engine": {"type": "embedded", "model_path": str(tmp_path)},
+            "rollout": {"env": {"reward": "per_turn_reward_fn"}, "reward": {"group": True}},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_run_config(cfg, {})
+    text = str(info.value)
+    assert "per_turn_reward_fn rewards cannot be used by advantage 'grpo'" in text
+    assert "set rollout.reward.group = false" in text

@@ -70,9 +70,7 @@ class DataConfig(Section):
     seed: int = Field(0, description="Seed of the per-epoch shuffle.")
 
 
-DEFAULT_JUDGE_TEMPLATE = (
-    "{rubric}\nQuestion: {prompt}\nReference: {label}\nAnswer: {response}\nVerdict:"
-)
+DEFAULT_JUDGE_TEMPLATE = "{rubric}\nQuestion: {prompt}\nReference: {label}\nAnswer: {response}\nVerdict:"
 """The judge prompt unless `rollout.reward.judge.template` is set (docs/rewards.md)."""
 
 
@@ -112,7 +110,9 @@ class JudgeConfig(Section):
     max_new_tokens: int = Field(16, ge=1, description="Verdict length (yes_no_logprob reads one token).")
     max_concurrency: int = Field(16, ge=1, description="Judge calls in flight at once.")
     timeout_s: float = Field(30.0, gt=0, description="Bound of one judge call (a timeout is a reward error).")
-    cache: bool = Field(True, description="Reuse a verdict for the same (judge, template, inputs) within a run.")
+    cache: bool = Field(
+        True, description="Reuse a verdict for the same (judge, template, inputs) within a run."
+    )
 
 
 class RewardModelConfig(Section):
@@ -140,7 +140,9 @@ class RewardConfig(Section):
         description="The code sandbox of type = 'code_tests' / 'code_tests_binary' (limits, workers).",
     )
     judge: JudgeConfig | None = Field(None, description="The judge (type = 'judge').")
-    reward_model: RewardModelConfig | None = Field(None, description="The reward model (type = 'reward_model').")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="The reward model (type = 'reward_model')."
+    )
     url: str | None = Field(None, description="Remote reward model URL (type = 'remote').")
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward call.")
     group: bool = Field(
@@ -156,6 +158,11 @@ class EvalDatasetConfig(DataConfig):
 
     shuffle: bool = Field(False, description="Eval sets are not shuffled by default.")
     n_samples_per_prompt: int = Field(1, ge=1, description="Samples per eval prompt.")
+    reward: RewardConfig | None = Field(
+        None,
+        description="This set's own reward, a table like rollout.reward (None = rollout.reward): e.g. "
+        "a rule scoring held-out data of a run trained against a judge (docs/rewards.md).",
+    )
 
 
 class EvalConfig(Section):

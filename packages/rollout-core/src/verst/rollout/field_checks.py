@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from verst.rollout.config import DataConfig, RolloutConfig
+from verst.rollout.config import DataConfig, RewardConfig, RolloutConfig
 from verst.rollout.errors import Problem
 from verst.rollout.importing import ImportPathError, import_object, split_import_path
 from verst.rollout.rewards.model_checks import model_reward_problems
@@ -67,11 +67,18 @@ def _check_eval(c: RolloutConfig) -> Iterator[Problem]:
 
 
 def _check_reward(c: RolloutConfig) -> Iterator[Problem]:
-    r = c.reward
+    yield from reward_problems(c.reward, "rollout.reward")
+    for name, ds in c.eval.datasets.items():
+        if ds.reward is not None:
+            yield from reward_problems(ds.reward, f"rollout.eval.datasets.{name}.reward")
+
+
+def reward_problems(r: RewardConfig, key: str) -> Iterator[Problem]:
+    """Problems of one reward table (`rollout.reward`, or an eval dataset's own) at `key`."""
     valid = valid_reward_types()
     if r.type not in valid and not is_import_path(r.type):
         yield Problem(
-            "rollout.reward.type",
+            f"{key}.type",
             f"unknown reward {r.type!r}",
             f"use one of {valid}, or an import path 'package.module:function'",
         )
@@ -79,25 +86,25 @@ def _check_reward(c: RolloutConfig) -> Iterator[Problem]:
         try:
             split_import_path(r.type)
         except ImportPathError as exc:
-            yield Problem("rollout.reward.type", str(exc), "write it as 'package.module:function'")
+            yield Problem(f"{key}.type", str(exc), "write it as 'package.module:function'")
     if r.type == REMOTE and not r.url:
         yield Problem(
-            "rollout.reward.url",
+            f"{key}.url",
             "reward.type = 'remote' needs the URL of the reward server",
-            "set rollout.reward.url, e.g. 'http://127.0.0.1:8000/reward'",
+            f"set {key}.url, e.g. 'http://127.0.0.1:8000/reward'",
         )
     if r.url and r.type != REMOTE:
         yield Problem(
-            "rollout.reward.url",
+            f"{key}.url",
             f"a URL is set but reward.type = {r.type!r}, so it would be ignored",
-            "set rollout.reward.type = 'remote', or remove rollout.reward.url",
+            f"set {key}.type = 'remote', or remove {key}.url",
         )
-    yield from model_reward_problems(r)
+    yield from model_reward_problems(r, key)
     if r.key is not None and r.type in BUILTIN_REWARDS:
         yield Problem(
-            "rollout.reward.key",
+            f"{key}.key",
             f"the built-in reward {r.type!r} returns a float, so key {r.key!r} selects nothing",
-            "remove rollout.reward.key (it is for rewards that return a dict of named scores)",
+            f"remove {key}.key (it is for rewards that return a dict of named scores)",
         )
 
 
@@ -207,6 +214,11 @@ def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
         ("rollout.generate_function_path", c.generate_function_path),
         ("rollout.reward.type", c.reward.type if is_import_path(c.reward.type) else None),
         *((f"rollout.dynamic_filters[{i}]", f) for i, f in enumerate(c.dynamic_filters) if is_import_path(f)),
+        *(
+            (f"rollout.eval.datasets.{name}.reward.type", ds.reward.type)
+            for name, ds in c.eval.datasets.items()
+            if ds.reward is not None and is_import_path(ds.reward.type)
+        ),
     ]
     for key, path in paths:
         if path is None:
@@ -214,9 +226,10 @@ def _check_paths(c: RolloutConfig) -> Iterator[Problem]:
         try:
             split_import_path(path)
         except ImportPathError:
-            if key == "rollout.reward.type":  # reported by _check_reward
+            if key.endswith("reward.type"):  # reported by _check_reward
                 continue
-        yield from import_path_problems(key, path, _PATH_KINDS.get(key, "dynamic filter"))
+        kind = "reward function" if key.endswith("reward.type") else "dynamic filter"
+        yield from import_path_problems(key, path, _PATH_KINDS.get(key, kind))
     yield from _check_data(c.data, "rollout.data", required=False)
 
 
@@ -273,6 +286,13 @@ def _check_env(c: RolloutConfig) -> Iterator[Problem]:
             "rollout.env.max_tokens",
             f"{c.env.max_tokens} exceeds rollout.max_context_len = {c.max_context_len}",
             "lower rollout.env.max_tokens to at most max_context_len, or unset it",
+        )
+    if c.env.reward == "per_turn_reward_fn" and c.reward.group:
+        yield Problem(
+            "rollout.env.reward",
+            "'per_turn_reward_fn' scores each turn with a per-sample reward, but rollout.reward.group "
+            "scores whole groups",
+            "set rollout.reward.group = false, or rollout.env.reward = 'reward_fn'",
         )
 
 

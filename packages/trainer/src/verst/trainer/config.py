@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from verst.rollout.agentic.config import PER_TURN_REWARDS
 from verst.rollout.config import RolloutConfig, Section, path_field
 from verst.rollout.engines.config import ENGINES, EngineConfig, engine_problems
 from verst.rollout.errors import ConfigError, Problem
@@ -418,11 +419,12 @@ def validate_run_config(
     problems += engine_problems(cfg.engine, fallback_model_path=cfg.train.model_path)
     problems += list(cfg.algorithm.problems())
     episodes, estimator = cfg.rollout.env, ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage.type)
-    if episodes and episodes.reward == "per_turn" and estimator and not getattr(estimator, "per_turn", False):
+    per_turn = episodes is not None and episodes.reward in PER_TURN_REWARDS
+    if per_turn and estimator and not getattr(estimator, "per_turn", False):
         problems.append(
             Problem(
                 "rollout.env.reward",
-                f"per_turn rewards cannot be used by advantage {cfg.algorithm.advantage.type!r}",
+                f"{episodes.reward} rewards cannot be used by advantage {cfg.algorithm.advantage.type!r}",
                 "use algorithm.advantage = 'gae' or 'grpo_per_turn', or set rollout.env.reward = 'sum'",
             )
         )

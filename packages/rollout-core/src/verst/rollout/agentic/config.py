@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PER_TURN_REWARDS = ("per_turn", "per_turn_reward_fn")
+"""`rollout.env.reward` values that put rewards on turn ends (for estimators with `per_turn`)."""
+
 
 class EnvConfig(BaseModel):
     """How agentic episodes run (the rollout loop's settings, plus the environment's options)."""
@@ -54,9 +57,10 @@ class EnvConfig(BaseModel):
         description="An episode aborted mid-way: 'resume' keeps its turns and live environment and continues "
         "it when resubmitted (needs partial_rollout), 'restart' starts it again from its prompt.",
     )
-    reward: Literal["final", "sum", "reward_fn", "per_turn"] = Field(
+    reward: Literal["final", "sum", "reward_fn", "per_turn", "per_turn_reward_fn"] = Field(
         "final",
         description="The episode's reward: the environment's last step reward (final), the sum of its step "
-        "rewards (sum), rollout.reward over the whole trajectory (reward_fn), or each step's reward on its "
-        "turn's last token (per_turn: for gae and grpo_per_turn only; docs/rewards.md).",
+        "rewards (sum), rollout.reward over the whole trajectory (reward_fn), each step's reward on its "
+        "turn's last token (per_turn), or rollout.reward (a judge, a rule, ...) scoring each model turn, on "
+        "its last token (per_turn_reward_fn). The per-turn ones: for gae and grpo_per_turn only; docs/rewards.md.",
     )

@@ -198,7 +198,7 @@ class AgenticGenerate:
         finally:
             if not parked and env is not None:
                 await env.close()
-        return _finish(self.config, state, sample, reason)
+        return await _finished(self.config, state, sample, reason)
 
     async def _start(
         self, state: GenerateState, sample: Sample, env: Environment, trace: EpisodeTrace
@@ -445,6 +445,18 @@ def _reset_episode(sample: Sample) -> None:
         sample.metadata.pop(key, None)
 
 
+async def _finished(
+    config: EnvConfig, state: GenerateState, sample: Sample, reason: TerminationReason
+) -> Sample:
+    """`_finish`, then (`per_turn_reward_fn`) `rollout.reward` scores each turn of the episode."""
+    _finish(config, state, sample, reason)
+    if config.reward == "per_turn_reward_fn" and reason is not TerminationReason.ABORTED:
+        from verst.rollout.agentic.turn_rewards import score_turns
+
+        await score_turns(sample, state.context.reward_fn, state.tokenizer, state.config.reward.key)
+    return sample
+
+
 def _finish(config: EnvConfig, state: GenerateState, sample: Sample, reason: TerminationReason) -> Sample:
     sample.status = STATUS_BY_TERMINATION[reason]
     sample.metadata["termination"] = reason.value
@@ -452,7 +464,7 @@ def _finish(config: EnvConfig, state: GenerateState, sample: Sample, reason: Ter
         if sample.response_length:
             sample.metadata.setdefault("start_rollout_id", state.rollout_id)
         return sample
-    if config.reward != "reward_fn":
+    if config.reward not in ("reward_fn", "per_turn_reward_fn"):
         rewards = [r for r in sample.metadata.get("turn_rewards", []) if r is not None]
         if rewards:
             sample.reward = float(rewards[-1] if config.reward == "final" else sum(rewards))

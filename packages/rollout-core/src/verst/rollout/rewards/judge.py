@@ -171,6 +171,8 @@ class JudgeReward:
         """Judge calls made (cache hits excluded)."""
         self.cache_hits = 0
         """Samples scored from the cache."""
+        self.errors = 0
+        """Judge calls that failed (timeout, dead judge, unparsable verdict): reward errors."""
         self._scores: dict[tuple[str, ...], float] = {}
         self._pending: dict[tuple[str, ...], asyncio.Future[float]] = {}
         self._semaphore: tuple[Any, asyncio.Semaphore] | None = None
@@ -197,6 +199,13 @@ class JudgeReward:
             tokenizer = AutoTokenizer.from_pretrained(tok_path)
         name = f"{engine_config.type}:{engine_config.model_path}"
         return cls(EngineJudge(engine_config, tokenizer, name=name), config)
+
+    counter_prefix = "reward/judge"
+    """Where `counters()` go in the run metrics (`reward/judge/calls`, ...; `rewards.counters`)."""
+
+    def counters(self) -> dict[str, int]:
+        """Totals since the judge was built: judge calls, cache hits, failed calls."""
+        return {"calls": self.calls, "cache_hits": self.cache_hits, "errors": self.errors}
 
     def render(self, sample: Sample) -> str:
         """The judge prompt for `sample`."""
@@ -253,17 +262,21 @@ class JudgeReward:
                     self.backend.verdict(prompt, max_new_tokens=c.max_new_tokens, yes_no=yes_no), c.timeout_s
                 )
             except TimeoutError as exc:
+                self.errors += 1
                 raise JudgeError(
                     f"judge {self.backend.name} gave no verdict within {c.timeout_s:g} s; check the judge "
                     f"or raise rollout.reward.judge.timeout_s"
                 ) from exc
             except JudgeError:
+                self.errors += 1
                 raise
             except Exception as exc:
+                self.errors += 1
                 raise JudgeError(f"judge {self.backend.name} failed: {type(exc).__name__}: {exc}") from exc
         try:
             return self.parser(verdict)
         except JudgeVerdictError as exc:
+            self.errors += 1
             raise JudgeVerdictError(f"judge {self.backend.name}: {exc}") from exc
 
     async def aclose(self) -> None:

@@ -14,26 +14,26 @@ from verst.rollout.rewards.judge_parsers import JUDGE_PARSERS
 _KEY = "rollout.reward"
 
 
-def model_reward_problems(r: RewardConfig) -> Iterator[Problem]:
-    """Problems of `rollout.reward.judge` / `.reward_model` for `rollout.reward.type`."""
+def model_reward_problems(r: RewardConfig, key: str = _KEY) -> Iterator[Problem]:
+    """Problems of `<key>.judge` / `.reward_model` for `<key>.type` (`key`: `rollout.reward`, or an
+    eval dataset's own reward table)."""
     if r.type == "judge" and r.judge is None:
-        yield Problem(f"{_KEY}.judge", "reward.type = 'judge' needs a judge", "add [rollout.reward.judge]")
+        yield Problem(f"{key}.judge", "reward.type = 'judge' needs a judge", f"add [{key}.judge]")
     if r.type == "reward_model" and (r.reward_model is None or not r.reward_model.path):
         yield Problem(
-            f"{_KEY}.reward_model.path",
+            f"{key}.reward_model.path",
             "reward.type = 'reward_model' needs a sequence-classification checkpoint",
-            "set rollout.reward.reward_model.path",
+            f"set {key}.reward_model.path",
         )
     if r.judge is not None:
         if r.type != "judge":
             yield Problem(
-                f"{_KEY}.judge", f"set but reward.type = {r.type!r}", "set type = 'judge' or remove it"
+                f"{key}.judge", f"set but reward.type = {r.type!r}", "set type = 'judge' or remove it"
             )
-        yield from _judge_problems(r.judge)
+        yield from _judge_problems(r.judge, f"{key}.judge")
 
 
-def _judge_problems(j: JudgeConfig) -> Iterator[Problem]:
-    key = f"{_KEY}.judge"
+def _judge_problems(j: JudgeConfig, key: str) -> Iterator[Problem]:
     if (j.engine is None) == (j.url is None):
         yield Problem(key, "needs exactly one of engine and url", f"set {key}.engine (a table) or {key}.url")
     if j.parser not in JUDGE_PARSERS:

@@ -202,7 +202,7 @@ class FullyAsyncRollout(ProducerMixin, InferenceRollout):
         """Start the producer on the first call; later calls update the state it generates with."""
         self._version = request.weight_version
         if self._state is None:
-            self._state = self._new_state(request, "a", per_rollout=False)
+            self._state = self.new_state(request, "a", per_rollout=False)
         else:
             self._state.rollout_id = request.rollout_id
             self._state.weight_version = request.weight_version

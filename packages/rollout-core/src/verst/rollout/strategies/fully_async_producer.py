@@ -174,7 +174,7 @@ class ProducerMixin:
                     self._closing_unfinished.append(group)
                     return None
                 retry = retries < self.context.config.max_group_retries and retryable(err)
-                self._log_group_failure(err, retry)
+                self.log_group_failure(err, retry)
                 if not retry:
                     self._failed.append(mark_failed(group, err))
                     self._tally.failed_groups += 1

@@ -24,8 +24,12 @@ One training rollout:
    data source — with `partial_rollout` as they are (ABORTED samples keep their partial tokens
    and `start_rollout_id`), otherwise reset to fresh prompts. None is lost.
 
-An eval request runs every dataset in `context.eval_datasets` (no lifecycle events) and returns
+An eval request runs every dataset in `context.eval_datasets` (no lifecycle events; each scored
+by its own `rollout.eval.datasets.<name>.reward` when set, `evaluation.Evaluator`) and returns
 `RolloutResult(eval={name: groups}, metrics={"eval/<name>/reward_mean": ...})`.
+
+Model rewards' counters (a judge's calls, cache hits, errors) join each rollout's metrics as
+what that rollout added: `reward/judge/calls`, ... (`rewards.counters`).
 """
 
 from __future__ import annotations
@@ -33,19 +37,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import statistics
 import time
 from typing import Any, ClassVar
 
 from verst.rollout.agentic.episode import episode_generate_fn
-from verst.rollout.agentic.metrics import agentic_metrics
 from verst.rollout.agentic.trajectory import generated_token_count
-from verst.rollout.engine import EngineTimeout, SamplingParams
+from verst.rollout.engine import EngineTimeout
 from verst.rollout.errors import RolloutError, RolloutFailedError
 from verst.rollout.generate import (
     GroupGenerationError,
     SingleTurnGenerate,
-    generate_and_rm_group,
     reset_sample,
 )
 from verst.rollout.loading import load_generate_function
@@ -58,10 +59,12 @@ from verst.rollout.protocols import (
     RolloutRequest,
     RolloutResult,
 )
-from verst.rollout.rewards.outcomes import reward_outcome_metrics
+from verst.rollout.rewards.counters import RewardCounters
 from verst.rollout.sample import Sample, Status
 from verst.rollout.sampling import sampling_params_for
+from verst.rollout.strategies.evaluation import Evaluator
 from verst.rollout.strategies.filters import DynamicFilter, apply_filters, load_dynamic_filter
+from verst.rollout.strategies.metrics import sample_metrics
 from verst.rollout.strategies.rollout_state import (
     RolloutRun,
     RolloutTally,
@@ -86,30 +89,6 @@ def max_waves(config: Any) -> int:
         return int(config.max_waves_per_rollout)
     wave = config.effective_over_sampling_batch_size
     return 10 * -(-config.batch_size // wave)
-
-
-def _scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
-    return [
-        s.scalar_reward(reward_key) for s in samples if s.reward is not None and s.status is not Status.FAILED
-    ]
-
-
-def sample_metrics(samples: list[Sample], reward_key: str | None, prefix: str) -> dict[str, float]:
-    """Reward mean/std, response length mean/max and truncated fraction of `samples`."""
-    out: dict[str, float] = {}
-    if not samples:
-        return out
-    rewards = _scalar_rewards(samples, reward_key)
-    if rewards:
-        out[f"{prefix}/reward_mean"] = statistics.fmean(rewards)
-        out[f"{prefix}/reward_std"] = statistics.pstdev(rewards)
-    lengths = [s.response_length for s in samples]
-    out[f"{prefix}/response_length_mean"] = statistics.fmean(lengths)
-    out[f"{prefix}/response_length_max"] = float(max(lengths))
-    out[f"{prefix}/truncated_frac"] = sum(s.status is Status.TRUNCATED for s in samples) / len(samples)
-    out.update(agentic_metrics(samples, prefix))
-    out.update(reward_outcome_metrics(samples, prefix))
-    return out
 
 
 class InferenceRollout:
@@ -147,6 +126,10 @@ class InferenceRollout:
         self._generate_fn_cache: dict[str, GenerateFn] = {}
         self._prefix = f"verst-{secrets.token_hex(4)}"
         self._counters: dict[str, int] = {"rollouts": 0, "evals": 0, "kept_groups": 0, "failed_groups": 0}
+        self.reward_counters = RewardCounters([context.reward_fn, context.group_reward_fn])
+        """Per-rollout counters of model rewards (`reward/judge/calls`, ...; `rewards.counters`)."""
+        self.evaluator = Evaluator(context)
+        """Eval requests, each dataset scored by its own reward when it names one."""
 
     # ------------------------------------------------------------------ protocol
 
@@ -154,6 +137,12 @@ class InferenceRollout:
         if request.evaluation:
             return await self._evaluate(request)
         return await self._rollout(request)
+
+    async def _evaluate(self, request: RolloutRequest) -> RolloutResult:
+        """An eval over every eval dataset (`evaluation.Evaluator`)."""
+        result = await self.evaluator(self, request)
+        self._counters["evals"] += 1
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "counters": dict(self._counters)}
@@ -181,10 +170,11 @@ class InferenceRollout:
             aclose = getattr(reward, "aclose", None)
             if aclose is not None:
                 await aclose()
+        await self.evaluator.aclose()
 
     # ------------------------------------------------------------------ helpers
 
-    def _new_state(self, request: RolloutRequest, tag: str, *, per_rollout: bool = True) -> GenerateState:
+    def new_state(self, request: RolloutRequest, tag: str, *, per_rollout: bool = True) -> GenerateState:
         """The `GenerateState` of `request`; its request ids start `<prefix>-<tag><rollout id>`
         (`per_rollout`), or `<prefix>-<tag>` for a state that outlives rollouts (fully async)."""
         return GenerateState(
@@ -232,7 +222,7 @@ class InferenceRollout:
             f"rollout.max_waves_per_rollout (now {max_waves(config)})"
         )
 
-    def _log_group_failure(self, err: GroupGenerationError, retry: bool) -> None:
+    def log_group_failure(self, err: GroupGenerationError, retry: bool) -> None:
         first = err.group[0] if err.group else None
         logger.warning(
             "group %s failed (%s: %s) — %s; prompt=%r",
@@ -264,7 +254,7 @@ class InferenceRollout:
     async def _rollout(self, request: RolloutRequest) -> RolloutResult:
         """One training rollout: fill the batch, then abort what is left and hand it back."""
         started = time.perf_counter()
-        run = RolloutRun(request, self._new_state(request, "r"), sampling_params_for(self.context.config))
+        run = RolloutRun(request, self.new_state(request, "r"), sampling_params_for(self.context.config))
         completed, grace = False, self.abort_grace_s
         try:
             await self._fill(run)
@@ -335,7 +325,7 @@ class InferenceRollout:
         """Resubmit a group whose generation raised (up to `max_group_retries`), else mark it FAILED."""
         used = run.retries.get(group[0].group_index, 0)
         retry = used < self.context.config.max_group_retries and retryable(error)
-        self._log_group_failure(error, retry)
+        self.log_group_failure(error, retry)
         if retry:
             run.retries[group[0].group_index] = used + 1
             run.tally.group_retries += 1
@@ -447,52 +437,7 @@ class InferenceRollout:
                 "rollout/tokens_per_s": tally.generated_tokens / elapsed if elapsed > 0 else 0.0,
             }
         )
+        metrics.update(self.reward_counters.delta())
         for reason, count in tally.dropped.items():
             metrics[f"rollout/dropped/{reason}"] = float(count)
         return metrics
-
-    # ------------------------------------------------------------------ evaluation
-
-    async def _evaluate(self, request: RolloutRequest) -> RolloutResult:
-        config = self.context.config
-        state = self._new_state(request, "e")
-        params = sampling_params_for(config, evaluation=True)
-        result = RolloutResult()
-        for name, prompts in self.context.eval_datasets.items():
-            ds_config = config.eval.datasets.get(name)
-            n = ds_config.n_samples_per_prompt if ds_config is not None else 1
-            groups = []
-            for gi, prompt in enumerate(prompts):
-                group = [reset_sample(prompt.clone()) for _ in range(n)]
-                for j, s in enumerate(group):
-                    s.group_index, s.sample_index = gi, gi * n + j
-                groups.append(group)
-            done = await asyncio.gather(*(self._eval_group(state, g, params) for g in groups))
-            result.eval[name] = list(done)
-            samples = [s for g in done for s in g]
-            result.metrics.update(sample_metrics(samples, config.reward.key, f"eval/{name}"))
-            result.metrics[f"eval/{name}/failed_samples"] = float(
-                sum(s.status is Status.FAILED for s in samples)
-            )
-            if samples:
-                log_first_sample(logger, samples[0], label=f"eval {name} {request.rollout_id}")
-        self._counters["evals"] += 1
-        log_rollout_finish(logger, request.rollout_id, result.metrics)
-        return result
-
-    async def _eval_group(
-        self, state: GenerateState, group: list[Sample], params: SamplingParams
-    ) -> list[Sample]:
-        retries = self.context.config.max_group_retries
-        attempt = 0
-        while True:
-            try:
-                return await generate_and_rm_group(state, group, params, evaluation=True)
-            except GroupGenerationError as err:
-                retry = attempt < retries and retryable(err)
-                self._log_group_failure(err, retry)
-                if not retry:
-                    return mark_failed(group, err)
-            attempt += 1
-            for s in group:
-                reset_sample(s, keep_attempt=True)
