@@ -20,6 +20,8 @@ import pytest
 from verst.rollout.rewards.code_tests import OUTCOMES
 from verst.trainer.cli import main
 
+pytestmark = pytest.mark.usefixtures("bwrap_ok")  # every test here runs code in the sandbox
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "code_expr"
 WARM_START_PASS_RATE = 0.126
 """Greedy held-out pass rate of the shipped warm start (right only when a == b, plus a few)."""

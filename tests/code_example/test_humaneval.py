@@ -98,6 +98,7 @@ def _check_canonical(problems: list[dict]) -> float:
     return elapsed
 
 
+@pytest.mark.usefixtures("bwrap_ok")
 def test_a_seeded_sample_of_canonical_solutions_pass_and_wrong_ones_fail():
     problems = random.Random(SAMPLE_SEED).sample(read_problems(), SAMPLE_SIZE)
     _check_canonical(problems)
@@ -107,10 +108,12 @@ def test_a_seeded_sample_of_canonical_solutions_pass_and_wrong_ones_fail():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("bwrap_ok")
 def test_all_164_canonical_solutions_pass_in_the_sandbox():
     _check_canonical(read_problems())
 
 
+@pytest.mark.usefixtures("bwrap_ok")
 def test_the_reward_scores_humaneval_completions_as_verst_eval_does():
     """The built-in `code_tests` reward on HumanEval samples: the canonical body (with a stop
     string the engine left at its end) scores 1, a chat-style fenced full function scores 1, a
@@ -136,6 +139,7 @@ def test_the_reward_scores_humaneval_completions_as_verst_eval_does():
     assert asyncio.run(score()) == [1.0, 1.0, 0.0]
 
 
+@pytest.mark.usefixtures("bwrap_ok")
 def test_verst_eval_runs_humaneval_through_the_sandboxed_reward(tmp_path, capsys):
     """`verst eval examples/code_expr/humaneval.toml MODEL` end to end on two problems with a tiny
     model (long enough context for the prompts): every sample is generated and scored, none fails.

@@ -47,6 +47,7 @@ class PythonTool:
         """The tool's options."""
         self.pool = SandboxPool(self.config.sandbox)
         """Bounds the calls that run at once, across the episodes of one run."""
+        self.pool.check()  # no bwrap here: one line saying what to install, before any work
 
     async def __call__(self, code: str) -> str:
         res = await self.pool.run(code)

@@ -165,6 +165,7 @@ class CodeTestsReward:
     ):
         self.pool = SandboxPool(sandbox or SandboxConfig())
         """Bounds the executions at once (`sandbox.workers`), shared by every sample."""
+        self.pool.check()  # no bwrap here: one line saying what to install, before any work
         self.binary = binary
         """1.0 only when every test passes (`code_tests_binary`)."""
         self.stops = tuple(stops)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from collections import Counter
 
+from verst.rollout.errors import MissingOptionalDependency
 from verst.rollout.sandbox.bwrap import INSTALL_HINT
 from verst.rollout.sandbox.config import SandboxConfig
 from verst.rollout.sandbox.result import ExecResult
@@ -22,8 +23,9 @@ from verst.rollout.sandbox.runner import SandboxRunner
 log = logging.getLogger(__name__)
 
 
-class SandboxUnavailable(RuntimeError):
-    """bwrap is missing or cannot create namespaces here; the message says what to install."""
+class SandboxUnavailable(MissingOptionalDependency):
+    """bwrap is missing or cannot create namespaces here; the message says what to install (a
+    user error: `verst` prints the line and exits 2, before any work)."""
 
 
 def _probe(cfg: SandboxConfig) -> str | None:

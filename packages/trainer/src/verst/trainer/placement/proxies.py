@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -302,18 +303,32 @@ class RayPlacement:
         return ray.get(results) if fetch else results
 
     def _find_dead(self, ray: Any, pending: dict[Any, tuple[ActorInfo, str]]) -> Any:
-        """Among the calls still pending, one whose actor died (waiting up to PEER_DEATH_WAIT_S)."""
+        """Among the calls still pending, one whose actor died (waiting up to PEER_DEATH_WAIT_S).
+
+        Two signs count, whichever comes first: a pending call failing with `RayActorError`, or
+        the actor's name leaving the cluster's named actors (the GCS marks a killed actor dead
+        before its callers' refs resolve, sometimes by many seconds on a busy machine)."""
         if not pending:
             return None
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_DEATH_WAIT_S)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as died:
-                return pending[ref], died
-            except Exception:
-                continue
-        return None
+        deadline = time.monotonic() + PEER_DEATH_WAIT_S
+        while True:
+            wait_s = min(POLL_S * 5, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as died:
+                    return pending[ref], died
+                except Exception:
+                    continue
+            listed = ray.util.list_named_actors(all_namespaces=True)
+            alive = {(a["namespace"], a["name"]) for a in listed}
+            for actor, method in pending.values():
+                if (self.namespace, actor.ray_name) not in alive:
+                    gone = RuntimeError("the cluster no longer lists the actor as alive (killed or lost)")
+                    return (actor, method), gone
+            if len(ready) == len(pending) or time.monotonic() >= deadline:
+                return None
 
     def _died(self, actor: ActorInfo, method: str, exc: BaseException) -> ActorDiedError:
         n = self.config.run.ray.log_tail_lines
