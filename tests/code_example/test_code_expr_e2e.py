@@ -107,7 +107,7 @@ def test_the_example_raises_the_held_out_pass_rate_by_at_least_0_3(tmp_path, cap
 @pytest.mark.timeout(1200)
 def test_the_tool_variant_learns_to_test_a_candidate_with_the_python_tool(tmp_path, capsys):
     """`config_tool.toml` in full: multi-turn episodes whose tool runs the model's code in the
-    sandbox (measured: 0.126 -> 1.000 held-out, every greedy episode calls the tool)."""
+    sandbox (measured: 0.126 -> 0.995 held-out, every greedy episode calls the tool)."""
     run = tmp_path / "run"
     code = main(["train", str(EXAMPLE / "config_tool.toml"), f'run.output_dir="{run}"'])
     assert code == 0, capsys.readouterr().err
