@@ -72,8 +72,11 @@ def exact_on_policy_problems(cfg: RunConfig, *, cuda_available: bool, world_size
         reasons.append("the trainer would run on a GPU: batch-invariant kernels exist for CPU only")
     if train.dtype != "float32":
         reasons.append(f"train.dtype={train.dtype!r}: only float32 is covered")
-    if train.lora is not None:
-        reasons.append("LoRA ([train.lora]) is not covered")
+    if train.lora is not None and train.lora.dropout:
+        reasons.append(
+            f"train.lora.dropout={train.lora.dropout}: the training forward's dropout mask is not the "
+            "engine's (set it to 0)"
+        )
     if train.effective_layout not in ("auto", "padded"):
         reasons.append(
             f"train.layout={train.effective_layout!r}: the exact attention takes one sequence per row "

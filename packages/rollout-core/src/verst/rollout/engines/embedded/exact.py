@@ -24,8 +24,6 @@ def enable_exact(batch: Any) -> None:
     """Switch a `DecodeBatch` (idle: no rows yet) and its model to exact on-policy decoding."""
     if batch.rows:
         raise RuntimeError("exact_on_policy must be enabled before the engine decodes")
-    if getattr(batch, "adapters", None) is not None:
-        raise ValueError("exact_on_policy: LoRA adapters are not covered")
     if batch.routers is not None:
         raise ValueError("exact_on_policy: MoE models are not covered")
     install_exact(batch.model)
