@@ -22,6 +22,17 @@ fix each op takes:
   vector and scalar forms agree (exp, add, div: checked over 2^20 values).
 - Log-probs: `log_softmax(logits * (1/T))` on both sides (the engine otherwise reports
   `scores - logsumexp`, the trainer's kernels divide by T: different roundings).
+- MoE routers (`exact_router`): the router logits are `exact_linear` (transformers' routers call
+  `F.linear` on their own weight, not an `nn.Linear`); softmax over the experts, top-k and the
+  renormalisation are per token (checked). A replayed choice (`verst.rollout.moe.RouterHooks`)
+  recomputes the weights with the same softmax, gathered at the ids in the recorded order, so
+  the trainer's replayed weights are the engine's bits.
+- MoE experts (`exact_experts`): transformers' experts kernels (`grouped_mm`, `batched_mm`, the
+  eager loop's `F.linear`) see as many rows as the batch routed to an expert, so a token's
+  result depended on the others; here each expert's rows go through `exact_linear` (row
+  invariant) with `exact_silu`, are scaled by their gate weight, and are added into the output
+  expert by expert in ascending id order (each token once per expert): a token's sum is the
+  same additions in the same order whatever else is in the batch.
 - Unchanged because already invariant (checked): RMSNorm's mean over the hidden size,
   log_softmax over the vocabulary, RoPE's cos/sin and products, embeddings, residual adds.
 
@@ -164,3 +175,39 @@ def exact_attention(
     den = acc[..., d : d + 1]
     out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
     return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
+
+
+def exact_router(
+    hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A softmax top-k MoE router (transformers' `*TopKRouter` forward) on batch-invariant ops.
+    hidden `[N, H]`, weight `[E, H]` → (logits `[N, E]`, weights `[N, k]`, ids `[N, k]`)."""
+    logits = exact_linear(hidden, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), ids
+
+
+def exact_experts(
+    hidden: torch.Tensor,  # [N, H]
+    top_k_index: torch.Tensor,  # [N, k]; ids outside [0, E) route nowhere
+    top_k_weights: torch.Tensor,  # [N, k]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """Fused SiLU experts (transformers' `*Experts` forward) on batch-invariant ops: per expert
+    hit, in ascending id order, `down(silu(gate) * up)` of its tokens times their gate weight,
+    added into the output (see the module doc). Differentiable (the trainer backpropagates)."""
+    out = torch.zeros_like(hidden)
+    num = gate_up_proj.shape[0]
+    hit = torch.unique(top_k_index)  # sorted
+    for e in hit.tolist():
+        if e < 0 or e >= num:
+            continue
+        token, slot = torch.where(top_k_index == e)  # a token at most once per expert
+        gate, up = exact_linear(hidden[token], gate_up_proj[e]).chunk(2, dim=-1)
+        part = exact_linear(exact_silu(gate) * up, down_proj[e]) * top_k_weights[token, slot, None]
+        out = out.index_add(0, token, part.to(out.dtype))
+    return out

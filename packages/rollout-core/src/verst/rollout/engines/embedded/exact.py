@@ -24,8 +24,6 @@ def enable_exact(batch: Any) -> None:
     """Switch a `DecodeBatch` (idle: no rows yet) and its model to exact on-policy decoding."""
     if batch.rows:
         raise RuntimeError("exact_on_policy must be enabled before the engine decodes")
-    if batch.routers is not None:
-        raise ValueError("exact_on_policy: MoE models are not covered")
     install_exact(batch.model)
     batch.direct = DirectDecode.of(batch.model)  # its layers then call exact_attention
     batch.share_decode = False  # the split layout's TwoPartAttention is not the exact one
