@@ -77,11 +77,6 @@ def exact_on_policy_problems(cfg: RunConfig, *, cuda_available: bool, world_size
             f"train.lora.dropout={train.lora.dropout}: the training forward's dropout mask is not the "
             "engine's (set it to 0)"
         )
-    if train.effective_layout not in ("auto", "padded"):
-        reasons.append(
-            f"train.layout={train.effective_layout!r}: the exact attention takes one sequence per row "
-            "(padded rows; 'auto' picks them)"
-        )
     if world_size > 1 or train.fsdp or cfg.run.placement == "ray":
         reasons.append("one trainer process only (no FSDP, no Ray placement)")
     reasons += _model_reasons(train.model_path or getattr(cfg.engine, "model_path", None))
