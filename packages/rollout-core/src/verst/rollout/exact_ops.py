@@ -101,19 +101,21 @@ def _allowed(mask: torch.Tensor | None, b: int, t: int, length: int, device: Any
 
 
 def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(index [b, L] of the column holding each row's key position c, the mask in those
-    coordinates [b, t, L]) when each row is one sequence whose keys are contiguous columns from
-    its first attended one (left padding, right padding, a cache); None otherwise (packed or
-    shared-prompt rows: `_chains`)."""
+    """(index [b, L]: the column holding each row's c-th key, the mask in those coordinates
+    [b, t, L]) when each row is one sequence: its last query's keys, in column order, are one
+    chain of which every query sees a prefix (left padding, right padding, a cache, a cache with
+    masked holes such as a split prompt's padding before a row's own tokens); None otherwise
+    (packed or shared-prompt rows: `_chains`). Masked columns follow the keys in column order."""
     length = allowed.shape[-1]
     cols = torch.arange(length, device=allowed.device)
-    shift = allowed[:, -1].to(torch.int8).argmax(-1)  # [b] first column the row's last query sees
+    last = allowed[:, -1]  # [b, L]
+    index = torch.sort((~last).to(torch.int8), dim=-1, stable=True).indices  # keys first, in order
     count = allowed.sum(-1, keepdim=True)  # [b, t]
-    expect = (cols >= shift[:, None, None]) & (cols < shift[:, None, None] + count)
-    if not torch.equal(allowed, expect):
+    ok = cols < count  # [b, t, L]
+    gathered = allowed.gather(-1, index[:, None, :].expand_as(allowed))
+    if not torch.equal(gathered, ok):
         return None
-    index = (cols[None, :] + shift[:, None]).clamp_(max=length - 1)  # [b, L]
-    return index, cols < count
+    return index, ok
 
 
 NOT_ONE_SEQUENCE = (
