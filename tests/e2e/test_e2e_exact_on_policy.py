@@ -4,7 +4,8 @@
 `rollout/mismatch_tokens` (response tokens whose engine and trainer log-probs differ at all) must
 be 0 over the tokens checked, with `auto`'s layouts, for engine batch sizes 1, 7 and 64 and
 prefix sharing on and off, single-turn (reverse_digits) and multi-turn with tool observations
-(tool_math). Without the setting the same runs differ (`test_default_run_differs`). Where it
+(tool_math); slow: the fixed shared-prompt and packed trainer layouts, LoRA (lora.toml) and MoE
+with R3 routing replay (moe_digits). Without the setting the same runs differ (`test_default_run_differs`). Where it
 cannot hold, validation refuses it with one line before anything is created.
 """
 
@@ -71,6 +72,7 @@ def test_reverse_digits_exact_with_batch_7_and_prefix_sharing(tmp_path, capsys):
     _assert_exact(steps, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["shared_prompt", "packed"])
 def test_reverse_digits_exact_in_shared_prompt_and_packed_layouts(tmp_path, capsys, layout):
     """The trainer's other layouts: each sequence of a shared-prompt or packed row is attended as
@@ -91,6 +93,7 @@ def test_reverse_digits_exact_in_shared_prompt_and_packed_layouts(tmp_path, caps
     _assert_exact(steps, 2)  # a fixed layout runs in every micro-batch (its probe matched padded bit for bit)
 
 
+@pytest.mark.slow
 def test_reverse_digits_lora_exact(tmp_path, capsys):
     """LoRA (examples/reverse_digits/lora.toml): the engine applies the refitted adapter with
     PEFT's ops in PEFT's order, so after each adapter refit every token is still equal."""
@@ -109,6 +112,7 @@ def test_reverse_digits_lora_exact(tmp_path, capsys):
     _assert_exact(steps, 3)
 
 
+@pytest.mark.slow
 def test_moe_digits_exact_with_routing_replay(tmp_path, capsys):
     """MoE (examples/moe_digits, Qwen3-MoE) with R3 routing replay: the trainer replays the
     engine's experts and its log-probs are the engine's bits; its own routers agree everywhere."""
@@ -180,7 +184,9 @@ def test_uncovered_moe_family_is_refused(tmp_path, capsys):
     from verst.rollout.toy import decoder_fields
 
     model = tmp_path / "qwen2_moe"
-    transformers.Qwen2MoeConfig(**decoder_fields(64), num_experts=4, num_experts_per_tok=2).save_pretrained(model)
+    transformers.Qwen2MoeConfig(**decoder_fields(64), num_experts=4, num_experts_per_tok=2).save_pretrained(
+        model
+    )
     run = tmp_path / "refused"
     code = main(
         [
@@ -194,7 +200,9 @@ def test_uncovered_moe_family_is_refused(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert code == 2 and not run.exists()
-    assert any("train.exact_on_policy" in line and "'qwen2_moe' is not covered" in line for line in err.splitlines()), err
+    assert any(
+        "train.exact_on_policy" in line and "'qwen2_moe' is not covered" in line for line in err.splitlines()
+    ), err
 
 
 @pytest.mark.slow

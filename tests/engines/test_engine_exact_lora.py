@@ -101,7 +101,9 @@ def exact_models(peft_models):
     return peft_models
 
 
-@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize(
+    "batch", [pytest.param(1, marks=pytest.mark.slow), 5, pytest.param(64, marks=pytest.mark.slow)]
+)
 def test_lora_rows_equal_the_trainers_bit_for_bit(exact_models, batch):
     torch.set_num_threads(2)
     reqs, outs = asyncio.run(_engine_run(exact_models, batch, exact=True))

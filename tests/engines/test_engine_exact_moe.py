@@ -23,7 +23,7 @@ from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.exact_ops import exact_experts, exact_router
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def moe_dir(request, tmp_path_factory):
     from verst.rollout.toy_moe import make_tiny_moe_checkpoint
 
@@ -89,7 +89,9 @@ def _compare(model, reqs, outs, replay: bool) -> tuple[int, int, int]:
     return engine.numel(), int((lp != engine).sum()), routing_diff
 
 
-@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize(
+    "batch", [pytest.param(1, marks=pytest.mark.slow), 5, pytest.param(64, marks=pytest.mark.slow)]
+)
 def test_moe_logprobs_equal_the_trainers_with_and_without_replay(moe_dir, batch):
     torch.set_num_threads(2)
     reqs, outs = asyncio.run(_engine_run(moe_dir, batch, exact=True))
@@ -108,7 +110,7 @@ def test_moe_differs_without_the_switch(moe_dir):
     assert mismatched > 0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     n=st.integers(1, 300),
     experts=st.sampled_from([4, 8, 16]),
@@ -124,7 +126,10 @@ def test_router_and_experts_token_is_the_same_for_any_batch(n, experts, k, hidde
     k = min(k, experts)
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(experts, hidden, generator=g)
-    gate_up, down = torch.randn(experts, 2 * inter, hidden, generator=g), torch.randn(experts, hidden, inter, generator=g)
+    gate_up, down = (
+        torch.randn(experts, 2 * inter, hidden, generator=g),
+        torch.randn(experts, hidden, inter, generator=g),
+    )
     batch = torch.randn(n, hidden, generator=g)
     at = seed % n
 

@@ -145,9 +145,10 @@ def _chains(allowed: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor
             if cols.numel() < 2:
                 continue
             n = cols.numel()
-            if not torch.equal(a[cols][:, cols], torch.ones(n, n, dtype=torch.bool, device=a.device).tril()) or not (
-                a[cols].sum(-1) == torch.arange(1, n + 1, device=a.device)
-            ).all():
+            if (
+                not torch.equal(a[cols][:, cols], torch.ones(n, n, dtype=torch.bool, device=a.device).tril())
+                or not (a[cols].sum(-1) == torch.arange(1, n + 1, device=a.device)).all()
+            ):
                 raise ValueError(NOT_ONE_SEQUENCE)
             own = ~done[cols]
             done[cols] = True
@@ -187,7 +188,7 @@ def exact_attention(
     keys would not do: MKL blocks its inner dimension by the total length)."""
     if dropout:
         raise ValueError("exact_on_policy: attention dropout is not batch-invariant; set it to 0")
-    b, heads, t, d = query.shape
+    b, _, t, d = query.shape
     length = key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
     allowed = _allowed(attention_mask, b, t, length, query.device)
@@ -207,8 +208,7 @@ def _chained_attention(
     are those of its sequence alone in a padded row (the trainer's default layout, the engine's
     decode). Each query's output comes from one chain (a shared prompt's queries from the
     first response's chain); queries that attend only themselves get their own value."""
-    b, heads, t, d = query.shape
-    kv = key.shape[1]
+    heads, kv = query.shape[1], key.shape[1]
     rep = heads // kv
     out = value.repeat_interleave(rep, dim=1).transpose(1, 2)  # [b, t, heads, d]: a lone query's own value
     if not chains:

@@ -39,7 +39,7 @@ def _engine_reason(engine: Any, cuda: bool) -> str | None:
         return (
             f"engine.speculative.type={spec.type!r}: the verify forward scores k + 1 positions per row "
             "against a cache with masked holes and reports verify's log-probs, not the exact ops' "
-            "(set engine.speculative.type = \"off\")"
+            '(set engine.speculative.type = "off")'
         )
     return None
 
