@@ -1,14 +1,17 @@
 """`train.exact_on_policy`: where it cannot hold, the run refuses it before any work.
 
-It holds for the embedded engine on CPU, float32 on both sides, the dense families of
-`verst.rollout.exact_model.FAMILIES`, one process, no LoRA (docs/training.md, Exactly on-policy).
+It holds for the embedded engine on CPU, float32 on both sides, the families of
+`verst.rollout.exact_model.FAMILIES` (dense, and Qwen3-MoE / Mixtral with or without routing
+replay), one process, LoRA without dropout, any `train.layout` (docs/training.md, Exactly
+on-policy).
 Every other case is one `Problem` under `train.exact_on_policy` naming why and the fix: vLLM and
 SGLang (and `verst serve` behind the SGLang client) run their own kernels, a GPU has no
-batch-invariant kernels here, a family not covered would be approximated, and speculative
-decoding (`engine.speculative`) is refused: its verify forward feeds `k + 1` tokens per row into
-a cache with masked (rejected) columns, its log-probs come from `verify` rather than
-`exact_logprobs`, and the kept positions' bits are not those of the one-token step the trainer's
-exact forward matches.
+batch-invariant kernels here, a family not covered would be approximated, LoRA dropout draws a
+random mask in the training forward that the engine does not, and speculative decoding
+(`engine.speculative`) is refused: its verify forward feeds `k + 1` tokens per row into a cache
+with masked (rejected) columns, its log-probs come from `verify` rather than `exact_logprobs`,
+and the kept positions' bits are not those of the one-token step the trainer's exact forward
+matches.
 """
 
 from __future__ import annotations
