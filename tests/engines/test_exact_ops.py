@@ -3,7 +3,8 @@
 A token's result must be the same bits whatever the rest of the call: a linear layer's row for
 any row count and place; a query's attention as a decode step over a left-padded cache in a
 batch of other rows, as one position of a full causal pass, and as a row of a right-padded
-batch, for any lengths, head counts (grouped KV heads too) and 1 or 2 threads. The plain ops
+batch, for any lengths, head counts (grouped KV heads too) and 1 or 2 threads; a sequence in a
+packed or shared-prompt row as that sequence alone. The plain ops
 these replace fail the same properties (checked here too, so the test knows what it proves).
 """
 
@@ -84,17 +85,67 @@ def test_attention_query_is_the_same_in_decode_full_and_padded_passes(
     assert torch.equal(padded[1, p], full[0, p])
 
 
-def test_attention_refuses_rows_that_are_not_one_sequence():
-    """A shared-prompt row (two responses after one prompt) would be approximated: refused."""
-    q = k = v = torch.randn(1, 2, 5, 16)
-    allowed = torch.tril(torch.ones(5, 5, dtype=torch.bool))
-    allowed[4, 3] = False  # position 4 (second response) does not see position 3 (the first)
-    try:
-        exact_attention(None, q, k, v, allowed[None, None], scaling=0.25)
-    except ValueError as exc:
-        assert "train.layout = 'padded'" in str(exc)
+@settings(max_examples=30, deadline=None)
+@given(
+    prompt=st.integers(1, 40),
+    responses=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    kv=st.sampled_from([1, 2]),
+    rep=st.sampled_from([1, 3]),
+    pad=st.integers(0, 20),
+    shared=st.booleans(),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_packed_and_shared_prompt_rows_give_each_sequence_its_own_bits(
+    prompt, responses, kv, rep, pad, shared, seed, threads
+):
+    """A row holding several causal sequences — packed (`[s_1, s_2, ...]`, block-diagonal) or a
+    shared prompt (`[prompt, resp_1, ..., resp_k]`, each response sees the prompt and itself),
+    right-padded with tokens that see only themselves — gives every query of sequence i the
+    bits of sequence i alone in a padded row."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    h, d, s = kv * rep, 16, 16**-0.5
+    seqs = []  # per sequence: its columns in the row
+    col = 0
+    if shared:
+        p_cols = list(range(prompt))
+        col = prompt
+        for r in responses:
+            seqs.append(p_cols + list(range(col, col + r)))
+            col += r
     else:
-        raise AssertionError("a shared-prompt row was attended")
+        for r in responses:
+            seqs.append(list(range(col, col + prompt + r)))
+            col += prompt + r
+    width = col + pad
+    q, k, v = (torch.randn(1, n, width, d, generator=g) for n in (h, kv, kv))
+    allowed = torch.eye(width, dtype=torch.bool)
+    for cols in seqs:
+        c = torch.tensor(cols)
+        allowed[c[:, None], c[None, :]] = torch.ones(len(cols), len(cols), dtype=torch.bool).tril()
+    out, _ = exact_attention(None, q, k, v, allowed[None, None], scaling=s)
+    for cols in seqs:
+        c = torch.tensor(cols)
+        alone, _ = exact_attention(None, q[:, :, c], k[:, :, c], v[:, :, c], None, scaling=s)
+        assert torch.equal(out[0, c], alone[0])
+
+
+def test_attention_refuses_rows_that_are_not_causal_sequences():
+    """A query that sees a later key, or two queries whose keys are not one chain, would be
+    approximated: refused."""
+    q = k = v = torch.randn(1, 2, 5, 16)
+    ahead = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    ahead[1, 3] = True  # position 1 sees position 3
+    crossed = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    crossed[4, 2] = False  # position 4 skips 2 but position 3, which it sees, sees 2
+    for allowed in (ahead, crossed):
+        try:
+            exact_attention(None, q, k, v, allowed[None, None], scaling=0.25)
+        except ValueError as exc:
+            assert "exact_on_policy" in str(exc)
+        else:
+            raise AssertionError("a row that is not causal sequences was attended")
 
 
 def test_silu_agrees_between_vector_body_and_scalar_tail():

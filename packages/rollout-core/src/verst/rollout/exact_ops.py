@@ -22,6 +22,17 @@ fix each op takes:
   vector and scalar forms agree (exp, add, div: checked over 2^20 values).
 - Log-probs: `log_softmax(logits * (1/T))` on both sides (the engine otherwise reports
   `scores - logsumexp`, the trainer's kernels divide by T: different roundings).
+- MoE routers (`exact_router`): the router logits are `exact_linear` (transformers' routers call
+  `F.linear` on their own weight, not an `nn.Linear`); softmax over the experts, top-k and the
+  renormalisation are per token (checked). A replayed choice (`verst.rollout.moe.RouterHooks`)
+  recomputes the weights with the same softmax, gathered at the ids in the recorded order, so
+  the trainer's replayed weights are the engine's bits.
+- MoE experts (`exact_experts`): transformers' experts kernels (`grouped_mm`, `batched_mm`, the
+  eager loop's `F.linear`) see as many rows as the batch routed to an expert, so a token's
+  result depended on the others; here each expert's rows go through `exact_linear` (row
+  invariant) with `exact_silu`, are scaled by their gate weight, and are added into the output
+  expert by expert in ascending id order (each token once per expert): a token's sum is the
+  same additions in the same order whatever else is in the batch.
 - Unchanged because already invariant (checked): RMSNorm's mean over the hidden size,
   log_softmax over the vocabulary, RoPE's cos/sin and products, embeddings, residual adds.
 
@@ -89,23 +100,63 @@ def _allowed(mask: torch.Tensor | None, b: int, t: int, length: int, device: Any
     return mask[:, 0, -t:, -length:].expand(b, t, length)
 
 
-def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index [b, L] of the column holding each row's key position c, the mask in those
-    coordinates [b, t, L]). Each row must be one sequence whose keys are contiguous columns
-    from its first attended one (left padding, right padding, a cache): anything else (packed
-    or shared-prompt rows) is refused, never approximated."""
+def _aligned(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(index [b, L]: the column holding each row's c-th key, the mask in those coordinates
+    [b, t, L]) when each row is one sequence: its last query's keys, in column order, are one
+    chain of which every query sees a prefix (left padding, right padding, a cache, a cache with
+    masked holes such as a split prompt's padding before a row's own tokens); None otherwise
+    (packed or shared-prompt rows: `_chains`). Masked columns follow the keys in column order."""
     length = allowed.shape[-1]
     cols = torch.arange(length, device=allowed.device)
-    shift = allowed[:, -1].to(torch.int8).argmax(-1)  # [b] first column the row's last query sees
+    last = allowed[:, -1]  # [b, L]
+    index = torch.sort((~last).to(torch.int8), dim=-1, stable=True).indices  # keys first, in order
     count = allowed.sum(-1, keepdim=True)  # [b, t]
-    expect = (cols >= shift[:, None, None]) & (cols < shift[:, None, None] + count)
-    if not torch.equal(allowed, expect):
-        raise ValueError(
-            "exact_on_policy: a row of this attention is not one contiguous causal sequence "
-            "(packed or shared-prompt rows); use train.layout = 'padded'"
-        )
-    index = (cols[None, :] + shift[:, None]).clamp_(max=length - 1)  # [b, L]
-    return index, cols < count
+    ok = cols < count  # [b, t, L]
+    gathered = allowed.gather(-1, index[:, None, :].expand_as(allowed))
+    if not torch.equal(gathered, ok):
+        return None
+    return index, ok
+
+
+NOT_ONE_SEQUENCE = (
+    "exact_on_policy: a row of this attention is neither one contiguous causal sequence nor causal "
+    "sequences whose queries each see a prefix of one chain of keys (packed and shared-prompt rows)"
+)
+
+
+def _chains(allowed: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """A training row's causal sequences, when it holds several (packed rows, shared-prompt rows:
+    `[prompt, resp_1, ..., resp_k]`). allowed: `[b, T, T]` (query i is key column i).
+
+    A chain ends at a query no other query attends; its keys are that query's allowed columns,
+    in column order, and every query at one of them must see exactly the keys before it in the
+    chain (otherwise: ValueError, never approximated). Returns `(row, columns [n], own [n])`
+    per chain of 2+ keys: `own` marks the queries this chain computes (each query once: its
+    first chain). Queries in no such chain attend only themselves (a shared row's padding)."""
+    out = []
+    for row in range(allowed.shape[0]):
+        a = allowed[row]  # [T, T]
+        if not bool(a.diagonal().all()):
+            raise ValueError(NOT_ONE_SEQUENCE)
+        ends = (a.sum(0) == 1).nonzero()[:, 0]  # columns only their own query attends
+        done = torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+        for e in ends.tolist():
+            cols = a[e].nonzero()[:, 0]  # ascending
+            if cols.numel() < 2:
+                continue
+            n = cols.numel()
+            if (
+                not torch.equal(a[cols][:, cols], torch.ones(n, n, dtype=torch.bool, device=a.device).tril())
+                or not (a[cols].sum(-1) == torch.arange(1, n + 1, device=a.device)).all()
+            ):
+                raise ValueError(NOT_ONE_SEQUENCE)
+            own = ~done[cols]
+            done[cols] = True
+            out.append((row, cols, own))
+        lone = ~done & (a.sum(-1) == 1)
+        if not bool((done | lone).all()):
+            raise ValueError(NOT_ONE_SEQUENCE)
+    return out
 
 
 def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -137,11 +188,62 @@ def exact_attention(
     keys would not do: MKL blocks its inner dimension by the total length)."""
     if dropout:
         raise ValueError("exact_on_policy: attention dropout is not batch-invariant; set it to 0")
+    b, _, t, d = query.shape
+    length = key.shape[2]
+    scale = scaling if scaling is not None else d**-0.5
+    allowed = _allowed(attention_mask, b, t, length, query.device)
+    aligned = _aligned(allowed)
+    if aligned is not None:
+        return _aligned_attention(query, key, value, *aligned, scale), None
+    if t != length:  # a cache with several sequences per row: not a layout the engine makes
+        raise ValueError(NOT_ONE_SEQUENCE)
+    return _chained_attention(query, key, value, _chains(allowed), scale), None
+
+
+def _chained_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chains: list[Any], scale: float
+) -> torch.Tensor:
+    """Rows of several causal sequences (`_chains`): each chain is gathered into a right-padded
+    row of its own and they run as one padded batch of `_aligned_attention`, so a query's bits
+    are those of its sequence alone in a padded row (the trainer's default layout, the engine's
+    decode). Each query's output comes from one chain (a shared prompt's queries from the
+    first response's chain); queries that attend only themselves get their own value."""
+    heads, kv = query.shape[1], key.shape[1]
+    rep = heads // kv
+    out = value.repeat_interleave(rep, dim=1).transpose(1, 2)  # [b, t, heads, d]: a lone query's own value
+    if not chains:
+        return out.contiguous()
+    width = max(int(c.numel()) for _, c, _ in chains)
+    n = len(chains)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [b, h, t, d] -> [chains, h, width, d]
+        rows = [F.pad(x[r][:, c], (0, 0, 0, width - c.numel())) for r, c, _ in chains]
+        return torch.stack(rows)
+
+    lengths = torch.tensor([int(c.numel()) for _, c, _ in chains], device=query.device)
+    cols = torch.arange(width, device=query.device)
+    index = cols[None, :].expand(n, width)
+    ok = cols[None, None, :] <= torch.minimum(cols, lengths[:, None] - 1)[:, :, None]  # [n, width, width]
+    ok = ok & (cols[None, None, :] < lengths[:, None, None])
+    res = _aligned_attention(gather(query), gather(key), gather(value), index, ok, scale)  # [n, width, h, d]
+    out = out.clone()
+    for i, (r, c, own) in enumerate(chains):
+        out[r, c[own]] = res[i, : c.numel()][own]
+    return out.contiguous()
+
+
+def _aligned_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index: torch.Tensor,
+    ok: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The attention of rows that are one sequence each (`_aligned`'s index and mask)."""
     b, heads, t, d = query.shape
     kv, length = key.shape[1], key.shape[2]
     rep = heads // kv
-    scale = scaling if scaling is not None else d**-0.5
-    index, ok = _aligned(_allowed(attention_mask, b, t, length, query.device))
     cols = (-length) % KEY_BLOCK
     key, value = _gather_keys(key, index), _gather_keys(value, index)
     q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
@@ -163,4 +265,40 @@ def exact_attention(
     acc = acc[:, :, : rep * t]  # [b, kv, rep*t, d + KEY_BLOCK]
     den = acc[..., d : d + 1]
     out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
-    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
+    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+
+
+def exact_router(
+    hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A softmax top-k MoE router (transformers' `*TopKRouter` forward) on batch-invariant ops.
+    hidden `[N, H]`, weight `[E, H]` → (logits `[N, E]`, weights `[N, k]`, ids `[N, k]`)."""
+    logits = exact_linear(hidden, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), ids
+
+
+def exact_experts(
+    hidden: torch.Tensor,  # [N, H]
+    top_k_index: torch.Tensor,  # [N, k]; ids outside [0, E) route nowhere
+    top_k_weights: torch.Tensor,  # [N, k]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """Fused SiLU experts (transformers' `*Experts` forward) on batch-invariant ops: per expert
+    hit, in ascending id order, `down(silu(gate) * up)` of its tokens times their gate weight,
+    added into the output (see the module doc). Differentiable (the trainer backpropagates)."""
+    out = torch.zeros_like(hidden)
+    num = gate_up_proj.shape[0]
+    hit = torch.unique(top_k_index)  # sorted
+    for e in hit.tolist():
+        if e < 0 or e >= num:
+            continue
+        token, slot = torch.where(top_k_index == e)  # a token at most once per expert
+        gate, up = exact_linear(hidden[token], gate_up_proj[e]).chunk(2, dim=-1)
+        part = exact_linear(exact_silu(gate) * up, down_proj[e]) * top_k_weights[token, slot, None]
+        out = out.index_add(0, token, part.to(out.dtype))
+    return out

@@ -1,14 +1,17 @@
 """`train.exact_on_policy`: where it cannot hold, the run refuses it before any work.
 
-It holds for the embedded engine on CPU, float32 on both sides, the dense families of
-`verst.rollout.exact_model.FAMILIES`, one process, no LoRA (docs/training.md, Exactly on-policy).
+It holds for the embedded engine on CPU, float32 on both sides, the families of
+`verst.rollout.exact_model.FAMILIES` (dense, and Qwen3-MoE / Mixtral with or without routing
+replay), one process, LoRA without dropout, any `train.layout` (docs/training.md, Exactly
+on-policy).
 Every other case is one `Problem` under `train.exact_on_policy` naming why and the fix: vLLM and
 SGLang (and `verst serve` behind the SGLang client) run their own kernels, a GPU has no
-batch-invariant kernels here, a family not covered would be approximated, and speculative
-decoding (`engine.speculative`) is refused: its verify forward feeds `k + 1` tokens per row into
-a cache with masked (rejected) columns, its log-probs come from `verify` rather than
-`exact_logprobs`, and the kept positions' bits are not those of the one-token step the trainer's
-exact forward matches.
+batch-invariant kernels here, a family not covered would be approximated, LoRA dropout draws a
+random mask in the training forward that the engine does not, and speculative decoding
+(`engine.speculative`) is refused: its verify forward feeds `k + 1` tokens per row into a cache
+with masked (rejected) columns, its log-probs come from `verify` rather than `exact_logprobs`,
+and the kept positions' bits are not those of the one-token step the trainer's exact forward
+matches.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _engine_reason(engine: Any, cuda: bool) -> str | None:
         return (
             f"engine.speculative.type={spec.type!r}: the verify forward scores k + 1 positions per row "
             "against a cache with masked holes and reports verify's log-probs, not the exact ops' "
-            "(set engine.speculative.type = \"off\")"
+            '(set engine.speculative.type = "off")'
         )
     return None
 
@@ -72,12 +75,10 @@ def exact_on_policy_problems(cfg: RunConfig, *, cuda_available: bool, world_size
         reasons.append("the trainer would run on a GPU: batch-invariant kernels exist for CPU only")
     if train.dtype != "float32":
         reasons.append(f"train.dtype={train.dtype!r}: only float32 is covered")
-    if train.lora is not None:
-        reasons.append("LoRA ([train.lora]) is not covered")
-    if train.effective_layout not in ("auto", "padded"):
+    if train.lora is not None and train.lora.dropout:
         reasons.append(
-            f"train.layout={train.effective_layout!r}: the exact attention takes one sequence per row "
-            "(padded rows; 'auto' picks them)"
+            f"train.lora.dropout={train.lora.dropout}: the training forward's dropout mask is not the "
+            "engine's (set it to 0)"
         )
     if world_size > 1 or train.fsdp or cfg.run.placement == "ray":
         reasons.append("one trainer process only (no FSDP, no Ray placement)")

@@ -78,6 +78,7 @@ class ForwardPassesMixin:
         config = hf_model.config
         text_only = getattr(config, "vision_config", None) is None
         exact = self.cfg.exact_on_policy  # the model runs verst.rollout.exact_ops' attention
+        # (its own per-sequence gather for packed and shared-prompt rows; no pieces, so no flat rows)
         if (
             self.cfg.effective_layout in ("auto", "shared_prompt")
             and attn == "sdpa"
@@ -93,11 +94,12 @@ class ForwardPassesMixin:
         try:
             with eval_mode(module):
                 return LayoutChooser.build(
-                    "padded" if exact else self.cfg.effective_layout,  # exact: one sequence per row
+                    self.cfg.effective_layout,
                     config=config,
                     attn=attn,
                     probe=probe,
-                    tolerance=1e-3 if self.cfg.dtype == "float32" else 5e-2,
+                    # exact: packed and shared-prompt rows must give the padded rows' bits
+                    tolerance=0.0 if exact else 1e-3 if self.cfg.dtype == "float32" else 5e-2,
                 )
         finally:
             _reshard(module)

@@ -147,7 +147,12 @@ class DirectDecode:
         v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        if prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
+        if prefix is not None and self.exact:  # split cache, exact: each row's [prompt ; own] keys
+            j = attn.layer_idx  # gathered per row for the exact attention (the KV stays stored once)
+            pk, pv = prefix.keys[j][prefix.group], prefix.values[j][prefix.group]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+            out, _ = attention(attn, q, k, v, bias, dropout=0.0, scaling=attn.scaling)
+        elif prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
             j = attn.layer_idx
             out = self.two_part(
                 q, (prefix.keys[j], prefix.values[j], prefix.layout), k, v, bias, attn.scaling

@@ -2,9 +2,12 @@
 
 `enable_exact(batch)` puts the batch's model on the batch-invariant ops and turns off what would
 bypass them: the direct decode step's own attentions (`ScoresAttention`, SDPA: every layer calls
-the model's attention function, then `exact_attention`) and the split layout of shared prompts
-(`TwoPartAttention`). Prefix sharing at prefill stays as configured: a shared
-prompt's KV is the same bits as each row's own prefill would be. `exact_step_scores` is what a
+the model's attention function, then `exact_attention`). The split layout of shared prompts
+stays: its prompt KV is kept once per group, and each step gathers a row's `[prompt ; own]`
+keys for `exact_attention` instead of `TwoPartAttention`'s split sums (`embedded.direct`).
+Prefix sharing at prefill stays as configured: a shared prompt's KV is the same bits as each
+row's own prefill would be. LoRA adapters apply PEFT's ops (`embedded.lora`), MoE routers and
+experts run `exact_router` / `exact_experts` (`install_exact`). `exact_step_scores` is what a
 step reports: `exact_logprobs` of the step's logits, the trainer's op.
 """
 
@@ -24,13 +27,8 @@ def enable_exact(batch: Any) -> None:
     """Switch a `DecodeBatch` (idle: no rows yet) and its model to exact on-policy decoding."""
     if batch.rows:
         raise RuntimeError("exact_on_policy must be enabled before the engine decodes")
-    if getattr(batch, "adapters", None) is not None:
-        raise ValueError("exact_on_policy: LoRA adapters are not covered")
-    if batch.routers is not None:
-        raise ValueError("exact_on_policy: MoE models are not covered")
     install_exact(batch.model)
     batch.direct = DirectDecode.of(batch.model)  # its layers then call exact_attention
-    batch.share_decode = False  # the split layout's TwoPartAttention is not the exact one
     batch.exact = True
 
 

@@ -45,6 +45,11 @@ class Adapter:
     """LoRA rank r."""
     weights: dict[str, tuple[Any, Any]]
     """module path → (A `[r, in]`, B·scale `[out, r]`)."""
+    scale: float
+    """alpha / r (or alpha / sqrt(r) with rsLoRA): PEFT's `scaling`."""
+    unscaled: dict[str, Any]
+    """module path → B `[out, r]` as saved (before the scale): `train.exact_on_policy` computes
+    `B(A(x)) * scale` in PEFT's order, not `x @ Aᵀ @ (scale · B)ᵀ` (other roundings)."""
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +77,7 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
                 "layers are supported; no DoRA, no embedding or bias adapters)"
             )
         halves.setdefault(m["module"], {})[m["ab"]] = t
-    weights = {}
+    weights, unscaled = {}, {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise InvalidRequest(f"LoRA adapter {name!r}: module {module!r} lacks lora_A or lora_B")
@@ -83,9 +88,10 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
                 f"expected A [r={rank}, in] and B [out, r={rank}]"
             )
         weights[module] = (a.detach(), b.detach() * scale)
+        unscaled[module] = b.detach()
     if not weights:
         raise InvalidRequest(f"LoRA adapter {name!r} has no lora_A/lora_B tensors")
-    return Adapter(name, path, rank, weights)
+    return Adapter(name, path, rank, weights, scale, unscaled)
 
 
 def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,6 +131,7 @@ class EngineAdapters:
         """Loaded adapters by name, in load order (slot = position + 1)."""
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self._stacks: dict[str, tuple[Any, Any]] = {}  # module → (A [S, r, in], B [S, out, r])
+        self._exact: dict[str, dict[int, tuple[Any, Any, float]]] = {}  # module → slot → (A, B, scale)
         self._hooks: dict[str, Any] = {}
         self._slots: Any = None  # [batch] long, or None: no row uses an adapter
         self._single: int | None = None  # every row uses this one slot
@@ -173,7 +180,7 @@ class EngineAdapters:
         names = list(self.adapters)
         modules = sorted({m for a in self.adapters.values() for m in a.weights})
         rmax = max((a.rank for a in self.adapters.values()), default=0)
-        stacks = {}
+        stacks, exact = {}, {}
         for module in modules:
             lin = self._linears[module]
             w = lin.weight
@@ -186,7 +193,13 @@ class EngineAdapters:
                     a_stack[slot, : a.shape[0]] = a.to(w.device, w.dtype)
                     b_stack[slot, :, : b.shape[1]] = b.to(w.device, w.dtype)
             stacks[module] = (a_stack, b_stack)
-        self._stacks = stacks
+            exact[module] = {}
+            for slot, name in enumerate(names, start=1):
+                adapter = self.adapters[name]
+                if module in adapter.weights:
+                    a, b = adapter.weights[module][0], adapter.unscaled[module]
+                    exact[module][slot] = (a.to(w.device, w.dtype), b.to(w.device, w.dtype), adapter.scale)
+        self._stacks, self._exact = stacks, exact
         for module in list(self._hooks):
             if module not in stacks:
                 self._hooks.pop(module).remove()
@@ -213,9 +226,13 @@ class EngineAdapters:
             self._slots, self._single = torch.tensor(slots, device=device), None
 
     def _hook(self, module: str) -> Any:
+        from verst.rollout.exact_model import is_exact
+
         def hook(_mod: Any, args: tuple[Any, ...], out: Any) -> Any:
             if self._slots is None and self._single is None:
                 return out
+            if is_exact(self.model):  # train.exact_on_policy: PEFT's ops in PEFT's order
+                return self._exact_delta(module, args[0], out)
             a_stack, b_stack = self._stacks[module]
             x = args[0]  # [batch, T, in]
             if self._single is not None:
@@ -225,6 +242,29 @@ class EngineAdapters:
             return out + (x @ a.transpose(1, 2)) @ b.transpose(1, 2)
 
         return hook
+
+    def _exact_delta(self, module: str, x: Any, out: Any) -> Any:
+        """`out + B(A(x)) * scale` per row's adapter, as PEFT's `lora.Linear` computes it on the
+        trainer's side (`exact_linear` for A and B: a row's bits do not depend on the other rows).
+        Each adapter's own A and B (no zero-padded rank: another inner size is another
+        reduction); rows of one adapter go through together, base rows get nothing added."""
+        from verst.rollout.exact_ops import exact_linear
+
+        per_slot = self._exact[module]
+
+        def delta(slot: int, rows: Any) -> Any:
+            a, b, scale = per_slot[slot]
+            return exact_linear(exact_linear(rows, a), b) * scale
+
+        if self._single is not None:
+            return out + delta(self._single, x) if self._single in per_slot else out
+        out = out.clone()
+        for slot in sorted(set(self._slots.tolist())):
+            if slot not in per_slot:
+                continue
+            idx = (self._slots == slot).nonzero()[:, 0]
+            out[idx] = out[idx] + delta(slot, x[idx])
+        return out
 
 
 class LoraEngineMixin(AdapterLoading):
