@@ -45,6 +45,10 @@ class RowSpec:
     """The n-gram proposer's index of its context."""
     accept: float | None = None
     """EMA of the fraction of its proposed tokens accepted (`gate.CostGate`)."""
+    probe_at: int | None = None
+    """Seeded rows gated off: the output length at which the gate probes next (`gate.CostGate`)."""
+    probe_gap: int = 0
+    """... and the current gap between its probes."""
 
 
 @dataclass(slots=True)
