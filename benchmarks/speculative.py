@@ -126,6 +126,8 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
         engines[mode] = EmbeddedEngine(model, None, max_batch_size=batch, batch_wait_s=0.02, speculative=spec)
         if task == "fail" and spec is not None:
             engines[mode]._batch.speculative.proposer = WrongProposer(model.config.bos_token_id)
+        if spec is not None:
+            engines[mode]._batch.speculative.ragged = args.verify == "ragged"
     rates: dict[str, list[float]] = {m: [] for m in engines}
     try:
         for m, e in engines.items():
@@ -156,6 +158,10 @@ async def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--headline", default="reverse_digits:1")
+    p.add_argument(
+        "--verify", choices=("ragged", "padded"), default="ragged",
+        help="the verify forward: each row's own tokens only (default) or every row padded to k + 1",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     tasks = args.tasks or (
@@ -163,7 +169,8 @@ async def main() -> None:
     )
     results = {}
     print(
-        f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} (median tokens/s; shared 2-core box)"
+        f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} verify={args.verify} "
+        "(median tokens/s; shared 2-core box)"
     )
     print(
         f"{'task':>15} {'rows':>4} {'plain':>9} {'auto':>9} {'off':>9} {'auto/plain':>10} {'off/plain':>9} {'acc':>5} {'spec%':>5}"
