@@ -40,16 +40,19 @@ class WrongProposer:
         pass
 
 
-async def _decode(model, reqs, speculative=None, wrong=False):
+async def _decode(model, reqs, speculative=None, wrong=False, ragged=True, logprobs=False):
     """(token ids, speculative counters, the tokens of every forward the engine ran)."""
     engine = EmbeddedEngine.from_pretrained(model, speculative=speculative, batch_wait_s=0.05)
     fed: list[int] = []  # every forward embeds its input ids: prefill, plain and verify
     engine._batch.model.get_input_embeddings().register_forward_hook(lambda m, a, o: fed.append(a[0].numel()))
     if wrong:
         engine._batch.speculative.proposer = WrongProposer(engine.vocab_size)
+    if speculative is not None:
+        engine._batch.speculative.ragged = ragged
     try:
         outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
-        return [o.output_ids for o in outs], engine.speculative_stats, fed
+        ids = [o.output_ids for o in outs]
+        return (ids, [o.output_logprobs for o in outs]) if logprobs else ids, engine.speculative_stats, fed
     finally:
         await engine.close()
 
@@ -205,3 +208,25 @@ def test_new_rows_start_from_the_engines_running_acceptance():
             gate.update(r.spec, 0, 4)  # every proposal so far failed
     assert gate.choose(_rows([None] * 8), [4] * 8) == [0] * 8  # a fresh unseeded row: off
     assert gate.choose(_rows([None], seeded=True), [4]) != [0]  # a fresh seeded row: its prior
+
+
+async def test_ragged_verify_computes_each_rows_own_tokens_only(tiny_checkpoint):
+    """Rows propose different numbers of tokens (loops of different lengths, rows paused by their
+    back-off): the ragged verify forward embeds each row's last token and its proposals only,
+    and emits the padded forward's tokens with its log-probs (a plain forward's: the other tests)."""
+    lead, _, _ = await _decode(tiny_checkpoint, _greedy(_starts(8), 40, False))
+    prompts = [s + out for s, out in zip(_starts(8), lead, strict=True)] + [[1, *range(4, 30)]] * 4
+    reqs = [
+        GenerateRequest(p, SamplingParams(48, 0.0, ignore_eos=True), return_logprob=True) for p in prompts
+    ]
+    cfg = {**NGRAM, "gate": "off"}
+    (r_ids, r_lp), r_stats, r_fed = await _decode(tiny_checkpoint, reqs, cfg, ragged=True, logprobs=True)
+    (p_ids, p_lp), p_stats, p_fed = await _decode(tiny_checkpoint, reqs, cfg, ragged=False, logprobs=True)
+    assert r_ids == p_ids and r_stats["steps"] == p_stats["steps"] > 0
+    for a, b in zip(r_lp, p_lp, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    # every verify step's forward: the padded one feeds slots × (k + 1) tokens, the ragged one
+    # Σ (1 + proposals); the embedding saw exactly that difference
+    assert sum(p_fed) - sum(r_fed) == p_stats["fed"] - r_stats["fed"] > 0
+    assert r_stats["fed"] <= 0.7 * p_stats["fed"]
+    assert r_stats["fed"] <= r_stats["proposed"] + len(reqs) * r_stats["steps"]  # (slots: live ones ≤ 12)
