@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,10 +46,10 @@ class WrongProposer:
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def propose(self, batch, rows, caps):  # noqa: ANN001
+    def propose(self, batch, rows, caps):
         return [[self.token] * c for c in caps], None
 
-    def refit(self, named) -> None:  # noqa: ANN001
+    def refit(self, named) -> None:
         pass
 
 
@@ -159,7 +158,9 @@ async def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--headline", default="reverse_digits:1")
     p.add_argument(
-        "--verify", choices=("ragged", "padded"), default="ragged",
+        "--verify",
+        choices=("ragged", "padded"),
+        default="ragged",
         help="the verify forward: each row's own tokens only (default) or every row padded to k + 1",
     )
     args = p.parse_args()

@@ -9,6 +9,7 @@ batch or on timings."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -170,13 +171,13 @@ def test_probes_double_their_gap_up_to_probe_every():
     gate = _timed(1.0, {1: 3.0})
     gate.plain_run = 0
     at = _probes(gate, _rows([0.0]), 300)
-    gaps = [b - a - 1 for a, b in zip([-1, *at], at, strict=False)]  # plain steps before each probe
+    gaps = [b - a - 1 for a, b in itertools.pairwise([-1, *at])]  # plain steps before each probe
     assert gaps[:6] == [4, 8, 16, 32, 64, 64] and all(g == 64 for g in gaps[4:])
 
 
 def test_seeded_rows_probe_on_their_own_doubling_schedule():
     at = _probes(CostGate(), _rows([0.0], seeded=True), 300)
-    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]  # output tokens between probes
+    gaps = [b - a for a, b in itertools.pairwise(at)]  # output tokens between probes
     assert gaps[:5] == [8, 16, 32, 64, 64] and at[0] == 4
 
 

@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from test_speculative_verify import chi_square_z, target
+
 from verst.rollout.engine import GenerateRequest, SamplingParams
 from verst.rollout.engines.embedded.engine import EmbeddedEngine
 from verst.rollout.engines.embedded.sampling import RowSampling
@@ -88,7 +88,9 @@ async def _check_distribution(model_dir, temperature, top_k, top_p, n=2400, leng
     reqs = [
         GenerateRequest(
             prompt,
-            SamplingParams(length, temperature, top_p, top_k, ignore_eos=True, sampling_seed=i if i % 2 else None),
+            SamplingParams(
+                length, temperature, top_p, top_k, ignore_eos=True, sampling_seed=i if i % 2 else None
+            ),
             rid=f"r{i}",
         )
         for i in range(n)
@@ -134,12 +136,16 @@ async def test_samples_follow_the_filtered_target_while_the_gate_switches_more_s
 async def test_seeded_request_is_reproducible_while_the_gate_switches(tiny_checkpoint):
     _, prompt = await _prompt(tiny_checkpoint)
     mine = [
-        GenerateRequest(prompt, SamplingParams(40, 0.3, 0.95, -1, ignore_eos=True, sampling_seed=11 + i), rid=f"s{i}")
+        GenerateRequest(
+            prompt, SamplingParams(40, 0.3, 0.95, -1, ignore_eos=True, sampling_seed=11 + i), rid=f"s{i}"
+        )
         for i in range(6)
     ]
     # the crowd: unseeded greedy rows whose proposals are all kept (the batch would speculate at
     # the full length every step, were the seeded rows to follow it)
-    others = [GenerateRequest(prompt, SamplingParams(40, 0.0, ignore_eos=True), rid=f"u{i}") for i in range(10)]
+    others = [
+        GenerateRequest(prompt, SamplingParams(40, 0.0, ignore_eos=True), rid=f"u{i}") for i in range(10)
+    ]
     alone, _, log = await _run(tiny_checkpoint, mine)
     crowd, _, crowd_log = await _run(tiny_checkpoint, [*others[:5], *mine, *others[5:]])
     again, _, _ = await _run(tiny_checkpoint, mine)

@@ -67,7 +67,9 @@ def verify_logits(
     attention = ALL_ATTENTION_FUNCTIONS[direct.config._attn_implementation]
     shape = (slots, w, at)
     for i, layer in enumerate(direct.layers):
-        hidden = _layer(direct, i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, bias, attention, shape)
+        hidden = _layer(
+            direct, i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, bias, attention, shape
+        )
     packed = direct.lm_head(direct.final_norm(hidden))[:, 0]  # [T, vocab]
     logits = packed.new_zeros((slots * w, packed.shape[-1]))
     logits[at] = packed
@@ -83,8 +85,15 @@ def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor]) -> torch.Ten
 
 
 def _layer(
-    direct: DirectDecode, i: int, layer: Any, hidden: torch.Tensor, kv: Any,
-    rope: tuple[torch.Tensor, ...], bias: torch.Tensor, attention: Any, shape: tuple[int, int, torch.Tensor],
+    direct: DirectDecode,
+    i: int,
+    layer: Any,
+    hidden: torch.Tensor,
+    kv: Any,
+    rope: tuple[torch.Tensor, ...],
+    bias: torch.Tensor,
+    attention: Any,
+    shape: tuple[int, int, torch.Tensor],
 ) -> torch.Tensor:
     """One decoder layer on the packed tokens (`DirectDecode._layer`'s arithmetic per token)."""
     attn, (pre, post) = layer.self_attn, direct.norms[i]

@@ -20,10 +20,9 @@ again; a fully accepted proposal grows it back by one up to `num_tokens`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import time
 
 import torch
 
