@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,10 +46,10 @@ class WrongProposer:
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def propose(self, batch, rows, caps):  # noqa: ANN001
+    def propose(self, batch, rows, caps):
         return [[self.token] * c for c in caps], None
 
-    def refit(self, named) -> None:  # noqa: ANN001
+    def refit(self, named) -> None:
         pass
 
 
@@ -126,6 +125,8 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
         engines[mode] = EmbeddedEngine(model, None, max_batch_size=batch, batch_wait_s=0.02, speculative=spec)
         if task == "fail" and spec is not None:
             engines[mode]._batch.speculative.proposer = WrongProposer(model.config.bos_token_id)
+        if spec is not None:
+            engines[mode]._batch.speculative.ragged = args.verify == "ragged"
     rates: dict[str, list[float]] = {m: [] for m in engines}
     try:
         for m, e in engines.items():
@@ -156,6 +157,12 @@ async def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--headline", default="reverse_digits:1")
+    p.add_argument(
+        "--verify",
+        choices=("ragged", "padded"),
+        default="ragged",
+        help="the verify forward: each row's own tokens only (default) or every row padded to k + 1",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     tasks = args.tasks or (
@@ -163,7 +170,8 @@ async def main() -> None:
     )
     results = {}
     print(
-        f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} (median tokens/s; shared 2-core box)"
+        f"size={args.size} k={args.k} tokens={args.tokens} repeats={args.repeats} verify={args.verify} "
+        "(median tokens/s; shared 2-core box)"
     )
     print(
         f"{'task':>15} {'rows':>4} {'plain':>9} {'auto':>9} {'off':>9} {'auto/plain':>10} {'off/plain':>9} {'acc':>5} {'spec%':>5}"

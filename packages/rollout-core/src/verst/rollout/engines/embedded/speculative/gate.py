@@ -15,11 +15,17 @@ expected cost:
   seen it is modelled as `1 + verify_cost * k`;
 - the step speculates with the `k` (1 … the longest proposal allowed) that maximises expected
   tokens per unit cost, if that beats plain decoding's (`n` tokens per plain step); otherwise
-  it runs plain. Every `probe_every` plain steps in a row one verification step runs anyway, so
-  the acceptance estimates stay current (a bounded cost: one step in `probe_every`).
+  it runs plain. After `probe_gap` plain steps in a row one verification step (`k = 1`) runs
+  anyway, so the acceptance estimates stay current: the gap starts at `probe_min`, doubles after
+  each probe that does not turn speculation back on, up to `probe_every`, and resets once
+  speculation pays again. A workload whose proposals start paying again (a copy begins after a
+  free-form stretch, or one slow forward made a verify step look expensive) is back on within a
+  few steps; one whose proposals keep failing pays about `log2(probe_every / probe_min)` probes,
+  then one step in `probe_every`.
 
-Seeded rows decide alone (their proposal length depends only on their own acceptance and the
-modelled cost, never on timings or on what shares the batch), so a seeded request stays
+Seeded rows decide alone (their proposal length depends only on their own acceptance, the
+modelled cost and their own probe schedule, `RowSpec.probe_at` / `probe_gap`, counted in their
+own output tokens, never on timings or on what shares the batch), so a seeded request stays
 reproducible; when a seeded row speculates the step verifies, and the other rows' proposals
 ride along at the same `k`.
 
@@ -46,6 +52,11 @@ class CostGate:
     prior: float = 0.6
     decay: float = 0.3
     probe_every: int = 64
+    """The longest gap between probes (plain steps for unseeded rows, output tokens for seeded)."""
+    probe_min: int = 4
+    """The first gap after speculation stops paying (doubling per failed probe)."""
+    probe_gap: int = 4
+    """The unseeded rows' current gap (plain steps in a row before a probe)."""
     plain_t: float | None = None
     """EMA of a plain step's wall time per row."""
     verify_t: dict[int, float] = field(default_factory=dict)
@@ -91,13 +102,34 @@ class CostGate:
         for i, (a, c, s) in enumerate(zip(acc, caps, seeded, strict=True)):
             if s and c:
                 k, g = _best_k([a], [c], 1, self._model)
-                probe = len(rows[i].output_ids) % self.probe_every == 0
-                own[i] = k if g > 1.0 else (1 if probe else 0)
+                own[i] = k if g > 1.0 else (1 if self._row_probe(rows[i]) else 0)
+                if g > 1.0:
+                    rows[i].spec.probe_at = None
         free = [c if not s else 0 for c, s in zip(caps, seeded, strict=True)]
         k, gain = _best_k(acc, free, len(rows), self.ratio) if any(free) else (0, 0.0)
-        if gain <= 1.0:
-            k = 1 if (any(own) or self.plain_run >= self.probe_every) and any(free) else 0
+        if gain > 1.0:
+            self.probe_gap = self.probe_min
+        else:
+            probe = self.plain_run >= self.probe_gap
+            k = 1 if (any(own) or probe) and any(free) else 0
+            if probe and k:
+                self.probe_gap = min(self.probe_every, 2 * self.probe_gap)
         return [o if s else min(c, k) for o, c, s in zip(own, caps, seeded, strict=True)]
+
+    def _row_probe(self, row: Any) -> bool:
+        """Whether a seeded row that does not expect speculation to pay probes now (its own
+        schedule, counted in its output tokens: the first probe `probe_min` tokens after it
+        stopped, then doubling gaps up to `probe_every`)."""
+        spec, n = row.spec, len(row.output_ids)
+        if spec.probe_at is None:
+            spec.probe_gap = self.probe_min
+            spec.probe_at = n + spec.probe_gap
+            return False
+        if n < spec.probe_at:
+            return False
+        spec.probe_gap = min(self.probe_every, 2 * spec.probe_gap)
+        spec.probe_at = n + spec.probe_gap
+        return True
 
     def _model(self, k: int) -> float:
         return 1.0 + self.verify_cost * k

@@ -20,14 +20,14 @@ again; a fully accepted proposal grows it back by one up to `num_tokens`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import time
 
 import torch
 
 from verst.rollout.engines.embedded.sampling import ids_logprobs, top_logprobs
+from verst.rollout.engines.embedded.speculative import ragged
 from verst.rollout.engines.embedded.speculative.verify import Verdict, verify
 
 
@@ -45,6 +45,10 @@ class RowSpec:
     """The n-gram proposer's index of its context."""
     accept: float | None = None
     """EMA of the fraction of its proposed tokens accepted (`gate.CostGate`)."""
+    probe_at: int | None = None
+    """Seeded rows gated off: the output length at which the gate probes next (`gate.CostGate`)."""
+    probe_gap: int = 0
+    """... and the current gap between its probes."""
 
 
 @dataclass(slots=True)
@@ -65,6 +69,9 @@ class SpeculativeStats:
     """Tokens emitted by verification steps (accepted + one drawn per row)."""
     gated: int = 0
     """Plain steps the cost gate chose although some row had proposals allowed."""
+    fed: int = 0
+    """Tokens verify forwards computed (ragged: each row's last token and its proposals; padded:
+    every slot `k + 1`)."""
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -75,6 +82,7 @@ class SpeculativeStats:
             "accepted": float(self.accepted),
             "emitted": float(self.emitted),
             "gated": float(self.gated),
+            "fed": float(self.fed),
         }
 
 
@@ -87,6 +95,8 @@ class SpeculativeDecoder:
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     gate: Any = None
     """`gate.CostGate` (None: `gate = "off"`, speculate whenever a row has a proposal)."""
+    ragged: bool = True
+    """Verify forwards compute each row's own tokens only (`speculative.ragged`) where they can."""
     _t0: float | None = None
     REPACK_FRACTION = 0.25
 
@@ -139,7 +149,7 @@ class SpeculativeDecoder:
         if q is not None:  # [rows, k', vocab] → [slots, k, vocab]
             q_slots = q.new_zeros((n, k, q.shape[-1]))
             q_slots[torch.tensor(at, device=batch.device)] = q[:, :k]
-        logits = self._forward(batch, props, k)
+        logits = self._forward(batch, props, counts, k)
         verdict = verify(logits, props, counts, q_slots, batch.sampling, batch.next_pos + 1)
         self._advance(batch, verdict, k)
         self._record(batch, rows, at, verdict, counts)
@@ -147,14 +157,19 @@ class SpeculativeDecoder:
             self.gate.observe(k, time.perf_counter() - t0, len(rows))
         return True
 
-    def _forward(self, batch: Any, props: torch.Tensor, k: int) -> torch.Tensor:
-        """The target's logits at `k + 1` positions per slot: `[slots, k + 1, vocab]`."""
+    def _forward(self, batch: Any, props: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+        """The target's logits at `k + 1` positions per slot: `[slots, k + 1, vocab]` (ragged where
+        it can be, `speculative.ragged`: each slot computes its `1 + counts` tokens only)."""
         n = props.shape[0]
         ids = torch.cat([batch.last[:, None], props], 1)  # [slots, k + 1]
         mask = torch.cat([batch.mask, batch.mask.new_ones((n, k + 1))], 1)
         pos = batch.next_pos[:, None] + torch.arange(k + 1, device=batch.device)[None]
         for layer in batch.cache.layers:
             layer.spare = max(layer.spare, k + 1)
+        self.stats.fed += int(counts.sum()) + n if self.ragged and ragged.usable(batch) else n * (k + 1)
+        if self.ragged and ragged.usable(batch):
+            batch.mask = mask
+            return ragged.verify_logits(batch.direct, ids, counts + 1, mask, pos, batch.cache)
         batch._route(batch.slot_rows)
         out = batch.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=batch.cache, use_cache=True
