@@ -129,7 +129,7 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
             engines[mode]._batch.speculative.ragged = args.verify == "ragged"
     rates: dict[str, list[float]] = {m: [] for m in engines}
     try:
-        for m, e in engines.items():
+        for e in engines.values():
             await _timed(e, reqs)  # warm-up (and the gate's first timings)
         before = {m: dict(e.speculative_stats or {}) for m, e in engines.items()}
         for _ in range(args.repeats):

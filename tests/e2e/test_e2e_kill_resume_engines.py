@@ -19,6 +19,7 @@ points per scenario run by default, more under `-m slow`; the embedded-engine te
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter
@@ -75,7 +76,7 @@ def _trained_prompts(run_dir: Path, starts: list[int]) -> dict[int, Counter]:
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     by_step: dict[int, Counter] = {}
     bounds = [*starts, len(rows)]
-    for begin, end in zip(bounds, bounds[1:]):
+    for begin, end in itertools.pairwise(bounds):
         attempt: dict[int, Counter] = {}
         for row in rows[begin:end]:
             if row["split"] == "train":

@@ -12,8 +12,8 @@ import asyncio
 from pathlib import Path
 
 import torch
-
 from serve_testlib import serve_app
+
 from verst.rollout.engine import GenerateRequest, SamplingParams
 
 MODEL = Path(__file__).resolve().parents[2] / "examples" / "reverse_digits" / "model" / "warm_start"

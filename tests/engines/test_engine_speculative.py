@@ -95,9 +95,9 @@ async def test_engine_samples_follow_the_filtered_target(tiny_checkpoint):
     """The prompt is every token, then the model's own greedy continuation (so a lookup proposes
     likely tokens): every first token occurs in it, so the second is always drawn by
     verification; its distribution given the first is the target's filtered softmax there."""
+    from test_speculative_verify import chi_square_z, target
     from transformers import AutoModelForCausalLM
 
-    from test_speculative_verify import chi_square_z, target
     from verst.rollout.engines.embedded.sampling import RowSampling
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
@@ -181,9 +181,9 @@ async def test_lora_adapters_greedy_identical(tiny_checkpoint, tmp_path):
 
 
 async def test_moe_routing_is_recorded_for_accepted_tokens_only(tmp_path):
+    from test_engine_moe_routing import _free_routing
     from transformers import AutoModelForCausalLM
 
-    from test_engine_moe_routing import _free_routing
     from verst.rollout.toy_moe import make_tiny_moe_checkpoint
 
     moe = make_tiny_moe_checkpoint(tmp_path / "m", family="qwen3_moe", num_layers=2)

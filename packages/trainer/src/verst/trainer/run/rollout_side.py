@@ -267,7 +267,10 @@ class RolloutSide:
         self, rollout_id: int, weight_version: int, *, stop: Callable[[], bool] | None = None
     ) -> RolloutResult:
         """One training rollout; `RolloutInterrupted` once `stop()` turns true (see the module doc)."""
-        from verst.rollout.engines.embedded.speculative.metrics import speculative_counters, speculative_metrics
+        from verst.rollout.engines.embedded.speculative.metrics import (
+            speculative_counters,
+            speculative_metrics,
+        )
 
         request = RolloutRequest(rollout_id=rollout_id, weight_version=weight_version)
         before = speculative_counters(self.engine)

@@ -86,7 +86,7 @@ def _accepts(
     s: BatchSampling, positions: torch.Tensor,
 ) -> torch.Tensor:
     """Whether each proposal passes its own test ([rows, k] bool; earlier ones not considered)."""
-    n, k = proposals.shape
+    k = proposals.shape[1]
     pd = p.gather(-1, proposals[:, :, None])[:, :, 0]  # [rows, k]
     qd = torch.ones_like(pd) if q is None else q.gather(-1, proposals[:, :, None])[:, :, 0]
     at = positions[:, None] + torch.arange(k, device=positions.device)[None]  # positions of the proposals
@@ -109,7 +109,7 @@ def verify(
     proposals: [rows, k] long (entries past a row's count are ignored); counts: [rows] long, each
     row's proposals; q: [rows, k, vocab] the draft's distributions (None: point masses);
     positions: [rows] long, the sequence position of each row's first drawn token."""
-    n, k1, vocab = logits.shape
+    n, k1, _ = logits.shape
     k = k1 - 1
     scores = logits.float() * s.inv_temp[:, :, None]  # [rows, k + 1, vocab]
     lse = torch.logsumexp(scores, -1, keepdim=True)
