@@ -14,7 +14,8 @@ tiny Llama whose greedy output falls into a loop) and `fail` (reverse_digits' mo
 with a proposer whose proposals always fail: the BOS id, never emitted). `--size 135m`: a random-init Llama at SmolLM2-135M's shape (hidden 576, 30
 layers, 9 heads, 3 kv heads, intermediate 1536, vocab 49152), tasks `loop` and `fail`. Each
 (task, batch) runs plain, spec with the gate (`auto`) and spec without it (`off`), interleaved for
-`--repeats` rounds after a warm-up; the median tokens/s counts.
+`--repeats` rounds after a warm-up (a round runs all 64 prompts, `batch` requests at a time);
+the median tokens/s counts.
 
 Run (a few minutes on 2 shared cores):
   uv run python benchmarks/speculative.py
@@ -101,10 +102,13 @@ def _random(size: str) -> tuple[torch.nn.Module, list[list[int]]]:
     return LlamaForCausalLM(cfg).eval(), prompts
 
 
-async def _timed(engine: EmbeddedEngine, reqs: list[GenerateRequest]) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
-    return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
+async def _timed(engine: EmbeddedEngine, waves: list[list[GenerateRequest]]) -> tuple[float, int]:
+    """Wall time and tokens of the waves run one after another (each wave's requests at once)."""
+    t0, n = time.perf_counter(), 0
+    for reqs in waves:
+        outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        n += sum(len(o.output_ids) for o in outs)
+    return time.perf_counter() - t0, n
 
 
 async def measure(task: str, size: str, batch: int, args: argparse.Namespace) -> dict[str, float]:
@@ -113,10 +117,14 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
     else:
         model, prompts = _random(size)
     ignore = task == "loop" or (task == "fail" and size != "tiny")
+    # every prompt once per measurement, `batch` at a time: at 1 row a measurement is 64 requests
+    # in a row, not one (one request's few milliseconds made the ratios swing by ±30%)
+    total = max(batch, len(prompts))
     reqs = [
         GenerateRequest(prompts[i % len(prompts)], SamplingParams(args.tokens, 0.0, ignore_eos=ignore))
-        for i in range(batch)
+        for i in range(total)
     ]
+    reqs = [reqs[i : i + batch] for i in range(0, total, batch)]
     engines = {}
     for mode in ("plain", "auto", "off"):
         spec = (
