@@ -15,7 +15,9 @@ match), which the judge never sees. This script makes:
    unreversed, truncated (a prefix that stopped), never stopped (the reference and more digits,
    cut at the policy's 12 tokens, no EOS), a random digit string. The judge's strings are
    disjoint from the held-out prompts (the judge never sees a held-out answer);
-   `judge_eval.jsonl` (strings disjoint from both) carries each pair's `kind`;
+   `judge_eval.jsonl` (strings disjoint from both) carries each pair's `kind`. Half the
+   positive SFT rows are `"<reference>:"` -> `"<reference><eos>?y"` (the answer is supervised
+   too, so the judge learns the copy it compares against);
 4. `model/init/` and `model/judge_init/`: the char tokenizer and two randomly initialised tiny
    Llamas (hidden 128, 4 layers, 4 heads, 0.67M parameters, seeds 0 and 1);
 5. `model/warm_start/`: `verst sft sft.toml` (600 steps, lr 1e-3);
@@ -87,7 +89,7 @@ def near_miss(rng: random.Random, prompt_digits: str, ref: str, kind: str) -> st
     raise ValueError(kind)
 
 
-def judge_row(rng: random.Random, s: str) -> dict:
+def judge_row(rng: random.Random, s: str, aux: bool = True) -> dict:
     """One judge SFT row for prompt digits `s`: a positive or a near miss (target y / n)."""
     ref = s[::-1]
     if rng.random() < 0.5:
@@ -99,6 +101,11 @@ def judge_row(rng: random.Random, s: str) -> dict:
     if ok:
         kind = "correct"
     prompt = TEMPLATE.format(label=ref, response=answer)
+    if aux and ok and rng.random() < 0.5:
+        # half the positives supervise the answer too: "<ref>:" -> "<ref><eos>?y". The judge
+        # learns to write the reference after ':' (a copy), which makes comparing the answer
+        # with it easy; with the verdict token alone it stalled at 0.82 held-out accuracy.
+        return {"prompt": ref + ":", "response": answer + "?y", "kind": kind}
     return {"prompt": prompt, "response": "y" if ok else "n", "kind": kind}
 
 
@@ -145,7 +152,7 @@ def make_data(out: Path) -> None:
         s = _digits(rng)
         if s in held_out or s in judge_seen or s in seen:
             continue
-        judge_eval.append(judge_row(rng, s))
+        judge_eval.append(judge_row(rng, s, aux=False))
     for name, rows in (("judge_sft", judge_train), ("judge_eval", judge_eval)):
         with open(out / f"{name}.jsonl", "w") as f:
             for r in rows:
