@@ -226,10 +226,14 @@ def judge_scores(model_dir: Path, prompts: list[str]) -> list[float]:
         ids = [tok.encode(p, add_special_tokens=False) for p in prompts[i : i + 256]]
         width = max(map(len, ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])  # [batch, seq]
-        attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+        attention = (
+            torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]
+        ).long()
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits[:, -1]
+            logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits[
+                :, -1
+            ]
         pair = torch.log_softmax(logits.float(), -1)[:, [y, n]]  # [batch, 2]
         scores.extend(torch.softmax(pair, -1)[:, 0].tolist())
     return scores
@@ -243,7 +247,11 @@ def judge_report(model_dir: Path, eval_path: Path) -> dict[str, dict[str, float]
     for r, s in zip(rows, scores, strict=True):
         by_kind[r["kind"]].append(((s > 0.5) == (r["response"] == "y"), s))
     report = {
-        k: {"n": len(v), "accuracy": sum(a for a, _ in v) / len(v), "mean_score": sum(s for _, s in v) / len(v)}
+        k: {
+            "n": len(v),
+            "accuracy": sum(a for a, _ in v) / len(v),
+            "mean_score": sum(s for _, s in v) / len(v),
+        }
         for k, v in sorted(by_kind.items())
     }
     report["all"] = {
@@ -256,14 +264,18 @@ def judge_report(model_dir: Path, eval_path: Path) -> dict[str, dict[str, float]
 
 def print_judge_report(report: dict[str, dict[str, float]]) -> None:
     for kind, m in report.items():
-        print(f"judge held-out {kind:>9}: n {m['n']:4d}  accuracy {m['accuracy']:.3f}  mean score {m['mean_score']:.3f}")
+        print(
+            f"judge held-out {kind:>9}: n {m['n']:4d}  accuracy {m['accuracy']:.3f}  mean score {m['mean_score']:.3f}"
+        )
 
 
 def sft(toml: str) -> Path:
     from verst.trainer.train.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(HERE / toml)
-    summary = run_sft(cfg, log=lambda step, m: print(f"{toml} step {step}: loss {m['sft/loss']:.4f}", flush=True))
+    summary = run_sft(
+        cfg, log=lambda step, m: print(f"{toml} step {step}: loss {m['sft/loss']:.4f}", flush=True)
+    )
     print(f"{toml} done in {summary['seconds']:.0f}s, final loss {summary['final_loss']:.4f}", flush=True)
     return Path(cfg.output_dir)
 
@@ -288,7 +300,9 @@ def main() -> None:
         if args.only != "policy":
             sft("judge_sft.toml")
     if (model / "warm_start").exists():
-        print(f"policy warm start greedy held-out exact match: {greedy_exact_match(model / 'warm_start', data / 'eval.jsonl'):.3f}")
+        print(
+            f"policy warm start greedy held-out exact match: {greedy_exact_match(model / 'warm_start', data / 'eval.jsonl'):.3f}"
+        )
     if (model / "judge").exists():
         print_judge_report(judge_report(model / "judge", data / "judge_eval.jsonl"))
 

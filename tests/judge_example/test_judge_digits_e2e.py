@@ -75,7 +75,10 @@ def test_two_steps_train_on_the_judge_and_eval_by_the_rule(tmp_path, capsys):
     got = [s["reward"] for s in trained]
     assert all(0.0 <= x <= 1.0 for x in got)
     assert got == pytest.approx(expected, abs=1e-4)  # the judge's verdict is the training reward
-    assert any(x != rule.score(s["response"], labels[s["prompt"]], s["status"] == "completed") for x, s in zip(got, trained))
+    assert any(
+        x != rule.score(s["response"], labels[s["prompt"]], s["status"] == "completed")
+        for x, s in zip(got, trained, strict=True)
+    )
     held = [s for s in samples if s["split"] != "train"]
     assert held, "no eval samples recorded"
     held_labels = {r["prompt"]: r["label"] for r in map(json.loads, rows)}
