@@ -44,6 +44,10 @@ every group filtered); the last checkpoint holds every prompt that was in play."
 # ---------------------------------------------------------------- config loading
 
 
+_ENGINE_TABLE_PATH_KEYS = ("model_path", "tokenizer_path")
+"""Keys of an engine kept as a plain table (`rollout.reward.judge.engine`) that are paths."""
+
+
 def resolve_paths(cfg: Any, config_path: Path) -> Any:
     """Make relative paths absolute — every field declared with `path_field`, in every section
     and variant: against the config's folder when they exist there, else against the current
@@ -70,8 +74,12 @@ def resolve_paths(cfg: Any, config_path: Path) -> Any:
                 else:
                     walk(value)
         elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
+            # an engine given as a plain table (rollout.reward.judge.engine): its *_path keys
+            for key, value in list(node.items()):
+                if key in _ENGINE_TABLE_PATH_KEYS and isinstance(value, str):
+                    node[key] = fix(value)
+                else:
+                    walk(value)
         elif isinstance(node, list | tuple):
             for value in node:
                 walk(value)
