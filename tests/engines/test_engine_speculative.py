@@ -142,11 +142,13 @@ async def test_abort_mid_generation_and_refit_mid_generation(tiny_checkpoint):
     engine = EmbeddedEngine.from_pretrained(tiny_checkpoint, speculative=NGRAM)
     try:
         prompt = [1] + [4 + j % 3 for j in range(10)]
-        long = [GenerateRequest(prompt, SamplingParams(4000, 0.0, ignore_eos=True), rid=f"x{i}") for i in range(3)]
-        tasks = [asyncio.ensure_future(engine.generate(r)) for r in long]
-        await asyncio.sleep(0.3)
+        # the refit's tensors are ready before generation starts: a copy loop speculates so fast
+        # that loading them mid-generation let a row reach its 4,000 tokens on a quiet box
         fresh = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
         state = {k: v * 0.5 for k, v in fresh.state_dict().items() if k.endswith("mlp.up_proj.weight")}
+        long = [GenerateRequest(prompt, SamplingParams(4000, 0.0, ignore_eos=True), rid=f"x{i}") for i in range(3)]
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in long]
+        await asyncio.sleep(0.1)
         assert await engine.update_weights_from_tensors(state) == 1  # a refit between steps
         await engine.abort("x")
         outs = await asyncio.gather(*tasks)

@@ -11,6 +11,7 @@ Slow: the README's command in full, held-out exact match up by at least 0.3
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -25,13 +26,20 @@ WARM_START_EXACT_MATCH = 0.047
 """Greedy held-out exact match of the shipped policy warm start (it mostly copies)."""
 
 
-def _example_module():
-    if str(EXAMPLE) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE))
-    import judge_digits_reward
-    import make_example
+def _load(name: str, alias: str):
+    """The example's module `name` from its file, under `alias`: another example's
+    `make_example` may already be imported under that bare name in this session."""
+    spec = importlib.util.spec_from_file_location(alias, EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    return module
 
-    return make_example, judge_digits_reward
+
+def _example_module():
+    return _load("make_example", "judge_digits_make_example"), _load(
+        "judge_digits_reward", "judge_digits_reward"
+    )
 
 
 @pytest.mark.timeout(300)

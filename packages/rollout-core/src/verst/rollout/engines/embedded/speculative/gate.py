@@ -11,10 +11,8 @@ expected cost:
   EMA over every row's verification, or at `prior` if it is seeded or nothing was verified yet). A row proposing `m` tokens is expected
   to emit `(1 - a^(m+1)) / (1 - a)` tokens (1 when it proposes nothing);
 - the cost of a verify forward of `k + 1` tokens relative to a plain step is measured: EMAs of
-  the wall time of plain steps and of verify steps per `k` (per row of the batch; a first
-  observation, which carries one-off costs, is replaced by the second); a `k` not yet measured
-  is extrapolated linearly in the tokens fed from the nearest measured one, and before any
-  verify step it is modelled as `1 + verify_cost * k`;
+  the wall time of plain steps and of verify steps per `k` (per row of the batch); until both are
+  seen it is modelled as `1 + verify_cost * k`;
 - the step speculates with the `k` (1 … the longest proposal allowed) that maximises expected
   tokens per unit cost, if that beats plain decoding's (`n` tokens per plain step); otherwise
   it runs plain. After `probe_gap` plain steps in a row one verification step (`k = 1`) runs
@@ -67,35 +65,23 @@ class CostGate:
     """Plain steps since the last verification step."""
     overall: float | None = None
     """EMA of the acceptance over all rows' verifications: a new unseeded row's estimate."""
-    seen: dict[int, int] = field(default_factory=dict)
-    """Observations so far, by `k` (0: plain)."""
 
     def ratio(self, k: int) -> float:
-        """Cost of a verify forward of `k + 1` tokens over a plain step's: measured for `k`; else
-        extrapolated linearly in the tokens fed from the nearest measured `k` (so a workload that
-        only ever probed at `k = 1` can still find that a longer proposal pays); else modelled."""
-        if self.plain_t is None or not self.verify_t:
-            return 1.0 + self.verify_cost * k
+        """Cost of a verify forward of `k + 1` tokens over a plain step's."""
         t = self.verify_t.get(k)
-        if t is not None:
-            return max(1.0, t / self.plain_t)
-        near = min(self.verify_t, key=lambda m: (abs(m - k), -m))
-        return 1.0 + (max(1.0, self.verify_t[near] / self.plain_t) - 1.0) * k / near
+        if t is None or self.plain_t is None:
+            return 1.0 + self.verify_cost * k
+        return max(1.0, t / self.plain_t)
 
     def observe(self, k: int, seconds: float, rows: int) -> None:
-        """A step's wall time (`k = 0`: plain). The second observation of a `k` replaces the
-        first instead of averaging with it: a first call carries one-off costs (allocations,
-        first-use kernel dispatch) that made a first `k = 1` verify look ~2x a plain step."""
+        """A step's wall time (`k = 0`: plain)."""
         per = seconds / max(1, rows)
-        n = self.seen.get(k, 0)
-        self.seen[k] = n + 1
         if k == 0:
-            keep = self.plain_t is None or n == 1
-            self.plain_t = per if keep else self.plain_t + self.decay * (per - self.plain_t)
+            self.plain_t = per if self.plain_t is None else self.plain_t + self.decay * (per - self.plain_t)
             self.plain_run += 1
         else:
             old = self.verify_t.get(k)
-            self.verify_t[k] = per if old is None or n == 1 else old + self.decay * (per - old)
+            self.verify_t[k] = per if old is None else old + self.decay * (per - old)
             self.plain_run = 0
 
     def update(self, spec: Any, accepted: int, proposed: int) -> None:
