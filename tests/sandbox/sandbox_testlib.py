@@ -1,9 +1,6 @@
-"""Shared pieces of the sandbox tests: whether bwrap is required, a pool with small limits, and
-the host-side checks (no process left behind, no temp folder left, host files unchanged).
-
-Where bwrap is missing or cannot create namespaces the tests skip with one line saying how to
-install it; with `VERST_REQUIRE_BWRAP=1` (which `.ci/run` sets after installing bubblewrap)
-they fail instead, so a CI box that should sandbox never goes green by skipping.
+"""Shared pieces of the sandbox tests: a pool with small limits, checked (`bwrap_testlib`: skip
+with the install line where bwrap cannot sandbox, fail under `VERST_REQUIRE_BWRAP=1`), and the
+host-side checks (no process left behind, no temp folder left, host files unchanged).
 """
 
 from __future__ import annotations
@@ -11,20 +8,15 @@ from __future__ import annotations
 import glob
 import os
 
-import pytest
+from bwrap_testlib import checked_pool
 
-from verst.rollout.sandbox import SandboxConfig, SandboxLimits, SandboxPool, SandboxUnavailable
+from verst.rollout.sandbox import SandboxConfig, SandboxLimits
 
-REQUIRE_VAR = "VERST_REQUIRE_BWRAP"
+__all__ = ["checked_pool"]  # (bwrap_testlib: the skip-or-fail rule, shared with conftest.bwrap_ok)
+
 UID_BASE = 62100
 """Sandbox uids of the tests (host root only): processes of these uids are sandbox processes."""
 WORKERS = 2
-
-
-def bwrap_required(environ: dict[str, str] | None = None) -> bool:
-    """Whether an unusable bwrap is a failure (`VERST_REQUIRE_BWRAP=1`) rather than a skip."""
-    env = os.environ if environ is None else environ
-    return env.get(REQUIRE_VAR, "").strip() not in ("", "0")
 
 
 def small_config(tmp_dir: str = "", **limits: float) -> SandboxConfig:
@@ -40,18 +32,6 @@ def small_config(tmp_dir: str = "", **limits: float) -> SandboxConfig:
     )
     base.update(limits)
     return SandboxConfig(limits=SandboxLimits(**base), workers=WORKERS, uid_base=UID_BASE, tmp_dir=tmp_dir)
-
-
-def checked_pool(cfg: SandboxConfig) -> SandboxPool:
-    """A pool whose check passed, or skip / fail (`VERST_REQUIRE_BWRAP=1`) with the one line."""
-    pool = SandboxPool(cfg)
-    try:
-        pool.check()
-    except SandboxUnavailable as exc:
-        if bwrap_required():
-            pytest.fail(f"{REQUIRE_VAR}=1 but {exc}", pytrace=False)
-        pytest.skip(str(exc))
-    return pool
 
 
 def _children(root: int) -> set[int]:
