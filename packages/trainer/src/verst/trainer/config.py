@@ -101,7 +101,8 @@ class TrainConfig(AdamWSection):
             "Rollout log-probs equal to the trainer's bit for bit: the embedded engine and the trainer "
             "run the same batch-invariant CPU ops (verst.rollout.exact_ops; docs/training.md, Exactly "
             "on-policy). Embedded engine on CPU, float32, Llama/Mistral/Qwen2/Qwen3 and the Qwen3-MoE/"
-            "Mixtral MoEs (routing replay too), LoRA without dropout, any train.layout; refused otherwise. Adds rollout/mismatch_tokens and rollout/mismatch_max per step."
+            "Mixtral MoEs (routing replay too), LoRA without dropout, any train.layout; refused otherwise. "
+            "Adds rollout/mismatch_tokens and rollout/mismatch_max per step."
         ),
     )
     logprob_backend: Literal["auto", "torch", "triton", "naive"] = Field(

@@ -44,12 +44,10 @@ class Adapter:
     rank: int
     """LoRA rank r."""
     weights: dict[str, tuple[Any, Any]]
-    """module path → (A `[r, in]`, B·scale `[out, r]`)."""
+    """module path → (A `[r, in]`, B `[out, r]`) as saved (before the scale: `train.exact_on_policy`
+    computes `B(A(x)) * scale` in PEFT's order, not `x @ Aᵀ @ (scale · B)ᵀ`, other roundings)."""
     scale: float
     """alpha / r (or alpha / sqrt(r) with rsLoRA): PEFT's `scaling`."""
-    unscaled: dict[str, Any]
-    """module path → B `[out, r]` as saved (before the scale): `train.exact_on_policy` computes
-    `B(A(x)) * scale` in PEFT's order, not `x @ Aᵀ @ (scale · B)ᵀ` (other roundings)."""
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +75,7 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
                 "layers are supported; no DoRA, no embedding or bias adapters)"
             )
         halves.setdefault(m["module"], {})[m["ab"]] = t
-    weights, unscaled = {}, {}
+    weights = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise InvalidRequest(f"LoRA adapter {name!r}: module {module!r} lacks lora_A or lora_B")
@@ -87,11 +85,10 @@ def parse_adapter(name: str, tensors: dict[str, Any], config: dict[str, Any], *,
                 f"LoRA adapter {name!r}: {module!r} has A {tuple(a.shape)}, B {tuple(b.shape)}; "
                 f"expected A [r={rank}, in] and B [out, r={rank}]"
             )
-        weights[module] = (a.detach(), b.detach() * scale)
-        unscaled[module] = b.detach()
+        weights[module] = (a.detach(), b.detach())
     if not weights:
         raise InvalidRequest(f"LoRA adapter {name!r} has no lora_A/lora_B tensors")
-    return Adapter(name, path, rank, weights, scale, unscaled)
+    return Adapter(name, path, rank, weights, scale)
 
 
 def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -186,19 +183,16 @@ class EngineAdapters:
             w = lin.weight
             a_stack = w.new_zeros((len(names) + 1, rmax, lin.in_features))  # [S, r, in]
             b_stack = w.new_zeros((len(names) + 1, lin.out_features, rmax))  # [S, out, r]
-            for slot, name in enumerate(names, start=1):
-                pair = self.adapters[name].weights.get(module)
-                if pair is not None:
-                    a, b = pair
-                    a_stack[slot, : a.shape[0]] = a.to(w.device, w.dtype)
-                    b_stack[slot, :, : b.shape[1]] = b.to(w.device, w.dtype)
-            stacks[module] = (a_stack, b_stack)
             exact[module] = {}
             for slot, name in enumerate(names, start=1):
                 adapter = self.adapters[name]
-                if module in adapter.weights:
-                    a, b = adapter.weights[module][0], adapter.unscaled[module]
+                pair = adapter.weights.get(module)
+                if pair is not None:
+                    a, b = pair
+                    a_stack[slot, : a.shape[0]] = a.to(w.device, w.dtype)
+                    b_stack[slot, :, : b.shape[1]] = (b * adapter.scale).to(w.device, w.dtype)
                     exact[module][slot] = (a.to(w.device, w.dtype), b.to(w.device, w.dtype), adapter.scale)
+            stacks[module] = (a_stack, b_stack)
         self._stacks, self._exact = stacks, exact
         for module in list(self._hooks):
             if module not in stacks:

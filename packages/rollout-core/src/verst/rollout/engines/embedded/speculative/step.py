@@ -96,7 +96,8 @@ class SpeculativeDecoder:
     gate: Any = None
     """`gate.CostGate` (None: `gate = "off"`, speculate whenever a row has a proposal)."""
     ragged: bool = True
-    """Verify forwards compute each row's own tokens only (`speculative.ragged`) where they can."""
+    """Verify forwards compute each row's own tokens only (`speculative/ragged.py`) where they can
+    (off: every slot's `k + 1`, as `benchmarks/speculative.py --verify padded` compares)."""
     _t0: float | None = None
     REPACK_FRACTION = 0.25
 
@@ -159,15 +160,16 @@ class SpeculativeDecoder:
 
     def _forward(self, batch: Any, props: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
         """The target's logits at `k + 1` positions per slot: `[slots, k + 1, vocab]` (ragged where
-        it can be, `speculative.ragged`: each slot computes its `1 + counts` tokens only)."""
+        it can be, `speculative/ragged.py`: each slot computes its `1 + counts` tokens only)."""
         n = props.shape[0]
         ids = torch.cat([batch.last[:, None], props], 1)  # [slots, k + 1]
         mask = torch.cat([batch.mask, batch.mask.new_ones((n, k + 1))], 1)
         pos = batch.next_pos[:, None] + torch.arange(k + 1, device=batch.device)[None]
         for layer in batch.cache.layers:
             layer.spare = max(layer.spare, k + 1)
-        self.stats.fed += int(counts.sum()) + n if self.ragged and ragged.usable(batch) else n * (k + 1)
-        if self.ragged and ragged.usable(batch):
+        packed = self.ragged and ragged.usable(batch)
+        self.stats.fed += int(counts.sum()) + n if packed else n * (k + 1)
+        if packed:
             batch.mask = mask
             return ragged.verify_logits(batch.direct, ids, counts + 1, mask, pos, batch.cache)
         batch._route(batch.slot_rows)
