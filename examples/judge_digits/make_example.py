@@ -7,8 +7,10 @@ match), which the judge never sees. This script makes:
 
 1. `data/train.jsonl` (4,000 prompts), `data/eval.jsonl` (300 held-out prompts), rows
    `{"prompt": "6048764=", "label": "4678406"}` (4–8 digits, disjoint sets);
-2. `data/sft.jsonl`: the policy's mixed-rule warm start (as in reverse_digits: the target is the
-   reversal with probability 0.3, the unchanged copy otherwise; 600 steps × 64 rows);
+2. `data/sft.jsonl`: the policy's mixed-rule warm start (reverse_digits' recipe with the
+   reversal at probability 0.5 instead of 0.3, the unchanged copy otherwise; 600 steps × 64
+   rows). At 0.3 the warm start's greedy exact match is 0.047 and GRPO against the judge did
+   not learn from it (README.md); at 0.5 it is 0.197;
 3. `data/judge_sft.jsonl` / `data/judge_eval.jsonl`: judge prompts `"<reference>:<answer>?"`
    with the target `y` or `n`; half positives (`<reference><eos>`), half near misses: one
    digit changed, two adjacent digits swapped, a digit dropped, a digit added, the prompt copied
@@ -45,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 SEED = 20261207
 N_TRAIN, N_EVAL = 4000, 300
 SFT_STEPS, SFT_BATCH = 600, 64
-REVERSE_PROB = 0.3
+REVERSE_PROB = 0.5
 N_JUDGE_TRAIN, N_JUDGE_EVAL = 60_000, 4_000
 MAX_RESPONSE_LEN = 12  # the policy's max_response_len (config.toml)
 EOS = "<eos>"

@@ -22,8 +22,8 @@ import pytest
 from verst.trainer.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "judge_digits"
-WARM_START_EXACT_MATCH = 0.047
-"""Greedy held-out exact match of the shipped policy warm start (it mostly copies)."""
+WARM_START_EXACT_MATCH = 0.197
+"""Greedy held-out exact match of the shipped policy warm start (greedy reversal right on about one held-out prompt in five)."""
 
 
 def _load(name: str, alias: str):
