@@ -18,6 +18,7 @@ and `VERST_LEAK_CHECK_WAIT_S` sets the wait (both read here, the one place the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -118,10 +119,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(root, ignore_errors=True)  # pytest's tmp_paths of a clean session go with it
         return
     for p in _children():
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     shutil.rmtree(root, ignore_errors=True)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     report = "the test session left these behind (issue 39 item 9):\n  " + "\n  ".join(lines)
