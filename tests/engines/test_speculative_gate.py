@@ -84,7 +84,10 @@ async def test_gate_stays_on_where_proposals_are_accepted(tiny_checkpoint, seede
     spec, stats, fed = await _decode(tiny_checkpoint, reqs, {**NGRAM, "gate": "auto"})
     assert spec == plain  # greedy: token-identical
     assert stats["accepted"] > 0.8 * stats["proposed"]
-    assert _fraction(stats, "speculated_fraction") >= (0.6 if seeded else 0.8)
+    # most tokens come from verification steps (a fraction of steps would undercount them: since
+    # a loop is proposed `k` long, a verify step emits up to 5 tokens and the plain steps left
+    # are mostly the rows' last tokens, where no proposal fits the budget)
+    assert stats["emitted"] >= (0.8 if seeded else 0.9) * sum(map(len, spec))
     assert len(fed) <= (0.9 if seeded else 0.7) * len(plain_fed)  # fewer forwards for the same tokens
 
 
@@ -229,5 +232,7 @@ async def test_ragged_verify_computes_each_rows_own_tokens_only(tiny_checkpoint)
     # every verify step's forward: the padded one feeds slots × (k + 1) tokens, the ragged one
     # Σ (1 + proposals); the embedding saw exactly that difference
     assert sum(p_fed) - sum(r_fed) == p_stats["fed"] - r_stats["fed"] > 0
-    assert r_stats["fed"] <= 0.7 * p_stats["fed"]
+    # (loops are proposed `k` long, `ngram._continuation`, so the looping rows pad little; the
+    # rows of distinct ids, paused by their back-off, still save most of their slots)
+    assert r_stats["fed"] <= 0.9 * p_stats["fed"]
     assert r_stats["fed"] <= r_stats["proposed"] + len(reqs) * r_stats["steps"]  # (slots: live ones ≤ 12)
