@@ -29,3 +29,21 @@ def test_extend_indexes_the_output_as_it_grows():
     idx.extend([1, 2, 3], [1, 2])
     assert idx.tokens == [1, 2, 3, 1, 2]
     assert idx.lookup(1, 3, 2) == [3, 1]
+
+
+def test_skinny_head_matches_the_linear_module():
+    """`ragged._head`: `W @ xᵀ` for a few packed tokens equals the LM head module's output to float
+    rounding, and falls back to the module where it has a bias or a hook."""
+    import torch
+
+    from verst.rollout.engines.embedded.speculative.ragged import _head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 500, bias=False)
+    for t in (1, 2, 5, 8, 9):
+        x = torch.randn(t, 32)
+        assert torch.allclose(_head(head, x), head(x), atol=1e-5)
+    seen = []
+    head.register_forward_hook(lambda m, a, o: seen.append(1))
+    _head(head, torch.randn(3, 32))
+    assert seen == [1]
