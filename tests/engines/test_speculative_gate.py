@@ -236,3 +236,15 @@ async def test_ragged_verify_computes_each_rows_own_tokens_only(tiny_checkpoint)
     # rows of distinct ids, paused by their back-off, still save most of their slots)
     assert r_stats["fed"] <= 0.9 * p_stats["fed"]
     assert r_stats["fed"] <= r_stats["proposed"] + len(reqs) * r_stats["steps"]  # (slots: live ones ≤ 12)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_probe_that_passes_resets_the_gap(seeded):
+    """Proposals that start passing (a copy begins): the probes come back at `probe_min`."""
+    gate = _timed(1.0, {1: 3.0})
+    rows = _rows([0.0], seeded=seeded)
+    first = _probes(gate, rows, 40)  # failing: doubling gaps
+    gate.update(rows[0].spec, 1, 1)  # the last probe passed
+    assert gate.probe_gap == gate.probe_min and rows[0].spec.probe_at is None
+    again = _probes(gate, rows, 12)
+    assert again and again[0] <= gate.probe_min + 1 and first[-1] - first[-2] > gate.probe_min + 1
