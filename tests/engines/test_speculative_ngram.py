@@ -1,4 +1,5 @@
-"""Prompt lookup (`speculative/ngram.py`): what a lookup proposes."""
+"""Prompt lookup (`speculative/ngram.py`): what a lookup proposes; and the ragged verify's LM
+head (`speculative/ragged._head`)."""
 
 from verst.rollout.engines.embedded.speculative.ngram import NgramIndex
 
