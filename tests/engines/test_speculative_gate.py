@@ -248,3 +248,17 @@ def test_a_probe_that_passes_resets_the_gap(seeded):
     assert gate.probe_gap == gate.probe_min and rows[0].spec.probe_at is None
     again = _probes(gate, rows, 12)
     assert again and again[0] <= gate.probe_min + 1 and first[-1] - first[-2] > gate.probe_min + 1
+
+
+async def test_ragged_verify_of_one_row_matches_the_padded_one(tiny_checkpoint):
+    """One row: no padding, so the ragged forward skips its scatters (`ragged._scatter`); its
+    tokens and log-probs are still the padded forward's."""
+    lead, _, _ = await _decode(tiny_checkpoint, _greedy(_starts(1), 40, False))
+    req = GenerateRequest(
+        _starts(1)[0] + lead[0], SamplingParams(48, 0.0, ignore_eos=True), return_logprob=True
+    )
+    cfg = {**NGRAM, "gate": "off"}
+    (r_ids, r_lp), r_stats, _ = await _decode(tiny_checkpoint, [req], cfg, ragged=True, logprobs=True)
+    (p_ids, p_lp), p_stats, _ = await _decode(tiny_checkpoint, [req], cfg, ragged=False, logprobs=True)
+    assert r_ids == p_ids and r_stats["steps"] == p_stats["steps"] > 0 and r_stats["accepted"] > 0
+    assert torch.allclose(torch.tensor(r_lp[0]), torch.tensor(p_lp[0]), atol=1e-5)
