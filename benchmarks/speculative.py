@@ -14,7 +14,7 @@ tiny Llama whose greedy output falls into a loop) and `fail` (reverse_digits' mo
 with a proposer whose proposals always fail: the BOS id, never emitted). `--size 135m`: a random-init Llama at SmolLM2-135M's shape (hidden 576, 30
 layers, 9 heads, 3 kv heads, intermediate 1536, vocab 49152), tasks `loop` and `fail`. Each
 (task, batch) runs plain, spec with the gate (`auto`) and spec without it (`off`), interleaved for
-`--repeats` rounds after a warm-up (a round runs all 64 prompts, `batch` requests at a time);
+`--repeats` rounds after a warm-up (a round runs all 64 prompts, or `--prompts`, `batch` requests at a time);
 the median tokens/s counts.
 
 Run (a few minutes on 2 shared cores):
@@ -119,6 +119,7 @@ async def measure(task: str, size: str, batch: int, args: argparse.Namespace) ->
     ignore = task == "loop" or (task == "fail" and size != "tiny")
     # every prompt once per measurement, `batch` at a time: at 1 row a measurement is 64 requests
     # in a row, not one (one request's few milliseconds made the ratios swing by ±30%)
+    prompts = prompts[: args.prompts]
     total = max(batch, len(prompts))
     reqs = [
         GenerateRequest(prompts[i % len(prompts)], SamplingParams(args.tokens, 0.0, ignore_eos=ignore))
@@ -164,6 +165,7 @@ async def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=64, help="prompts per round (the first N; 64: all)")
     p.add_argument("--headline", default="reverse_digits:1")
     p.add_argument(
         "--verify",

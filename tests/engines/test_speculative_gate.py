@@ -84,7 +84,10 @@ async def test_gate_stays_on_where_proposals_are_accepted(tiny_checkpoint, seede
     spec, stats, fed = await _decode(tiny_checkpoint, reqs, {**NGRAM, "gate": "auto"})
     assert spec == plain  # greedy: token-identical
     assert stats["accepted"] > 0.8 * stats["proposed"]
-    assert _fraction(stats, "speculated_fraction") >= (0.6 if seeded else 0.8)
+    # most tokens come from verification steps (a fraction of steps would undercount them: since
+    # a loop is proposed `k` long, a verify step emits up to 5 tokens and the plain steps left
+    # are mostly the rows' last tokens, where no proposal fits the budget)
+    assert stats["emitted"] >= (0.8 if seeded else 0.9) * sum(map(len, spec))
     assert len(fed) <= (0.9 if seeded else 0.7) * len(plain_fed)  # fewer forwards for the same tokens
 
 
@@ -229,5 +232,33 @@ async def test_ragged_verify_computes_each_rows_own_tokens_only(tiny_checkpoint)
     # every verify step's forward: the padded one feeds slots × (k + 1) tokens, the ragged one
     # Σ (1 + proposals); the embedding saw exactly that difference
     assert sum(p_fed) - sum(r_fed) == p_stats["fed"] - r_stats["fed"] > 0
-    assert r_stats["fed"] <= 0.7 * p_stats["fed"]
+    # (loops are proposed `k` long, `ngram._continuation`, so the looping rows pad little; the
+    # rows of distinct ids, paused by their back-off, still save most of their slots)
+    assert r_stats["fed"] <= 0.9 * p_stats["fed"]
     assert r_stats["fed"] <= r_stats["proposed"] + len(reqs) * r_stats["steps"]  # (slots: live ones ≤ 12)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_probe_that_passes_resets_the_gap(seeded):
+    """Proposals that start passing (a copy begins): the probes come back at `probe_min`."""
+    gate = _timed(1.0, {1: 3.0})
+    rows = _rows([0.0], seeded=seeded)
+    first = _probes(gate, rows, 40)  # failing: doubling gaps
+    gate.update(rows[0].spec, 1, 1)  # the last probe passed
+    assert gate.probe_gap == gate.probe_min and rows[0].spec.probe_at is None
+    again = _probes(gate, rows, 12)
+    assert again and again[0] <= gate.probe_min + 1 and first[-1] - first[-2] > gate.probe_min + 1
+
+
+async def test_ragged_verify_of_one_row_matches_the_padded_one(tiny_checkpoint):
+    """One row: no padding, so the ragged forward skips its scatters (`ragged._scatter`); its
+    tokens and log-probs are still the padded forward's."""
+    lead, _, _ = await _decode(tiny_checkpoint, _greedy(_starts(1), 40, False))
+    req = GenerateRequest(
+        _starts(1)[0] + lead[0], SamplingParams(48, 0.0, ignore_eos=True), return_logprob=True
+    )
+    cfg = {**NGRAM, "gate": "off"}
+    (r_ids, r_lp), r_stats, _ = await _decode(tiny_checkpoint, [req], cfg, ragged=True, logprobs=True)
+    (p_ids, p_lp), p_stats, _ = await _decode(tiny_checkpoint, [req], cfg, ragged=False, logprobs=True)
+    assert r_ids == p_ids and r_stats["steps"] == p_stats["steps"] > 0 and r_stats["accepted"] > 0
+    assert torch.allclose(torch.tensor(r_lp[0]), torch.tensor(p_lp[0]), atol=1e-5)

@@ -4,7 +4,8 @@ A row's context (prompt + output so far) is searched for the most recent earlier
 its last `n` tokens, longest `n` first (`max_ngram` down to `min_ngram`); the tokens that
 followed it are the proposal. Strong where the output copies its context: tool outputs quoted
 back, code edits, reversing or repeating a sequence. The proposal is a point mass (`q = δ`).
-Each row keeps an index of where every token occurs (`NgramIndex`, extended as it grows), so a
+Where the matched continuation reaches the end of the context (a loop shorter than `k`), the
+proposal repeats it (`_continuation`). Each row keeps an index of where every token occurs (`NgramIndex`, extended as it grows), so a
 lookup reads the positions of its last token only, not the whole context.
 """
 
@@ -48,10 +49,22 @@ class NgramIndex:
             while n < max_n and j - n >= 0 and ctx[j - n] == ctx[end - 1 - n]:
                 n += 1
             if n > best_n:
-                best, best_n = ctx[j + 1 : j + 1 + k], n
+                best, best_n = _continuation(ctx, j, k), n
                 if n >= max_n:
                     break
         return best if best_n >= min_n else []
+
+
+def _continuation(ctx: list[int], j: int, k: int) -> list[int]:
+    """Up to `k` tokens following position `j` of `ctx`, the n-gram ending at `j` matching the
+    context's suffix. Where they run into the end of the context the match says the context is
+    periodic there (period `len(ctx) - 1 - j`: the suffix repeats what followed `j`), so the
+    proposal continues the period: in a loop of `p` tokens (`p < k`) it proposes `k` tokens, not
+    `p`."""
+    period = len(ctx) - 1 - j
+    if j + 1 + k <= len(ctx):
+        return ctx[j + 1 : j + 1 + k]
+    return [ctx[j + 1 + i % period] for i in range(k)]
 
 
 class NgramProposer:

@@ -65,20 +65,46 @@ def verify_logits(
     bias[:, :, :, cols - w :].masked_fill_(ahead, float("-inf"))
     rope = direct.rope(hidden, pos.reshape(-1)[at][:, None], cols)  # [T, 1, 1, head_dim] each
     attention = ALL_ATTENTION_FUNCTIONS[direct.config._attn_implementation]
-    shape = (slots, w, at)
+    shape = (slots, w, None if at.numel() == slots * w else at)  # None: no padding (e.g. one row)
     for i, layer in enumerate(direct.layers):
         hidden = _layer(
             direct, i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, bias, attention, shape
         )
-    packed = direct.lm_head(direct.final_norm(hidden))[:, 0]  # [T, vocab]
+    packed = _head(direct.lm_head, direct.final_norm(hidden)[:, 0])  # [T, vocab]
+    if shape[2] is None:  # no padding: the packed logits are the layout
+        return packed.reshape(slots, w, -1)
     logits = packed.new_zeros((slots * w, packed.shape[-1]))
     logits[at] = packed
     return logits.view(slots, w, -1)
 
 
-def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor]) -> torch.Tensor:
+SKINNY = 8
+"""At most this many packed tokens (and more than one), the LM head runs as `W @ xᵀ` on CPU."""
+
+
+def _head(head: Any, x: torch.Tensor) -> torch.Tensor:
+    """The LM head on packed x [T, hidden] → [T, vocab]. A verify forward of one row has 2 … k + 1
+    tokens; for so few rows MKL's `x @ Wᵀ` (`F.linear`) measured 1.5–4× slower on this box's CPU
+    (AMD EPYC, one thread) than `W @ xᵀ` at SmolLM2-135M's head (49152 × 576, 10–20 ms of a
+    60–90 ms forward); the logits agree to float rounding. A plain
+    `nn.Linear` without bias or hooks only; else the module itself."""
+    if (
+        type(head) is torch.nn.Linear
+        and head.bias is None
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and x.device.type == "cpu"
+        and 1 < x.shape[0] <= SKINNY
+    ):
+        return torch.mm(head.weight, x.t()).t()
+    return head(x)
+
+
+def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor | None]) -> torch.Tensor:
     """Packed [T, heads, 1, d] → the slot layout [slots, heads, W, d] (zero at padding)."""
     slots, w, at = shape
+    if at is None:  # no padding: the packed order is the layout's
+        return x[:, :, 0].view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
     out = x.new_zeros((slots * w, x.shape[1], x.shape[-1]))
     out[at] = x[:, :, 0]
     return out.view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
@@ -93,7 +119,7 @@ def _layer(
     rope: tuple[torch.Tensor, ...],
     bias: torch.Tensor,
     attention: Any,
-    shape: tuple[int, int, torch.Tensor],
+    shape: tuple[int, int, torch.Tensor | None],
 ) -> torch.Tensor:
     """One decoder layer on the packed tokens (`DirectDecode._layer`'s arithmetic per token)."""
     attn, (pre, post) = layer.self_attn, direct.norms[i]
@@ -108,6 +134,8 @@ def _layer(
     keys, values = kv.update(_scatter(k, shape), _scatter(v, shape))  # [slots, kv_heads, cols, d]
     out, _ = attention(attn, _scatter(q, shape), keys, values, bias, dropout=0.0, scaling=attn.scaling)
     slots, w, at = shape
-    out = out.reshape(slots * w, -1)[at]  # [slots, W, heads, d] → [T, heads · d]
+    out = out.reshape(slots * w, -1)  # [slots, W, heads, d] → [T, heads · d]
+    if at is not None:
+        out = out[at]
     hidden = hidden + attn.o_proj(out[:, None])
     return hidden + layer.mlp(post(hidden))
