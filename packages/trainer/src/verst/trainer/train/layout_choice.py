@@ -151,6 +151,10 @@ class LayoutChooser:
     flat: bool = False
     """Shared prompts may also go in one unpadded row (`SharedPromptLayout(flat=True)`): the model
     runs the pieces attention without dropout and a probe of that row agreed with padded."""
+    max_width: int | None = None
+    """`train.exact_on_policy`: 'auto' takes a packed or shared-prompt layout only where its rows
+    are at most this wide (`exact_ops.KEY_BLOCK`: one block, attended as laid out; wider rows of
+    several sequences are split into one gathered row per sequence, dearer than padding)."""
 
     @classmethod
     def build(
@@ -161,6 +165,7 @@ class LayoutChooser:
         attn: str,
         probe: Callable[[PackedInputs], torch.Tensor] | None = None,
         tolerance: float = 1e-3,
+        max_width: int | None = None,
     ) -> LayoutChooser:
         """The chooser for `requested` ('auto' or a layout name) on a model with this config.
 
@@ -193,7 +198,7 @@ class LayoutChooser:
             return cls((requested,), shape, attn, flat)
         names = ("padded",) + (("packed",) if packed_reason is None else ())
         names += ("shared_prompt",) if reason is None else ()
-        return cls(names, shape, attn, flat)
+        return cls(names, shape, attn, flat, max_width)
 
     def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
         """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
@@ -212,6 +217,11 @@ class LayoutChooser:
                 while k < largest:
                     options.append(SharedPromptLayout(per_row=k))
                     k *= 2
+        if self.max_width is not None:
+            cap = self.max_width
+            options = [
+                o for o in options if o.name == "padded" or _width(o, tokens, response_lengths, groups) <= cap
+            ]
         if len(options) == 1:
             return options[0]
         costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
@@ -227,3 +237,13 @@ class LayoutChooser:
         """`tokens` in the chosen layout."""
         layout = self.pick(tokens, response_lengths, groups=groups)
         return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)
+
+
+def _width(layout: Layout, tokens: Seqs, response_lengths: Sequence[int], groups: Groups) -> int:
+    """The widest row `layout` makes of these sequences (packed: one row of them all)."""
+    if isinstance(layout, SharedPromptLayout):
+        rows = layout.rows(tokens, response_lengths, groups)
+        widths = layout.row_widths(tokens, response_lengths, rows)
+        return sum(widths) if layout.flat else max(widths)
+    lengths = [len(t) for t in tokens]
+    return sum(lengths) if layout.name == "packed" else max(lengths)
