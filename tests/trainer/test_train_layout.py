@@ -158,8 +158,9 @@ def test_auto_picks_shared_prompt_for_groups_and_padded_for_distinct_prompts():
 
 
 def test_exact_on_policy_auto_keeps_rows_of_several_sequences_within_one_key_block():
-    """`max_width` (the trainer sets `exact_ops.KEY_BLOCK` under train.exact_on_policy): a
-    shared-prompt or packed row wider than it is never picked; padded always stays."""
+    """`max_width` (the trainer sets `exact_ops.KEY_BLOCK` under train.exact_on_policy): where a
+    shared-prompt or packed layout fits in it, 'auto' picks among those and padded; where none
+    does, the cost decides as without it."""
     chooser = dataclasses.replace(
         LayoutChooser.build("auto", config=tiny_llama("sdpa").config, attn="sdpa"), max_width=64
     )
@@ -168,9 +169,7 @@ def test_exact_on_policy_auto_keeps_rows_of_several_sequences_within_one_key_blo
     picked = chooser.pick(group, [12] * 8)  # rows of 2 or 4 responses: 30 or 54 wide
     assert isinstance(picked, SharedPromptLayout) and picked.per_row in (2, 4)
     wide = [list(range(1, 61)) + [7 + j] * 30 for j in range(8)]  # 60 + 30 > 64 even alone
-    assert chooser.choose(wide, [30] * 8) == "padded"
-    ragged = [[1] * 60] + [[i + 2, 3] for i in range(30)]  # packed would be 120 wide
-    assert chooser.choose(ragged, [1] * 31) == "padded"
+    assert chooser.pick(wide, [30] * 8) == dataclasses.replace(chooser, max_width=None).pick(wide, [30] * 8)
 
 
 def test_flat_shared_prompt_row_only_on_the_pieces_attention_and_when_it_saves_padding():
