@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verst.rollout.exact_ops import exact_attention, exact_linear, exact_silu
+from verst.rollout.exact_ops import KEY_BLOCK, exact_attention, exact_linear, exact_silu
 
 
 @settings(max_examples=40, deadline=None)
@@ -131,14 +131,48 @@ def test_packed_and_shared_prompt_rows_give_each_sequence_its_own_bits(
         assert torch.equal(out[0, c], alone[0])
 
 
-def test_attention_refuses_rows_that_are_not_causal_sequences():
-    """A query that sees a later key, or two queries whose keys are not one chain, would be
-    approximated: refused."""
-    q = k = v = torch.randn(1, 2, 5, 16)
-    ahead = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(KEY_BLOCK + 1, 200),
+    cols=st.integers(1, KEY_BLOCK),
+    kv=st.sampled_from([1, 2]),
+    rep=st.sampled_from([1, 3]),
+    d=st.sampled_from([16, 32, 24]),
+    batch=st.sampled_from([1, 5, 8]),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2, 4]),
+)
+def test_one_block_call_with_holes_gives_the_blocked_bits(length, cols, kv, rep, d, batch, seed, threads):
+    """A call of at most KEY_BLOCK key columns moves no key (`_one_block_attention`): a decode
+    query whose keys sit anywhere in its columns, in order, with masked holes between them (a
+    split cache's new wave, another response's tokens), gets the bits its position has in a
+    full causal pass longer than KEY_BLOCK (gathered, blocked: `_aligned_attention`)."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    h, s = kv * rep, d**-0.5
+    q, k, v = (torch.randn(1, n, length, d, generator=g) for n in (h, kv, kv))
+    full, _ = exact_attention(None, q, k, v, None, scaling=s)
+    keep = torch.randperm(cols, generator=g)[: 1 + seed % cols].sort().values  # the row's key columns
+    p = keep.numel() - 1  # the query's position
+    kk, vv, qq = torch.randn(batch, kv, cols, d), torch.randn(batch, kv, cols, d), torch.randn(batch, h, 1, d)
+    r = seed % batch
+    kk[r][:, keep], vv[r][:, keep], qq[r, :, 0] = k[0, :, : p + 1], v[0, :, : p + 1], q[0, :, p]
+    mask = torch.ones(batch, 1, 1, cols, dtype=torch.bool)
+    mask[r] = False
+    mask[r, ..., keep] = True
+    dec, _ = exact_attention(None, qq, kk, vv, mask, scaling=s)
+    assert torch.equal(dec[r, 0], full[0, p])
+
+
+def test_attention_refuses_long_rows_that_are_not_causal_sequences():
+    """Past KEY_BLOCK columns the keys are moved into position order: a query that sees a later
+    key, or two queries whose keys are not one chain, would be approximated there: refused."""
+    n = KEY_BLOCK + 5
+    q = k = v = torch.randn(1, 2, n, 16)
+    ahead = torch.tril(torch.ones(n, n, dtype=torch.bool))
     ahead[1, 3] = True  # position 1 sees position 3
-    crossed = torch.tril(torch.ones(5, 5, dtype=torch.bool))
-    crossed[4, 2] = False  # position 4 skips 2 but position 3, which it sees, sees 2
+    crossed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    crossed[n - 1, 2] = False  # the last position skips 2 but the one before, which it sees, sees 2
     for allowed in (ahead, crossed):
         try:
             exact_attention(None, q, k, v, allowed[None, None], scaling=0.25)

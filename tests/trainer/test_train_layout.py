@@ -157,6 +157,21 @@ def test_auto_picks_shared_prompt_for_groups_and_padded_for_distinct_prompts():
         assert layout.cost(group, [12] * 8, shape(), "sdpa") > 0, name
 
 
+def test_exact_on_policy_auto_keeps_rows_of_several_sequences_within_one_key_block():
+    """`max_width` (the trainer sets `exact_ops.KEY_BLOCK` under train.exact_on_policy): where a
+    shared-prompt or packed layout fits in it, 'auto' picks among those and padded; where none
+    does, the cost decides as without it."""
+    chooser = dataclasses.replace(
+        LayoutChooser.build("auto", config=tiny_llama("sdpa").config, attn="sdpa"), max_width=64
+    )
+    prompt = list(range(1, 7))
+    group = [prompt + [7 + j] * 12 for j in range(8)]  # one row: 6 + 96 = 102 wide
+    picked = chooser.pick(group, [12] * 8)  # rows of 2 or 4 responses: 30 or 54 wide
+    assert isinstance(picked, SharedPromptLayout) and picked.per_row in (2, 4)
+    wide = [list(range(1, 61)) + [7 + j] * 30 for j in range(8)]  # 60 + 30 > 64 even alone
+    assert chooser.pick(wide, [30] * 8) == dataclasses.replace(chooser, max_width=None).pick(wide, [30] * 8)
+
+
 def test_flat_shared_prompt_row_only_on_the_pieces_attention_and_when_it_saves_padding():
     """One unpadded row of every group (`SharedPromptLayout(flat=True)`): offered on the pieces
     attention only (probed), picked where the rows' padding costs more than the pieces' overhead,

@@ -13,10 +13,14 @@ fix each op takes:
   multiple of `KEY_BLOCK`.
 - The reduction over keys (softmax's sum and the weighted sum of values): its length is the
   cache length in a decode step, the row width in training. Both run as ONE GEMM
-  `probs @ [values | 1]` whose inner dimension is the keys: MKL accumulates that dimension in
-  order, so masked keys (probability exactly 0, `exp(-inf)`) add nothing wherever they sit —
-  left padding, another response's tokens in a shared-prompt row, trailing cache columns —
-  and the sum is the same bits for any key length.
+  `probs @ [values | 1]` whose inner dimension is the keys: up to 128 keys MKL accumulates that
+  dimension in order (measured: 1-4 threads, any M, N, inner length 16-128 giving the same bits
+  for the same keys with zeros anywhere between them; from 256 it does not), so masked keys
+  (probability exactly 0, `exp(-inf)`) add nothing wherever they sit — left padding, another
+  response's tokens in a shared-prompt row, trailing cache columns, holes. Longer rows are
+  summed over fixed blocks of `KEY_BLOCK` key positions, in order (`_aligned_attention`); a
+  call with at most `KEY_BLOCK` key columns has one block whatever its layout, so it runs
+  without moving any key (`_one_block_attention`): the same bits as the blocked form.
 - SiLU: torch's vectorised `silu` differs from its scalar tail in ~4% of values, so the
   element's place in the tensor mattered; `exact_silu` is `x / (1 + exp(-x))` from ops whose
   vector and scalar forms agree (exp, add, div: checked over 2^20 values).
@@ -50,8 +54,13 @@ ROW_BLOCK = 8
 """Rows of every GEMM are padded to a multiple of this (M >= 8: no GEMV or small-M kernel)."""
 
 KEY_BLOCK = 64
-"""Key columns of the attention are padded to a multiple of this (the score GEMM's N >= 16), and
-the weighted sum over keys runs over blocks of this many key positions."""
+"""The weighted sum over keys runs over blocks of this many key positions (rows longer than this
+are gathered into position order and padded to a multiple of it)."""
+
+COL_BLOCK = 16
+"""The attention's GEMMs have N a multiple of this: the score GEMM's key columns (padded) and
+`[values | 1]`'s width (`_ones`). Measured: a column's bits then do not depend on N or on the
+column's place (at 4 threads an N of 17, 33, 65 or 100 changed them)."""
 
 
 def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -191,6 +200,8 @@ def exact_attention(
     b, _, t, d = query.shape
     length = key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
+    if length <= KEY_BLOCK:
+        return _one_block_attention(query, key, value, attention_mask, scale), None
     allowed = _allowed(attention_mask, b, t, length, query.device)
     aligned = _aligned(allowed)
     if aligned is not None:
@@ -232,6 +243,77 @@ def _chained_attention(
     return out.contiguous()
 
 
+def _ones(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[values | 1]` padded with zero rows to `rows` keys: `[b, kv, rows, d + w]`, d + w a
+    multiple of `COL_BLOCK` (its last w columns give the softmax's denominator)."""
+    b, kv, length, d = value.shape
+    w = COL_BLOCK - d % COL_BLOCK
+    out = value.new_zeros((b, kv, rows, d + w))
+    out[:, :, :length, :d] = value
+    out[:, :, :length, d:] = 1.0
+    return out
+
+
+def _weighted(acc: torch.Tensor, d: int) -> torch.Tensor:
+    """`acc = probs @ [values | 1]` → the weighted values over the denominator (0 where a query
+    saw no key)."""
+    den = acc[..., d : d + 1]
+    return acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def _stable_exp(scores: torch.Tensor) -> torch.Tensor:
+    """`exp(scores - max)` over the last dim (the max is exact in any order; a fully masked row's
+    -inf max is clamped, so its probabilities are 0, not NaN). The max carries no gradient: the
+    softmax does not depend on it."""
+    top = scores.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
+    return torch.exp(scores - top)
+
+
+def _masked(mask: torch.Tensor | None, t: int, length: int, rep: int, rows: int, cols: int) -> torch.Tensor:
+    """Where the `[b, 1, rows, cols]` scores of `_one_block_attention` are masked (True), from
+    transformers' mask (bool: True = attend; additive: 0 = attend; None: causal, the queries the
+    last `t` of the `length` keys). A query row of head group r, position i is row `r*t + i`;
+    padding rows (past `rep*t`) and columns (past `length`) are masked. One query (`t = 1`)
+    keeps a single row, broadcast over the heads."""
+    if mask is None:
+        cols_ = torch.arange(length)
+        masked = (cols_[None, :] > torch.arange(length - t, length)[:, None])[None, None]
+    else:
+        mask = mask[:, :, -t:, -length:]
+        masked = ~mask if mask.dtype == torch.bool else mask != 0
+    if t > 1 and rep > 1:
+        b = masked.shape[0]
+        masked = masked[:, :, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
+    extra_rows = rows - masked.shape[2] if masked.shape[2] > 1 else 0
+    if cols or extra_rows:
+        masked = F.pad(masked, (0, cols, 0, extra_rows), value=True)
+    return masked
+
+
+def _one_block_attention(
+    query: torch.Tensor,  # [b, heads, t, d]
+    key: torch.Tensor,  # [b, kv, L, d], L <= KEY_BLOCK
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The attention of a call with at most `KEY_BLOCK` key columns, any layout: every query's
+    keys lie in one block, so the weighted sum is one in-order GEMM over the columns as they sit
+    (masked ones add exact zeros), the bits `_aligned_attention` gives the same query after
+    moving its keys. Nothing is gathered; the mask is applied as given."""
+    b, heads, t, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    rep = heads // kv
+    cols = (-length) % COL_BLOCK
+    q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
+    kt = (F.pad(key, (0, 0, 0, cols)) if cols else key).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
+    scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
+    scores = scores.masked_fill(_masked(mask, t, length, rep, q.shape[2], cols), float("-inf"))
+    acc = torch.matmul(_stable_exp(scores), _ones(value, length + cols))[:, :, : rep * t]
+    out = _weighted(acc, d)  # [b, kv, rep*t, d]
+    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+
+
 def _aligned_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -252,19 +334,14 @@ def _aligned_attention(
     ok = ok[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
     ok = F.pad(ok, (0, cols, 0, q.shape[2] - rep * t), value=False)  # [b, 1, Mp, Lp]
     scores = scores.masked_fill(~ok, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # fully masked rows: 0
-    probs = torch.exp(scores - top)
-    ones = value.new_ones((*value.shape[:-1], KEY_BLOCK))
-    vv = F.pad(torch.cat([value, ones], dim=-1), (0, 0, 0, cols))  # [b, kv, Lp, d + KEY_BLOCK]
+    probs = _stable_exp(scores)
+    vv = _ones(value, length + cols)  # [b, kv, Lp, d + w]
     acc = None
     for j in range(0, length + cols, KEY_BLOCK):  # blocks of key positions, in order
         part = torch.matmul(probs[..., j : j + KEY_BLOCK], vv[:, :, j : j + KEY_BLOCK])
         acc = part if acc is None else acc + part
     assert acc is not None
-    acc = acc[:, :, : rep * t]  # [b, kv, rep*t, d + KEY_BLOCK]
-    den = acc[..., d : d + 1]
-    out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
+    out = _weighted(acc[:, :, : rep * t], d)
     return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
 
 

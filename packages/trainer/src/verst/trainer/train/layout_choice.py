@@ -151,6 +151,12 @@ class LayoutChooser:
     flat: bool = False
     """Shared prompts may also go in one unpadded row (`SharedPromptLayout(flat=True)`): the model
     runs the pieces attention without dropout and a probe of that row agreed with padded."""
+    max_width: int | None = None
+    """`train.exact_on_policy`: when a packed or shared-prompt layout's rows are at most this wide
+    (`exact_ops.KEY_BLOCK`: one block, attended as laid out), 'auto' chooses among those and
+    padded only; wider rows of several sequences are gathered per sequence in the attention, which
+    the cost does not see (measured: dearer than the narrow rows, cheaper than padding on the
+    31.5M model, where no shared row fits in 64)."""
 
     @classmethod
     def build(
@@ -161,6 +167,7 @@ class LayoutChooser:
         attn: str,
         probe: Callable[[PackedInputs], torch.Tensor] | None = None,
         tolerance: float = 1e-3,
+        max_width: int | None = None,
     ) -> LayoutChooser:
         """The chooser for `requested` ('auto' or a layout name) on a model with this config.
 
@@ -193,7 +200,7 @@ class LayoutChooser:
             return cls((requested,), shape, attn, flat)
         names = ("padded",) + (("packed",) if packed_reason is None else ())
         names += ("shared_prompt",) if reason is None else ()
-        return cls(names, shape, attn, flat)
+        return cls(names, shape, attn, flat, max_width)
 
     def pick(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> Layout:
         """The cheapest candidate for these sequences (ties: the earlier candidate). Shared
@@ -212,6 +219,15 @@ class LayoutChooser:
                 while k < largest:
                     options.append(SharedPromptLayout(per_row=k))
                     k *= 2
+        if self.max_width is not None:  # exact: one-block rows of several sequences first
+            cap = self.max_width
+            narrow = [
+                o
+                for o in options
+                if o.name != "padded" and _width(o, tokens, response_lengths, groups) <= cap
+            ]
+            if narrow:
+                options = [o for o in options if o.name == "padded"] + narrow
         if len(options) == 1:
             return options[0]
         costs = [o.cost(tokens, response_lengths, self.shape, self.attn, groups=groups) for o in options]
@@ -227,3 +243,13 @@ class LayoutChooser:
         """`tokens` in the chosen layout."""
         layout = self.pick(tokens, response_lengths, groups=groups)
         return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)
+
+
+def _width(layout: Layout, tokens: Seqs, response_lengths: Sequence[int], groups: Groups) -> int:
+    """The widest row `layout` makes of these sequences (packed: one row of them all)."""
+    if isinstance(layout, SharedPromptLayout):
+        rows = layout.rows(tokens, response_lengths, groups)
+        widths = layout.row_widths(tokens, response_lengths, rows)
+        return sum(widths) if layout.flat else max(widths)
+    lengths = [len(t) for t in tokens]
+    return sum(lengths) if layout.name == "packed" else max(lengths)
