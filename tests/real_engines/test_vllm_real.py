@@ -273,7 +273,13 @@ async def test_checks_name_each_missing_flag_on_a_real_server(vllm_python, model
     import subprocess
 
     from verst.rollout.engines.sglang.launcher import ServerProcess, free_port, wait_ready
-    from verst.rollout.engines.vllm.launcher import VllmServerSpec, server_command, server_env
+    from verst.rollout.engines.vllm.launcher import (
+        VllmServerSpec,
+        scratch_dir,
+        scratch_env,
+        server_command,
+        server_env,
+    )
 
     spec = VllmServerSpec(python=str(vllm_python), model_path=str(model_dir), max_model_len=128)
     port = free_port()
@@ -284,11 +290,12 @@ async def test_checks_name_each_missing_flag_on_a_real_server(vllm_python, model
         **server_env(spec, 0),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "False",
         "OMP_NUM_THREADS": "1",
+        **scratch_env(scratch := scratch_dir()),
     }
     log = tmp_path / "bare.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log, scratch=scratch)
     try:
         wait_ready(server, 600, path="/health")
         bare = VllmClient(server.url, max_retries=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,6 +55,8 @@ class ServerProcess:
     """The child process."""
     log_path: Path
     """Its combined stdout/stderr."""
+    scratch: Path | None = None
+    """A temp directory only this server writes (vLLM: its IPC sockets), removed by `stop`."""
 
     def log_tail(self, n: int = 40) -> str:
         """The last lines of the log."""
@@ -71,6 +74,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 @dataclass

@@ -166,7 +166,8 @@ def launch_vllm_servers(
     try:
         for i in range(num_servers):
             port = port_base + i if port_base else free_port(host)
-            env = {**os.environ, **server_env(spec, i)}
+            scratch = scratch_dir()
+            env = {**os.environ, **server_env(spec, i), **scratch_env(scratch)}
             log_path = logs / f"vllm-{i}.log"
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
@@ -176,13 +177,27 @@ def launch_vllm_servers(
                     env=env,
                     start_new_session=True,
                 )
-            launched.servers.append(ServerProcess(f"http://{host}:{port}", proc, log_path))
+            launched.servers.append(ServerProcess(f"http://{host}:{port}", proc, log_path, scratch=scratch))
         for server in launched.servers:
             wait_ready(server, ready_timeout_s, path="/health")
     except BaseException:
         launched.close()
         raise
     return launched
+
+
+def scratch_dir() -> Path:
+    """A fresh temp directory for one server (`scratch_env`), which `ServerProcess.stop` removes.
+    Short (under the temp root): vLLM puts its ZMQ IPC sockets there, and a socket path has
+    ~107 bytes."""
+    return Path(tempfile.mkdtemp(prefix="verst-vllm-tmp-"))
+
+
+def scratch_env(scratch: Path) -> dict[str, str]:
+    """What makes a vLLM server write its temp files into `scratch`: its IPC sockets
+    (`<VLLM_RPC_BASE_PATH>/<uuid4>`) and its `vllm_dist_*` files (`TMPDIR`). A server killed
+    mid-shutdown leaves them; in its own directory they go with it."""
+    return {"TMPDIR": str(scratch), "VLLM_RPC_BASE_PATH": str(scratch)}
 
 
 def loopback_only(host: str) -> bool:
@@ -197,6 +212,8 @@ __all__ = [
     "launch_vllm_servers",
     "loopback_only",
     "model_impl_args",
+    "scratch_dir",
+    "scratch_env",
     "server_command",
     "server_env",
 ]
