@@ -6,9 +6,7 @@ folder imports it as `bwrap_testlib`; `conftest.bwrap_ok` is the fixture form.""
 
 from __future__ import annotations
 
-import os
-
-import pytest
+from require_testlib import required, unavailable
 
 from verst.rollout.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
 
@@ -17,8 +15,7 @@ REQUIRE_VAR = "VERST_REQUIRE_BWRAP"
 
 def bwrap_required(environ: dict[str, str] | None = None) -> bool:
     """Whether an unusable bwrap is a failure (`VERST_REQUIRE_BWRAP=1`) rather than a skip."""
-    env = os.environ if environ is None else environ
-    return env.get(REQUIRE_VAR, "").strip() not in ("", "0")
+    return required(REQUIRE_VAR, environ)
 
 
 def checked_pool(cfg: SandboxConfig | None = None) -> SandboxPool:
@@ -27,7 +24,5 @@ def checked_pool(cfg: SandboxConfig | None = None) -> SandboxPool:
     try:
         pool.check()
     except SandboxUnavailable as exc:
-        if bwrap_required():
-            pytest.fail(f"{REQUIRE_VAR}=1 but {exc}", pytrace=False)
-        pytest.skip(str(exc))
+        unavailable(REQUIRE_VAR, str(exc))
     return pool

@@ -9,12 +9,11 @@ they fail instead, so a CI box that should have a browser never goes green by sk
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
+from require_testlib import required, unavailable
 
 SYSTEM_BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 REQUIRE_VAR = "VERST_REQUIRE_BROWSER"
@@ -40,12 +39,9 @@ def find_browser(managed: str | None, which: Callable[[str], str | None] = shuti
 
 def browser_required(environ: dict[str, str] | None = None) -> bool:
     """Whether a missing browser is a failure (`VERST_REQUIRE_BROWSER=1`) rather than a skip."""
-    env = os.environ if environ is None else environ
-    return env.get(REQUIRE_VAR, "").strip() not in ("", "0")
+    return required(REQUIRE_VAR, environ)
 
 
-def no_browser(required: bool) -> None:
-    """Skip (or, when required, fail) the calling test for want of a browser."""
-    if required:
-        pytest.fail(f"{REQUIRE_VAR}=1 but {HOW_TO}", pytrace=False)
-    pytest.skip(HOW_TO)
+def no_browser(environ: dict[str, str] | None = None) -> None:
+    """Skip (or, under `VERST_REQUIRE_BROWSER=1`, fail) the calling test for want of a browser."""
+    unavailable(REQUIRE_VAR, HOW_TO, environ)

@@ -6,7 +6,7 @@ flags that keep chromium off the network (this machine's network is closed)."""
 from __future__ import annotations
 
 import pytest
-from browser_testlib import browser_required, find_browser, no_browser
+from browser_testlib import find_browser, no_browser
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -26,7 +26,7 @@ def browser():
     with sync_playwright() as p:
         executable = find_browser(p.chromium.executable_path)
         if executable is None:
-            no_browser(required=browser_required())
+            no_browser()
         b = p.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
         yield b
         b.close()

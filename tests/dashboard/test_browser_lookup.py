@@ -3,8 +3,8 @@ install one, and fail instead under `VERST_REQUIRE_BROWSER=1` (issue 25, item 23
 
 The end-to-end check runs `test_dashboard_browser.py` in a child pytest whose PATH holds no
 browser and whose Playwright browser folder is empty: the fresh-machine case, whatever this
-machine has installed. The required case is checked in-process (`no_browser(required=True)`
-fails); a second child run would double this file's time for the same branch.
+machine has installed. The required case is checked in-process (`no_browser` under
+`VERST_REQUIRE_BROWSER=1` fails); a second child run would double this file's time for the same branch.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def test_missing_browser_skips_unless_required():
     assert not browser_required({REQUIRE_VAR: "0"})
     assert browser_required({REQUIRE_VAR: "1"})
     with pytest.raises(pytest.skip.Exception, match="apt-get install -y chromium"):
-        no_browser(required=False)
+        no_browser({})
     with pytest.raises(pytest.fail.Exception, match=REQUIRE_VAR):
-        no_browser(required=True)
+        no_browser({REQUIRE_VAR: "1"})
 
 
 @pytest.mark.timeout(300)

