@@ -62,7 +62,15 @@ def _example(name: str) -> tuple[torch.nn.Module, list[list[int]]]:
     rows = [json.loads(line) for line in (ROOT / "examples" / name / "data" / "eval.jsonl").open()][:64]
     texts = [r["prompt"] for r in rows]
     if name == "tool_math":
-        texts = [f"{r['prompt']}<tool_response>{r['label']}</tool_response>" for r in rows]
+        import sys
+
+        sys.path.insert(0, str(ROOT / "examples" / "tool_math"))
+        from make_example import tool_call, tool_response
+
+        texts = [
+            r["prompt"] + tool_call(*map(int, r["prompt"][:-1].split("*"))) + tool_response(int(r["label"]))
+            for r in rows
+        ]
     return AutoModelForCausalLM.from_pretrained(path).eval(), [tok(t)["input_ids"] for t in texts]
 
 
