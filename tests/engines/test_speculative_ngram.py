@@ -1,6 +1,9 @@
 """Prompt lookup (`speculative/ngram.py`): what a lookup proposes; and the ragged verify's LM
 head (`speculative/ragged._head`)."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from verst.rollout.engines.embedded.speculative.ngram import NgramIndex
 
 
@@ -48,3 +51,45 @@ def test_skinny_head_matches_the_linear_module():
     head.register_forward_hook(lambda m, a, o: seen.append(1))
     _head(head, torch.randn(3, 32))
     assert seen == [1]
+
+
+def test_a_tie_prefers_a_continuation_clear_of_the_suffix():
+    """tool_math's copy: after the answer's first `8` the observation's last `8` is the latest
+    1-gram match, but what follows it is the suffix itself (`</tool_response> 8`); the first `8`'s
+    continuation lies wholly before the suffix and wins the tie."""
+    open_, close = 60, 61
+    ctx = [2, 5, 2, open_, 8, 5, 4, 2, 8, close, 8]
+    assert _index(ctx).lookup(1, 4, 4) == [5, 4, 2, 8]
+    # a longer match still wins over a shorter, clear one
+    assert _index([1, 8, 3, 9, 2, 8, 4, 2, 8]).lookup(1, 4, 2) == [4, 2]
+    # no clear match of that length: the overlapping one (a loop) is still proposed
+    assert _index([3, 4, 9, 9, 9]).lookup(1, 3, 4) == [9, 9, 9, 9]
+
+
+def _reference(ctx: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The rule by brute force: the longest suffix match, ties to the latest clear continuation,
+    else the latest."""
+    from verst.rollout.engines.embedded.speculative.ngram import _continuation
+
+    end = len(ctx)
+    found = []  # (n, clear, j)
+    for j in range(end - 1):
+        n = 0
+        while n < min(max_n, j + 1) and ctx[j - n] == ctx[end - 1 - n]:
+            n += 1
+        if n >= max(1, min_n):
+            found.append((n, j + 1 + k <= end - n, j))
+    if k <= 0 or not found:
+        return []
+    return _continuation(ctx, max(found)[2], k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ctx=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    k=st.integers(0, 5),
+)
+def test_lookup_matches_the_rule_by_brute_force(ctx, min_n, extra, k):
+    assert _index(ctx).lookup(min_n, min_n + extra, k) == _reference(ctx, min_n, min_n + extra, k)

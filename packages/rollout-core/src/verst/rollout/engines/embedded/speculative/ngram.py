@@ -5,8 +5,19 @@ its last `n` tokens, longest `n` first (`max_ngram` down to `min_ngram`); the to
 followed it are the proposal. Strong where the output copies its context: tool outputs quoted
 back, code edits, reversing or repeating a sequence. The proposal is a point mass (`q = δ`).
 Where the matched continuation reaches the end of the context (a loop shorter than `k`), the
-proposal repeats it (`_continuation`). Each row keeps an index of where every token occurs (`NgramIndex`, extended as it grows), so a
-lookup reads the positions of its last token only, not the whole context.
+proposal repeats it (`_continuation`). Each row keeps an index of where every token occurs
+(`NgramIndex`, extended as it grows), so a lookup reads the positions of its last token only,
+not the whole context.
+
+Ties: among matches of the same length, the most recent one whose `k` continuation tokens end
+before the matched suffix begins wins over a more recent one whose continuation runs into that
+suffix (reads the very tokens being matched: a claim that the context is periodic with a period
+under `n + k`, on the same `n` tokens of evidence as a plain copy). A loop still gets its
+periodic proposal when nothing else matches as long. Where it mattered: a tool_math answer
+copying the observation `85428` has, after its first `8`, two 1-gram matches — the
+observation's last `8`, the latest, followed by `</tool_response> 8` (the suffix itself), and
+its first `8`, followed by `5 4 2 8`; the latest proposed the closing tag, rejected: a verify
+step lost per answer (`benchmarks/speculative.py --tasks tool_math`).
 """
 
 from __future__ import annotations
@@ -42,17 +53,18 @@ class NgramIndex:
         if k <= 0 or end < min_n + 1:
             return []
         best: list[int] = []
-        best_n = min_n - 1
+        best_key = (min_n - 1, False)
         places = self.at.get(ctx[-1], [])
         for j in reversed(places[-max_candidates - 1 : -1]):  # j: an earlier occurrence of the last token
             n = 1
             while n < max_n and j - n >= 0 and ctx[j - n] == ctx[end - 1 - n]:
                 n += 1
-            if n > best_n:
-                best, best_n = _continuation(ctx, j, k), n
-                if n >= max_n:
+            key = (n, j + 1 + k <= end - n)  # longer first; then a continuation clear of the suffix
+            if key > best_key:
+                best, best_key = _continuation(ctx, j, k), key
+                if key == (max_n, True):
                     break
-        return best if best_n >= min_n else []
+        return best if best_key[0] >= min_n else []
 
 
 def _continuation(ctx: list[int], j: int, k: int) -> list[int]:
