@@ -53,10 +53,11 @@ def test_skinny_head_matches_the_linear_module():
     assert seen == [1]
 
 
-def test_a_tie_prefers_a_continuation_clear_of_the_suffix():
+def test_a_tie_prefers_a_continuation_clear_of_the_suffix_and_what_ties_agree_on():
     """tool_math's copy: after the answer's first `8` the observation's last `8` is the latest
     1-gram match, but what follows it is the suffix itself (`</tool_response> 8`); the first `8`'s
-    continuation lies wholly before the suffix and wins the tie."""
+    continuation lies wholly before the suffix and wins the tie. Where several clear matches tie,
+    only what their continuations agree on is proposed."""
     open_, close = 60, 61
     ctx = [2, 5, 2, open_, 8, 5, 4, 2, 8, close, 8]
     assert _index(ctx).lookup(1, 4, 4) == [5, 4, 2, 8]
@@ -64,11 +65,18 @@ def test_a_tie_prefers_a_continuation_clear_of_the_suffix():
     assert _index([1, 8, 3, 9, 2, 8, 4, 2, 8]).lookup(1, 4, 2) == [4, 2]
     # no clear match of that length: the overlapping one (a loop) is still proposed
     assert _index([3, 4, 9, 9, 9]).lookup(1, 3, 4) == [9, 9, 9, 9]
+    # `979493`: the first `9` ties with the observation's other clear `9`: they disagree at once
+    assert _index([open_, 9, 7, 9, 4, 9, 3, close, 9]).lookup(1, 4, 4) == []
+    assert _index([open_, 9, 7, 9, 4, 9, 3, close, 9, 7]).lookup(1, 4, 4) == [9, 4, 9, 3]
+    # ... and agree on a prefix: that much is proposed
+    assert _index([1, 2, 3, 5, 1, 2, 4, 9, 1]).lookup(1, 4, 3) == [2]
+    # a clear match of max_n tokens is taken as it is, the latest
+    assert _index([7, 1, 2, 5, 0, 1, 2, 6, 0, 1, 2]).lookup(1, 2, 2) == [6, 0]
 
 
 def _reference(ctx: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The rule by brute force: the longest suffix match, ties to the latest clear continuation,
-    else the latest."""
+    """The rule by brute force: the longest suffix match, clear of the suffix before not; a clear
+    `max_n` match: the latest; else the common prefix of the tied matches' continuations."""
     from verst.rollout.engines.embedded.speculative.ngram import _continuation
 
     end = len(ctx)
@@ -81,7 +89,14 @@ def _reference(ctx: list[int], min_n: int, max_n: int, k: int) -> list[int]:
             found.append((n, j + 1 + k <= end - n, j))
     if k <= 0 or not found:
         return []
-    return _continuation(ctx, max(found)[2], k)
+    top = max(found)
+    if top[:2] == (max_n, True):
+        return _continuation(ctx, top[2], k)
+    conts = [_continuation(ctx, j, k) for n, c, j in found if (n, c) == top[:2]]
+    m = 0
+    while m < k and all(c[m] == conts[0][m] for c in conts):
+        m += 1
+    return conts[0][:m]
 
 
 @settings(max_examples=300, deadline=None)

@@ -9,15 +9,20 @@ proposal repeats it (`_continuation`). Each row keeps an index of where every to
 (`NgramIndex`, extended as it grows), so a lookup reads the positions of its last token only,
 not the whole context.
 
-Ties: among matches of the same length, the most recent one whose `k` continuation tokens end
-before the matched suffix begins wins over a more recent one whose continuation runs into that
-suffix (reads the very tokens being matched: a claim that the context is periodic with a period
-under `n + k`, on the same `n` tokens of evidence as a plain copy). A loop still gets its
-periodic proposal when nothing else matches as long. Where it mattered: a tool_math answer
-copying the observation `85428` has, after its first `8`, two 1-gram matches — the
-observation's last `8`, the latest, followed by `</tool_response> 8` (the suffix itself), and
-its first `8`, followed by `5 4 2 8`; the latest proposed the closing tag, rejected: a verify
-step lost per answer (`benchmarks/speculative.py --tasks tool_math`).
+Ties: among matches of the same length, one whose `k` continuation tokens end before the
+matched suffix begins beats one whose continuation runs into that suffix (reads the very tokens
+being matched: a claim that the context is periodic with a period under `n + k`, on the same
+`n` tokens of evidence as a plain copy); a loop still gets its periodic proposal when nothing
+else matches as long. Below `max_ngram`, where several matches remain equally good, the
+proposal is what their continuations agree on (their longest common prefix, maybe nothing: then
+the row decodes plainly this step and the next, one token longer, suffix usually tells them
+apart); a clear match of `max_ngram` tokens is taken as it is (the latest). Where it mattered:
+tool_math's answer copies the observation, e.g. `85428`; after its first `8` the latest 1-gram
+match, the observation's last `8`, was followed by `</tool_response> 8` (the suffix itself) and
+proposed the closing tag, rejected; with an answer like `979493` the first `9` also matches
+the observation's other `9`s (and any in the prompt), whose continuations disagree: a verify
+step lost per answer, and the gate, seeing the row fail, ran its rest plain
+(`benchmarks/speculative.py --tasks tool_math`).
 """
 
 from __future__ import annotations
@@ -48,12 +53,13 @@ class NgramIndex:
             self.tokens.append(tok)
 
     def lookup(self, min_n: int, max_n: int, k: int, max_candidates: int = 64) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier match of the longest suffix n-gram."""
+        """Up to `k` tokens that followed the best earlier match of the suffix (see the module
+        doc: the longest; then clear of the suffix; below `max_n`, what all such agree on)."""
         ctx, end = self.tokens, len(self.tokens)
         if k <= 0 or end < min_n + 1:
             return []
-        best: list[int] = []
         best_key = (min_n - 1, False)
+        tied: list[int] = []  # the candidates of the best key, latest first
         places = self.at.get(ctx[-1], [])
         for j in reversed(places[-max_candidates - 1 : -1]):  # j: an earlier occurrence of the last token
             n = 1
@@ -61,10 +67,23 @@ class NgramIndex:
                 n += 1
             key = (n, j + 1 + k <= end - n)  # longer first; then a continuation clear of the suffix
             if key > best_key:
-                best, best_key = _continuation(ctx, j, k), key
+                best_key, tied = key, [j]
                 if key == (max_n, True):
                     break
-        return best if best_key[0] >= min_n else []
+            elif key == best_key:
+                tied.append(j)
+        if best_key[0] < min_n:
+            return []
+        best = _continuation(ctx, tied[0], k)
+        for j in tied[1:]:  # equally good evidence: propose only what it agrees on
+            other = _continuation(ctx, j, len(best))
+            m = 0
+            while m < len(best) and best[m] == other[m]:
+                m += 1
+            del best[m:]
+            if not best:
+                break
+        return best
 
 
 def _continuation(ctx: list[int], j: int, k: int) -> list[int]:
