@@ -144,23 +144,23 @@ class DirectDecode:
     def layer(
         self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, rope: tuple[torch.Tensor, ...], attend: Any
     ) -> torch.Tensor:
-        """One decoder layer on hidden [n, 1, hidden_size] (the families' forward, inlined), one
-        token per entry: norm, `q/k/v_proj` (and q/k norms), RoPE (`rope`, `[n, 1, 1, head_dim]`
-        each), then `attend(attn, kv, q, k, v)` (q, k, v `[n, heads, 1, d]` after RoPE; `kv` the
-        cache layer) → `[n, heads · d]`-shaped attention output, `o_proj`, the norm and the MLP
-        with their residuals. The decode step attends one token per row (`_attend`); the ragged
-        verify forward (`speculative/ragged.py`) packed tokens of several positions per row."""
+        """One decoder layer on hidden [b, t, hidden_size] (the families' forward, inlined): norm,
+        `q/k/v_proj` (and q/k norms), RoPE (`rope`, `[b, 1, t, head_dim]` each), then
+        `attend(attn, kv, q, k, v)` (q, k, v `[b, heads, t, d]` after RoPE; `kv` the cache layer)
+        → `[b, t, heads, d]`-shaped attention output, `o_proj`, the norm and the MLP with their
+        residuals. The decode step feeds one token per row (t = 1, `_attend`); the ragged verify
+        forward (`speculative/ragged.py`) each row's `k + 1` tokens, or packed tokens one per entry."""
         attn, (pre, post) = layer.self_attn, self.norms[i]
-        b, d = hidden.shape[0], attn.head_dim
+        b, t, d = hidden.shape[0], hidden.shape[1], attn.head_dim
         x = pre(hidden)
-        q = attn.q_proj(x).view(b, 1, -1, d)  # [n, 1, heads, d]
-        k = attn.k_proj(x).view(b, 1, -1, d)
+        q = attn.q_proj(x).view(b, t, -1, d)  # [b, t, heads, d]
+        k = attn.k_proj(x).view(b, t, -1, d)
         if self.qk_norms[i] is not None:
             q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
-        v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [n, kv_heads, 1, d]
+        v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)  # [b, kv_heads, t, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         out = attend(attn, kv, q, k, v)
-        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))
+        hidden = hidden + attn.o_proj(out.reshape(b, t, -1))
         return hidden + layer.mlp(post(hidden))
 
     def _attend(

@@ -8,14 +8,15 @@ tokens (64 rows of the tiny model, `docs/engines.md`). Here the real tokens are 
 `[tokens, 1, hidden]` column and every per-token module (embedding, norms, `q/k/v_proj`, RoPE,
 `o_proj`, the MLP, the final norm and `lm_head`) runs on them only: each layer is
 `DirectDecode.layer` itself (its norms, its RoPE table, the same arithmetic), given this module's
-`_attend`. Only the attention sees the slot layout: the packed queries, keys and values are
-scattered into `[slots, heads, k + 1, d]` (padding positions zero; a view when nothing is
-padded, e.g. one row), the keys and values appended to the cache as the padded forward appends
-them (so the rollback, `step._advance`, masks the same columns: a row's positions past its
-accepted ones, padding included), and the attention runs with the padding mask plus the causal
-mask inside the new block — what `model(...)`'s `create_causal_mask` makes of them — as the
-decode step's: `attention.ScoresAttention` on CPU up to its `MAX_COLS` columns (the eager
-arithmetic, `k + 1` queries folded per KV head), else the model's attention function.
+attention. Only the attention sees the slot layout: the packed queries, keys and values are
+scattered into `[slots, heads, k + 1, d]` (padding positions zero; where nothing is padded, e.g.
+one row, the tokens run as `[slots, k + 1, hidden]` throughout and nothing is scattered), the
+keys and values appended to the cache as the padded forward appends them (so the rollback,
+`step._advance`, masks the same columns: a row's positions past its accepted ones, padding
+included), and the attention runs with the padding mask plus the causal mask inside the new
+block — what `model(...)`'s `create_causal_mask` makes of them — as the decode step's:
+`attention.ScoresAttention` on CPU up to its `MAX_COLS` columns (the eager arithmetic, the
+`k + 1` queries folded per KV head), else the model's attention function.
 
 Used where the plain step is direct (`batch.direct`) and nothing needs the slot layout of every
 module's input: not with LoRA adapters (their per-row selection is by slot) or MoE routing
@@ -56,34 +57,34 @@ def verify_logits(
     (each row's real tokens, 1 … W), mask [slots, cols] (1 = attend; the W new columns included),
     pos [slots, W] → logits [slots, W, vocab] (zero at padding positions)."""
     slots, w = ids.shape
-    if slots == 1 or bool((widths == w).all()):
-        at = None  # no padding (e.g. one row): the packed order is the layout's
-        hidden = direct.body.embed_tokens(ids.view(-1))[:, None]  # [T, 1, hidden]
-        packed_pos = pos.reshape(-1)[:, None]
-    else:
+    cols = mask.shape[1]
+    if slots == 1 or bool((widths == w).all()):  # no padding (e.g. one row): the slot layout itself
+        hidden = direct.body.embed_tokens(ids)  # [slots, W, hidden]
+        cos, sin = direct.rope(hidden, pos.reshape(-1, 1), cols)  # [slots · W, 1, 1, head_dim]
+        rope = (cos.view(slots, 1, w, -1), sin.view(slots, 1, w, -1))
+        at, attend_fn = None, _attend
+    else:  # packed: one real token per entry, scattered into the slot layout for the attention
         real = (torch.arange(w, device=ids.device)[None] < widths[:, None]).view(-1)  # [slots · W]
         at = real.nonzero()[:, 0]  # packed token → its (slot, position) in the padded layout
         hidden = direct.body.embed_tokens(ids.view(-1)[at])[:, None]  # [T, 1, hidden]
-        packed_pos = pos.reshape(-1)[at][:, None]
-    cols = mask.shape[1]
+        rope = direct.rope(hidden, pos.reshape(-1)[at][:, None], cols)  # [T, 1, 1, head_dim] each
+        attend_fn = partial(_attend_packed, (slots, w, at))
     bias = torch.zeros((slots, 1, w, cols), dtype=hidden.dtype, device=hidden.device)
     bias.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
     ahead = torch.ones((w, w), dtype=torch.bool, device=hidden.device).triu(1)  # a later new token
     bias[:, :, :, cols - w :].masked_fill_(ahead, float("-inf"))
-    rope = direct.rope(hidden, packed_pos, cols)  # [T, 1, 1, head_dim] each
-    attend = partial(_attend, (slots, w, at), bias, direct.scores_for(hidden, cols), direct.attention())
+    attend = partial(attend_fn, bias, direct.scores_for(hidden, cols), direct.attention())
     for i, layer in enumerate(direct.layers):
         hidden = direct.layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, attend)
-    packed = _head(direct.lm_head, direct.final_norm(hidden)[:, 0])  # [T, vocab]
+    packed = _head(direct.lm_head, direct.final_norm(hidden).reshape(-1, hidden.shape[-1]))  # [T, vocab]
     if at is None:  # no padding: the packed logits are the layout
-        return packed.reshape(slots, w, -1)
+        return packed.view(slots, w, -1)
     logits = packed.new_zeros((slots * w, packed.shape[-1]))
     logits[at] = packed
     return logits.view(slots, w, -1)
 
 
 def _attend(
-    shape: tuple[int, int, torch.Tensor | None],
     bias: torch.Tensor,
     scores: Any,
     attention: Any,
@@ -93,18 +94,34 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> torch.Tensor:
-    """`DirectDecode.layer`'s attention for packed tokens (q, k, v `[T, heads, 1, d]`): scattered
-    into the slot layout, k and v appended to the cache layer `kv` as the padded forward appends
-    them, `scores` (a `ScoresAttention`: CPU, a short cache) or the model's `attention` with
-    `bias` (padding plus the causal mask inside the new block) → packed `[T, heads · d]`."""
-    keys, values = kv.update(_scatter(k, shape), _scatter(v, shape))  # [slots, kv_heads, cols, d]
+    """`DirectDecode.layer`'s attention for `W` new tokens per slot (q, k, v `[slots, heads, W,
+    d]`): k and v appended to the cache layer `kv` as the padded forward appends them, then
+    `scores` (a `ScoresAttention`: CPU, a short cache) or the model's `attention` with `bias`
+    (padding plus the causal mask inside the new block) → `[slots, W, heads, d]`."""
+    keys, values = kv.update(k, v)  # [slots, kv_heads, cols, d]
     if scores is not None:
-        out = scores(_scatter(q, shape), keys, values, bias, attn.scaling)  # [slots, W, heads, d]
-    else:
-        out, _ = attention(attn, _scatter(q, shape), keys, values, bias, dropout=0.0, scaling=attn.scaling)
-    slots, w, at = shape
-    out = out.reshape(slots * w, -1)  # [slots, W, heads, d] → [slots · W, heads · d]
-    return out if at is None else out[at]
+        return scores(q, keys, values, bias, attn.scaling)
+    out, _ = attention(attn, q, keys, values, bias, dropout=0.0, scaling=attn.scaling)
+    return out
+
+
+def _attend_packed(
+    shape: tuple[int, int, torch.Tensor],
+    bias: torch.Tensor,
+    scores: Any,
+    attention: Any,
+    attn: Any,
+    kv: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """`_attend` for packed tokens (q, k, v `[T, heads, 1, d]`): scattered into the slot layout
+    (zero at padding), attended, gathered back → packed `[T, heads · d]`."""
+    out = _attend(
+        bias, scores, attention, attn, kv, _scatter(q, shape), _scatter(k, shape), _scatter(v, shape)
+    )
+    return out.reshape(shape[0] * shape[1], -1)[shape[2]]  # [slots · W, heads · d] → the real tokens
 
 
 SKINNY = 8
@@ -129,11 +146,9 @@ def _head(head: Any, x: torch.Tensor) -> torch.Tensor:
     return head(x)
 
 
-def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor | None]) -> torch.Tensor:
+def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor]) -> torch.Tensor:
     """Packed [T, heads, 1, d] → the slot layout [slots, heads, W, d] (zero at padding)."""
     slots, w, at = shape
-    if at is None:  # no padding: the packed order is the layout's
-        return x[:, :, 0].view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
     out = x.new_zeros((slots * w, x.shape[1], x.shape[-1]))
     out[at] = x[:, :, 0]
     return out.view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
