@@ -119,6 +119,33 @@ def test_scores_attention_equals_sdpa(groups, batch, width, seed):
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.sampled_from([(4, 4), (6, 2), (9, 3)]),
+    batch=st.integers(1, 4),
+    t=st.integers(2, 6),
+    width=st.integers(0, 30),
+    seed=st.integers(0, 10_000),
+)
+def test_scores_attention_with_several_queries_equals_sdpa(groups, batch, t, width, seed):
+    """`ScoresAttention` with `t` queries per row (a speculative verify forward's `k + 1`: left
+    padding, then the causal mask inside the `t` new columns) is SDPA's attention over the
+    repeated KV heads, to float rounding, query position by query position."""
+    heads, kv = groups
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, t, 8, generator=g)  # [b, heads, t, d]
+    k, v = torch.randn(2, batch, kv, width + t, 8, generator=g)  # [b, kv, L, d] each
+    attend = (torch.rand(batch, 1, 1, width + t, generator=g) < 0.6).expand(batch, 1, t, width + t).clone()
+    attend[..., width:] = torch.ones(t, t, dtype=torch.bool).tril()  # new tokens: causal
+    bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))
+    rep = heads // kv
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=attend, scale=0.3
+    )  # [b, heads, t, d]
+    got = ScoresAttention()(q, k, v, bias, 0.3)  # [b, t, heads, d]
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("max_cols", [0, 4, ScoresAttention.MAX_COLS])
 def test_direct_decode_on_sdpa_and_scores_attention(monkeypatch, max_cols):
     """Steps past `ScoresAttention.MAX_COLS` columns run SDPA on the additive mask; the logits

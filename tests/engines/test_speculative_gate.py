@@ -262,3 +262,19 @@ async def test_ragged_verify_of_one_row_matches_the_padded_one(tiny_checkpoint):
     (p_ids, p_lp), p_stats, _ = await _decode(tiny_checkpoint, [req], cfg, ragged=False, logprobs=True)
     assert r_ids == p_ids and r_stats["steps"] == p_stats["steps"] > 0 and r_stats["accepted"] > 0
     assert torch.allclose(torch.tensor(r_lp[0]), torch.tensor(p_lp[0]), atol=1e-5)
+
+
+def test_new_rows_start_from_the_rows_first_verifications():
+    """A copy's rows pass their first verification and fail where the copy ends (tool_math: 4 of
+    4, then 0 of 4 at the EOS): a new row is priced at the first verifications' acceptance, not
+    at the mix, which here would not pay for the verify forward."""
+    gate = _timed(1.0, {k: 1.0 + 0.3 * k for k in range(1, 5)})  # expected tokens must beat 2.2
+    for r in _rows([None] * 16):
+        gate.update(r.spec, 4, 4)
+        for _ in range(3):
+            gate.update(r.spec, 0, 4)
+    assert gate.fresh == 1.0
+    assert gate.choose(_rows([None] * 8), [4] * 8) == [4] * 8
+    for r in _rows([None] * 40):
+        gate.update(r.spec, 0, 4)  # new rows' first proposals start failing: new rows go off
+    assert gate.choose(_rows([None] * 8), [4] * 8) == [0] * 8

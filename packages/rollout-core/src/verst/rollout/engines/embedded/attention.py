@@ -99,19 +99,25 @@ class ScoresAttention:
 
     def __call__(
         self,
-        query: torch.Tensor,  # [b, heads, 1, d]
+        query: torch.Tensor,  # [b, heads, t, d]
         key: torch.Tensor,  # [b, kv_heads, L, d]
         value: torch.Tensor,  # [b, kv_heads, L, d]
-        bias: torch.Tensor,  # [b, 1, 1, L] additive (0 = attend, -inf = masked)
+        bias: torch.Tensor,  # [b, 1, t, L] additive (0 = attend, -inf = masked)
         scaling: float,
     ) -> torch.Tensor:
-        """→ `[b, 1, heads, d]`."""
-        b, heads, _, d = query.shape
+        """→ `[b, t, heads, d]`. t > 1: a speculative verify forward's `k + 1` queries per row
+        (`speculative/ragged.py`), folded the same way (`[b, kv, rep · t, d]`, the mask repeated
+        over the `rep` query heads)."""
+        b, heads, t, d = query.shape
         kv = key.shape[1]
-        q = query.reshape(b, kv, heads // kv, d)  # query head kv * rep + r -> [b, kv, r, d]
-        scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).add_(bias)  # [b, kv, rep, L]
+        rep = heads // kv
+        q = query.reshape(b, kv, rep * t, d)  # query head kv * rep + r, position i -> row r * t + i
+        if t > 1:
+            bias = bias[:, :, None].expand(b, 1, rep, t, bias.shape[-1]).reshape(b, 1, rep * t, -1)
+        scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scaling).add_(bias)  # [b, kv, rep · t, L]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        return torch.matmul(probs, value).reshape(b, 1, heads, d)
+        out = torch.matmul(probs, value)  # [b, kv, rep · t, d]
+        return out.reshape(b, 1, heads, d) if t == 1 else out.reshape(b, heads, t, d).transpose(1, 2)
 
 
 class TwoPartAttention:

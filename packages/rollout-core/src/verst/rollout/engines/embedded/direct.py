@@ -30,6 +30,7 @@ row's group's prompt, kept once, and its own tokens; everything else in the step
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -115,8 +116,6 @@ class DirectDecode:
         pos [batch, 1] → the next-token logits [batch, vocab]. With `prefix` (a
         `shared_prefix.PrefixKV`), `cache` and `mask` hold each row's own tokens only and every
         row also attends to its group's prompt there (`attention.TwoPartAttention`)."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         hidden = self.body.embed_tokens(ids)  # [batch, 1, hidden]
         # [batch, 1, 1, cols]: one query sees its padding mask, as the additive mask SDPA makes of
         # a boolean one (0 / -inf), once per step instead of once per layer
@@ -126,26 +125,60 @@ class DirectDecode:
         if prefix is not None:  # [batch, 1, 1, prompt + own]
             bias, cols = torch.cat([prefix.bias, bias], dim=-1), cols + prefix.width
         rope = self.rope(hidden, pos, cols)  # (cos, signed sin), [batch, 1, 1, head_dim] each
-        cpu = hidden.device.type == "cpu"
-        scores = self.scores if cpu and cols <= ScoresAttention.MAX_COLS and not self.exact else None
-        ctx = (rope, bias, scores, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation], prefix)
+        attend = partial(self._attend, bias, self.scores_for(hidden, cols), self.attention(), prefix)
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
+            hidden = self.layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, attend)
         return self.lm_head(self.final_norm(hidden))[:, -1]
 
-    def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
-        """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
-        `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, scores attention or None, attention
-        function, prefix or None)."""
-        (rope, bias, scores, attention, prefix), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
-        b, d = hidden.shape[0], attn.head_dim
+    def scores_for(self, hidden: torch.Tensor, cols: int) -> ScoresAttention | None:
+        """The step's `ScoresAttention` (CPU, at most `MAX_COLS` columns, not exact), else None."""
+        cpu = hidden.device.type == "cpu"
+        return self.scores if cpu and cols <= ScoresAttention.MAX_COLS and not self.exact else None
+
+    def attention(self) -> Any:
+        """The model's attention function (transformers' registry)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+
+    def layer(
+        self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, rope: tuple[torch.Tensor, ...], attend: Any
+    ) -> torch.Tensor:
+        """One decoder layer on hidden [b, t, hidden_size] (the families' forward, inlined): norm,
+        `q/k/v_proj` (and q/k norms), RoPE (`rope`, `[b, 1, t, head_dim]` each), then
+        `attend(attn, kv, q, k, v)` (q, k, v `[b, heads, t, d]` after RoPE; `kv` the cache layer)
+        → `[b, t, heads, d]`-shaped attention output, `o_proj`, the norm and the MLP with their
+        residuals. The decode step feeds one token per row (t = 1, `_attend`); the ragged verify
+        forward (`speculative/ragged.py`) each row's `k + 1` tokens, or packed tokens one per entry."""
+        attn, (pre, post) = layer.self_attn, self.norms[i]
+        b, t, d = hidden.shape[0], hidden.shape[1], attn.head_dim
         x = pre(hidden)
-        q = attn.q_proj(x).view(b, 1, -1, d)  # [batch, 1, heads, d]
-        k = attn.k_proj(x).view(b, 1, -1, d)
+        q = attn.q_proj(x).view(b, t, -1, d)  # [b, t, heads, d]
+        k = attn.k_proj(x).view(b, t, -1, d)
         if self.qk_norms[i] is not None:
             q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
-        v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
+        v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)  # [b, kv_heads, t, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
+        out = attend(attn, kv, q, k, v)
+        hidden = hidden + attn.o_proj(out.reshape(b, t, -1))
+        return hidden + layer.mlp(post(hidden))
+
+    def _attend(
+        self,
+        bias: torch.Tensor,
+        scores: Any,
+        attention: Any,
+        prefix: Any,
+        attn: Any,
+        kv: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step's attention (one query per row): append k, v to the cache layer `kv`,
+        then the attention its case calls for (the step's 4-D mask `bias`, `scores` a
+        `ScoresAttention` or None, `attention` the model's function, `prefix` or None) → `[batch,
+        1, heads, d]`."""
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
         if prefix is not None and self.exact:  # split cache, exact: each row's [prompt ; own] keys
             j = attn.layer_idx  # gathered per row for the exact attention (the KV stays stored once)
@@ -159,13 +192,14 @@ class DirectDecode:
             )
         elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
-        elif q.shape[1] == k.shape[1] and not self.exact:  # one query head per KV head: SDPA itself (what both functions call)
+        elif (
+            q.shape[1] == k.shape[1] and not self.exact
+        ):  # one query head per KV head: SDPA itself (what both functions call)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling)
             out = out.transpose(1, 2)
         else:
             out, _ = attention(attn, q, k, v, bias, dropout=0.0, scaling=attn.scaling)
-        hidden = hidden + attn.o_proj(out.reshape(b, 1, -1))  # out [batch, 1, heads, d]
-        return hidden + layer.mlp(post(hidden))
+        return out
 
 
 def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

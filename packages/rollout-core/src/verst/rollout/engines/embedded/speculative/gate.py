@@ -7,9 +7,14 @@ slower than plain decoding. The gate weighs, before each step, the expected toke
 expected cost:
 
 - each row's acceptance `a` is an EMA of the fraction of its proposed tokens accepted (its own
-  verification steps only; a new row starts at the engine's running acceptance, `overall`, an
-  EMA over every row's verification, or at `prior` if it is seeded or nothing was verified yet). A row proposing `m` tokens is expected
-  to emit `(1 - a^(m+1)) / (1 - a)` tokens (1 when it proposes nothing);
+  verification steps only; a new row starts at `fresh`, an EMA over the rows' first
+  verifications, or at `prior` if it is seeded or nothing was verified yet). A row proposing
+  `m` tokens is expected to emit `(1 - a^(m+1)) / (1 - a)` tokens (1 when it proposes nothing).
+  Why first verifications, not every one: a copy's rows accept at their start and fail where
+  the copy ends (a tool_math answer: 4 of 4, then 0 of 4 at its EOS), and an EMA over all
+  verifications (0.47 there) priced a new row's first step at 1.9 tokens against a measured
+  1.5–1.7 plain steps: on a noisy box the gate sent a fifth of the steps, whole requests,
+  through plain decoding (`benchmarks/speculative.py --tasks tool_math`, 1 row);
 - the cost of a verify forward of `k + 1` tokens relative to a plain step is measured: EMAs of
   the wall time of plain steps and of verify steps per `k` (per row of the batch); until both are
   seen it is modelled as `1 + verify_cost * k`;
@@ -67,8 +72,8 @@ class CostGate:
     """EMA of a verify step's wall time per row, by `k`."""
     plain_run: int = 0
     """Plain steps since the last verification step."""
-    overall: float | None = None
-    """EMA of the acceptance over all rows' verifications: a new unseeded row's estimate."""
+    fresh: float | None = None
+    """EMA of the acceptance of rows' first verifications: a new unseeded row's estimate."""
 
     def ratio(self, k: int) -> float:
         """Cost of a verify forward of `k + 1` tokens over a plain step's."""
@@ -94,8 +99,9 @@ class CostGate:
         if accepted == proposed:  # it passed: probe at the shortest gap until speculation pays
             self.probe_gap = self.probe_min
             spec.probe_at = None
+        if spec.accept is None:  # the row's first verification
+            self.fresh = frac if self.fresh is None else self.fresh + 0.1 * (frac - self.fresh)
         spec.accept = frac if spec.accept is None else spec.accept + self.decay * (frac - spec.accept)
-        self.overall = frac if self.overall is None else self.overall + 0.05 * (frac - self.overall)
 
     def choose(self, rows: list[Any], caps: list[int]) -> list[int]:
         """Each row's proposal cap for this step (all 0: run plain)."""
@@ -103,7 +109,7 @@ class CostGate:
         if top == 0:
             return caps
         seeded = [r.sampling.seed is not None for r in rows]
-        fresh = [self.prior if s or self.overall is None else self.overall for s in seeded]
+        fresh = [self.prior if s or self.fresh is None else self.fresh for s in seeded]
         acc = [f if r.spec.accept is None else r.spec.accept for r, f in zip(rows, fresh, strict=True)]
         own = [0] * len(rows)  # seeded rows: their own choice, from their own history only
         for i, (a, c, s) in enumerate(zip(acc, caps, seeded, strict=True)):

@@ -5,8 +5,24 @@ its last `n` tokens, longest `n` first (`max_ngram` down to `min_ngram`); the to
 followed it are the proposal. Strong where the output copies its context: tool outputs quoted
 back, code edits, reversing or repeating a sequence. The proposal is a point mass (`q = δ`).
 Where the matched continuation reaches the end of the context (a loop shorter than `k`), the
-proposal repeats it (`_continuation`). Each row keeps an index of where every token occurs (`NgramIndex`, extended as it grows), so a
-lookup reads the positions of its last token only, not the whole context.
+proposal repeats it (`_continuation`). Each row keeps an index of where every token occurs
+(`NgramIndex`, extended as it grows), so a lookup reads the positions of its last token only,
+not the whole context.
+
+Ties: among matches of the same length, one whose `k` continuation tokens end before the
+matched suffix begins beats one whose continuation runs into that suffix (reads the very tokens
+being matched: a claim that the context is periodic with a period under `n + k`, on the same
+`n` tokens of evidence as a plain copy); a loop still gets its periodic proposal when nothing
+else matches as long. Below `max_ngram`, where several matches remain equally good, the
+proposal is what their continuations agree on (their longest common prefix, maybe nothing: then
+the row decodes plainly this step and the next, one token longer, suffix usually tells them
+apart); a clear match of `max_ngram` tokens is taken as it is (the latest). Where it mattered:
+tool_math's answer copies the observation, e.g. `85428`; after its first `8` the latest 1-gram
+match, the observation's last `8`, was followed by `</tool_response> 8` (the suffix itself) and
+proposed the closing tag, rejected; with an answer like `979493` the first `9` also matches
+the observation's other `9`s (and any in the prompt), whose continuations disagree: a verify
+step lost per answer, and the gate, seeing the row fail, ran its rest plain
+(`benchmarks/speculative.py --tasks tool_math`).
 """
 
 from __future__ import annotations
@@ -37,22 +53,37 @@ class NgramIndex:
             self.tokens.append(tok)
 
     def lookup(self, min_n: int, max_n: int, k: int, max_candidates: int = 64) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier match of the longest suffix n-gram."""
+        """Up to `k` tokens that followed the best earlier match of the suffix (see the module
+        doc: the longest; then clear of the suffix; below `max_n`, what all such agree on)."""
         ctx, end = self.tokens, len(self.tokens)
         if k <= 0 or end < min_n + 1:
             return []
-        best: list[int] = []
-        best_n = min_n - 1
+        best_key = (min_n - 1, False)
+        tied: list[int] = []  # the candidates of the best key, latest first
         places = self.at.get(ctx[-1], [])
         for j in reversed(places[-max_candidates - 1 : -1]):  # j: an earlier occurrence of the last token
             n = 1
             while n < max_n and j - n >= 0 and ctx[j - n] == ctx[end - 1 - n]:
                 n += 1
-            if n > best_n:
-                best, best_n = _continuation(ctx, j, k), n
-                if n >= max_n:
+            key = (n, j + 1 + k <= end - n)  # longer first; then a continuation clear of the suffix
+            if key > best_key:
+                best_key, tied = key, [j]
+                if key == (max_n, True):
                     break
-        return best if best_n >= min_n else []
+            elif key == best_key:
+                tied.append(j)
+        if best_key[0] < min_n:
+            return []
+        best = _continuation(ctx, tied[0], k)
+        for j in tied[1:]:  # equally good evidence: propose only what it agrees on
+            other = _continuation(ctx, j, len(best))
+            m = 0
+            while m < len(best) and best[m] == other[m]:
+                m += 1
+            del best[m:]
+            if not best:
+                break
+        return best
 
 
 def _continuation(ctx: list[int], j: int, k: int) -> list[int]:

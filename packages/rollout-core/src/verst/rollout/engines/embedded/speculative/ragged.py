@@ -6,14 +6,17 @@ gated off, paused by its back-off, nothing found) needs `m + 1` of them; at many
 where a forward's cost is its tokens, that padding was a quarter to a half of a verify step's
 tokens (64 rows of the tiny model, `docs/engines.md`). Here the real tokens are packed into one
 `[tokens, 1, hidden]` column and every per-token module (embedding, norms, `q/k/v_proj`, RoPE,
-`o_proj`, the MLP, the final norm and `lm_head`) runs on them only, the same modules in the same
-order as `direct.DirectDecode` (its norms, its RoPE table, the same arithmetic). Only the
-attention sees the slot layout: the packed queries, keys and values are scattered into
-`[slots, heads, k + 1, d]` (padding positions zero), the keys and values appended to the cache as
-the padded forward appends them (so the rollback, `step._advance`, masks the same columns: a
-row's positions past its accepted ones, padding included), and the model's attention function
-runs with the padding mask plus the causal mask inside the new block — what `model(...)`'s
-`create_causal_mask` makes of them.
+`o_proj`, the MLP, the final norm and `lm_head`) runs on them only: each layer is
+`DirectDecode.layer` itself (its norms, its RoPE table, the same arithmetic), given this module's
+attention. Only the attention sees the slot layout: the packed queries, keys and values are
+scattered into `[slots, heads, k + 1, d]` (padding positions zero; where nothing is padded, e.g.
+one row, the tokens run as `[slots, k + 1, hidden]` throughout and nothing is scattered), the
+keys and values appended to the cache as the padded forward appends them (so the rollback,
+`step._advance`, masks the same columns: a row's positions past its accepted ones, padding
+included), and the attention runs with the padding mask plus the causal mask inside the new
+block — what `model(...)`'s `create_causal_mask` makes of them — as the decode step's:
+`attention.ScoresAttention` on CPU up to its `MAX_COLS` columns (the eager arithmetic, the
+`k + 1` queries folded per KV head), else the model's attention function.
 
 Used where the plain step is direct (`batch.direct`) and nothing needs the slot layout of every
 module's input: not with LoRA adapters (their per-row selection is by slot) or MoE routing
@@ -22,11 +25,12 @@ capture (recorded per slot and position); those keep the padded `model(...)` for
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
-from verst.rollout.engines.embedded.direct import DirectDecode, _rope
+from verst.rollout.engines.embedded.direct import DirectDecode
 
 
 def usable(batch: Any) -> bool:
@@ -52,30 +56,72 @@ def verify_logits(
     """ids [slots, W] (each row's last token then its proposals, padded), widths [slots] long
     (each row's real tokens, 1 … W), mask [slots, cols] (1 = attend; the W new columns included),
     pos [slots, W] → logits [slots, W, vocab] (zero at padding positions)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     slots, w = ids.shape
-    real = (torch.arange(w, device=ids.device)[None] < widths[:, None]).view(-1)  # [slots · W]
-    at = real.nonzero()[:, 0]  # packed token → its (slot, position) in the padded layout
-    hidden = direct.body.embed_tokens(ids.view(-1)[at])[:, None]  # [T, 1, hidden]
     cols = mask.shape[1]
+    if slots == 1 or bool((widths == w).all()):  # no padding (e.g. one row): the slot layout itself
+        hidden = direct.body.embed_tokens(ids)  # [slots, W, hidden]
+        cos, sin = direct.rope(hidden, pos.reshape(-1, 1), cols)  # [slots · W, 1, 1, head_dim]
+        rope = (cos.view(slots, 1, w, -1), sin.view(slots, 1, w, -1))
+        at, attend_fn = None, _attend
+    else:  # packed: one real token per entry, scattered into the slot layout for the attention
+        real = (torch.arange(w, device=ids.device)[None] < widths[:, None]).view(-1)  # [slots · W]
+        at = real.nonzero()[:, 0]  # packed token → its (slot, position) in the padded layout
+        hidden = direct.body.embed_tokens(ids.view(-1)[at])[:, None]  # [T, 1, hidden]
+        rope = direct.rope(hidden, pos.reshape(-1)[at][:, None], cols)  # [T, 1, 1, head_dim] each
+        attend_fn = partial(_attend_packed, (slots, w, at))
     bias = torch.zeros((slots, 1, w, cols), dtype=hidden.dtype, device=hidden.device)
     bias.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
     ahead = torch.ones((w, w), dtype=torch.bool, device=hidden.device).triu(1)  # a later new token
     bias[:, :, :, cols - w :].masked_fill_(ahead, float("-inf"))
-    rope = direct.rope(hidden, pos.reshape(-1)[at][:, None], cols)  # [T, 1, 1, head_dim] each
-    attention = ALL_ATTENTION_FUNCTIONS[direct.config._attn_implementation]
-    shape = (slots, w, None if at.numel() == slots * w else at)  # None: no padding (e.g. one row)
+    attend = partial(attend_fn, bias, direct.scores_for(hidden, cols), direct.attention())
     for i, layer in enumerate(direct.layers):
-        hidden = _layer(
-            direct, i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, bias, attention, shape
-        )
-    packed = _head(direct.lm_head, direct.final_norm(hidden)[:, 0])  # [T, vocab]
-    if shape[2] is None:  # no padding: the packed logits are the layout
-        return packed.reshape(slots, w, -1)
+        hidden = direct.layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, attend)
+    packed = _head(direct.lm_head, direct.final_norm(hidden).reshape(-1, hidden.shape[-1]))  # [T, vocab]
+    if at is None:  # no padding: the packed logits are the layout
+        return packed.view(slots, w, -1)
     logits = packed.new_zeros((slots * w, packed.shape[-1]))
     logits[at] = packed
     return logits.view(slots, w, -1)
+
+
+def _attend(
+    bias: torch.Tensor,
+    scores: Any,
+    attention: Any,
+    attn: Any,
+    kv: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """`DirectDecode.layer`'s attention for `W` new tokens per slot (q, k, v `[slots, heads, W,
+    d]`): k and v appended to the cache layer `kv` as the padded forward appends them, then
+    `scores` (a `ScoresAttention`: CPU, a short cache) or the model's `attention` with `bias`
+    (padding plus the causal mask inside the new block) → `[slots, W, heads, d]`."""
+    keys, values = kv.update(k, v)  # [slots, kv_heads, cols, d]
+    if scores is not None:
+        return scores(q, keys, values, bias, attn.scaling)
+    out, _ = attention(attn, q, keys, values, bias, dropout=0.0, scaling=attn.scaling)
+    return out
+
+
+def _attend_packed(
+    shape: tuple[int, int, torch.Tensor],
+    bias: torch.Tensor,
+    scores: Any,
+    attention: Any,
+    attn: Any,
+    kv: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """`_attend` for packed tokens (q, k, v `[T, heads, 1, d]`): scattered into the slot layout
+    (zero at padding), attended, gathered back → packed `[T, heads · d]`."""
+    out = _attend(
+        bias, scores, attention, attn, kv, _scatter(q, shape), _scatter(k, shape), _scatter(v, shape)
+    )
+    return out.reshape(shape[0] * shape[1], -1)[shape[2]]  # [slots · W, heads · d] → the real tokens
 
 
 SKINNY = 8
@@ -100,42 +146,9 @@ def _head(head: Any, x: torch.Tensor) -> torch.Tensor:
     return head(x)
 
 
-def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor | None]) -> torch.Tensor:
+def _scatter(x: torch.Tensor, shape: tuple[int, int, torch.Tensor]) -> torch.Tensor:
     """Packed [T, heads, 1, d] → the slot layout [slots, heads, W, d] (zero at padding)."""
     slots, w, at = shape
-    if at is None:  # no padding: the packed order is the layout's
-        return x[:, :, 0].view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
     out = x.new_zeros((slots * w, x.shape[1], x.shape[-1]))
     out[at] = x[:, :, 0]
     return out.view(slots, w, x.shape[1], x.shape[-1]).transpose(1, 2)
-
-
-def _layer(
-    direct: DirectDecode,
-    i: int,
-    layer: Any,
-    hidden: torch.Tensor,
-    kv: Any,
-    rope: tuple[torch.Tensor, ...],
-    bias: torch.Tensor,
-    attention: Any,
-    shape: tuple[int, int, torch.Tensor | None],
-) -> torch.Tensor:
-    """One decoder layer on the packed tokens (`DirectDecode._layer`'s arithmetic per token)."""
-    attn, (pre, post) = layer.self_attn, direct.norms[i]
-    n, d = hidden.shape[0], attn.head_dim
-    x = pre(hidden)
-    q = attn.q_proj(x).view(n, 1, -1, d)  # [T, 1, heads, d]
-    k = attn.k_proj(x).view(n, 1, -1, d)
-    if direct.qk_norms[i] is not None:
-        q, k = direct.qk_norms[i][0](q), direct.qk_norms[i][1](k)
-    v = attn.v_proj(x).view(n, 1, -1, d).transpose(1, 2)  # [T, kv_heads, 1, d]
-    q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
-    keys, values = kv.update(_scatter(k, shape), _scatter(v, shape))  # [slots, kv_heads, cols, d]
-    out, _ = attention(attn, _scatter(q, shape), keys, values, bias, dropout=0.0, scaling=attn.scaling)
-    slots, w, at = shape
-    out = out.reshape(slots * w, -1)  # [slots, W, heads, d] → [T, heads · d]
-    if at is not None:
-        out = out[at]
-    hidden = hidden + attn.o_proj(out[:, None])
-    return hidden + layer.mlp(post(hidden))

@@ -140,12 +140,11 @@ class SpeculativeDecoder:
         self._t0 = None
         at = batch.slots if batch.slots is not None else list(range(len(rows)))
         n = batch.mask.shape[0]
-        props = torch.zeros((n, k), dtype=torch.long, device=batch.device)
-        counts = torch.zeros(n, dtype=torch.long, device=batch.device)
+        rows_props, cnt = [[0] * k for _ in range(n)], [0] * n  # slot order, padded with 0
         for p, j in zip(proposals, at, strict=True):
-            if p:
-                props[j, : len(p)] = torch.tensor(p, device=batch.device)
-                counts[j] = len(p)
+            rows_props[j][: len(p)], cnt[j] = p, len(p)
+        props = torch.tensor(rows_props, dtype=torch.long, device=batch.device)  # [slots, k]
+        counts = torch.tensor(cnt, dtype=torch.long, device=batch.device)
         q_slots = None
         if q is not None:  # [rows, k', vocab] → [slots, k, vocab]
             q_slots = q.new_zeros((n, k, q.shape[-1]))

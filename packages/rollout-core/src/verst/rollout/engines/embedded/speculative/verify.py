@@ -10,7 +10,8 @@ emitted tokens distributed as the target's (Leviathan et al. 2023, Chen et al. 2
 without a distribution (n-gram lookup) proposes a point mass: `q_t = δ(d_t)`, so `d_t` is accepted
 with probability `p_t(d_t)` and a rejection draws from `p_t` with `d_t` removed and renormalised.
 Greedy rows (T = 0) accept a proposal iff it is the argmax, and emit the argmax: token for token
-what plain greedy decoding emits.
+what plain greedy decoding emits (a batch of greedy rows only takes one argmax over the verified
+positions and skips the filtered probabilities and draws).
 
 Draws: a seeded row's accept uniform at a position is a hash of (seed, position) on its own
 stream (`ACCEPT_SALT`), its residual draw and its bonus draw use the plain sampler's stream at
@@ -82,8 +83,12 @@ class Verdict:
 
 
 def _accepts(
-    scores: torch.Tensor, p: torch.Tensor, proposals: torch.Tensor, q: torch.Tensor | None,
-    s: BatchSampling, positions: torch.Tensor,
+    scores: torch.Tensor,
+    p: torch.Tensor,
+    proposals: torch.Tensor,
+    q: torch.Tensor | None,
+    s: BatchSampling,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
     """Whether each proposal passes its own test ([rows, k] bool; earlier ones not considered)."""
     k = proposals.shape[1]
@@ -111,8 +116,13 @@ def verify(
     positions: [rows] long, the sequence position of each row's first drawn token."""
     n, k1, _ = logits.shape
     k = k1 - 1
-    scores = logits.float() * s.inv_temp[:, :, None]  # [rows, k + 1, vocab]
+    # [rows, k + 1, vocab]; unit temperatures skip the scaling pass (as `sampling.sample`)
+    scores = logits.float() if s.unit_temp else logits.float() * s.inv_temp[:, :, None]
     lse = torch.logsumexp(scores, -1, keepdim=True)
+    if s.all_greedy:  # every row: accept while the proposal is the argmax, then emit the argmax
+        top = scores.argmax(-1)  # [rows, k + 1]: what plain greedy decoding emits at each position
+        ok = (proposals == top[:, :k]) & (torch.arange(k, device=logits.device)[None] < counts[:, None])
+        return Verdict(ok.long().cumprod(1).sum(1), top, scores, lse)
     idx = torch.arange(n, device=logits.device)
     if k:
         p = filtered_probs(scores[:, :k], s)
@@ -131,16 +141,19 @@ def verify(
 
 
 def _residual(
-    scores: torch.Tensor, p: torch.Tensor, proposals: torch.Tensor, q: torch.Tensor | None,
-    s: BatchSampling, positions: torch.Tensor, accepted: torch.Tensor, rows: torch.Tensor,
+    scores: torch.Tensor,
+    p: torch.Tensor,
+    proposals: torch.Tensor,
+    q: torch.Tensor | None,
+    s: BatchSampling,
+    positions: torch.Tensor,
+    accepted: torch.Tensor,
+    rows: torch.Tensor,
 ) -> torch.Tensor:
     """The token drawn from `max(0, p − q)` (normalised) at each rejected row's first rejection."""
     t = accepted[rows]
     pr = p[rows, t]  # [r, vocab]
-    if q is None:
-        qr = torch.zeros_like(pr).scatter_(-1, proposals[rows, t][:, None], 1.0)
-    else:
-        qr = q[rows, t]
+    qr = q[rows, t] if q is not None else torch.zeros_like(pr).scatter_(-1, proposals[rows, t][:, None], 1.0)
     res = (pr - qr).clamp_(min=0)
     empty = res.sum(-1) <= 0  # p == q: a rejection had probability 0; draw from p
     res[empty] = pr[empty]
