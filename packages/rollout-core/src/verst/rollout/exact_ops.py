@@ -45,6 +45,7 @@ Imports torch only (both the engine and the trainer import it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +81,10 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     n = flat.shape[0]
-    out = F.linear(_pad_rows(flat, 0), weight)[:n]
+    padded = _pad_rows(flat, 0)
+    out = F.linear(padded, weight)
+    if padded.shape[0] != n:  # no slice (nor its backward's zero-filled gradient) when none was added
+        out = out[:n]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
@@ -276,14 +280,34 @@ def _chained_attention(
     return out.index_put((flat_index[own],), res.reshape(n * width, heads, d)[own]).view(b, t, heads, d)
 
 
-def _ones(value: torch.Tensor, rows: int) -> torch.Tensor:
-    """`[values | 1]` padded with zero rows to `rows` keys: `[b, kv, rows, d + w]`, d + w a
-    multiple of `COL_BLOCK` (its last w columns give the softmax's denominator)."""
-    b, kv, length, d = value.shape
+def _keys_t(keys: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """The keys (parts `[b, kv, L_i, d]`, one after another) transposed and zero-padded to `rows`
+    positions, `[b, kv, d, rows]` contiguous: what the score GEMM takes (written once)."""
+    b, kv, _, d = keys[0].shape
+    out = keys[0].new_empty((b, kv, d, rows))
+    at = 0
+    for part in keys:
+        out[..., at : at + part.shape[2]] = part.transpose(-1, -2)
+        at += part.shape[2]
+    if at < rows:
+        out[..., at:] = 0.0
+    return out
+
+
+def _ones(values: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """`[values | 1]` (parts `[b, kv, L_i, d]`, one after another) padded with zero rows to `rows`
+    keys: `[b, kv, rows, d + w]`, d + w a multiple of `COL_BLOCK` (its last w columns give the
+    softmax's denominator)."""
+    b, kv, _, d = values[0].shape
     w = COL_BLOCK - d % COL_BLOCK
-    out = value.new_zeros((b, kv, rows, d + w))
-    out[:, :, :length, :d] = value
-    out[:, :, :length, d:] = 1.0
+    out = values[0].new_empty((b, kv, rows, d + w))
+    at = 0
+    for part in values:
+        out[:, :, at : at + part.shape[2], :d] = part
+        at += part.shape[2]
+    out[:, :, :at, d:] = 1.0
+    if at < rows:
+        out[:, :, at:] = 0.0
     return out
 
 
@@ -306,15 +330,16 @@ def _masked(mask: torch.Tensor | None, t: int, length: int) -> torch.Tensor:
     return ~mask if mask.dtype == torch.bool else mask != 0
 
 
-def _expand_heads(masked: torch.Tensor, rep: int, rows: int, cols: int) -> torch.Tensor:
+def _expand_heads(masked: torch.Tensor, rep: int, rows: int, width: int) -> torch.Tensor:
     """`masked` `[b, 1, t, L]` (True = masked) in the coordinates of the score GEMM, `[b, 1, rows,
-    L + cols]`: query row `r*t + i` (head group r, position i) takes position i's mask, padding
-    rows (past `rep*t`) and the `cols` padding columns are masked. One query (`t = 1`) keeps a
+    width]`: query row `r*t + i` (head group r, position i) takes position i's mask, padding
+    rows (past `rep*t`) and the padding columns (past L) are masked. One query (`t = 1`) keeps a
     single row, broadcast over the heads and the padding rows (their results are sliced off)."""
     b, _, t, length = masked.shape
     if t > 1 and rep > 1:
         masked = masked[:, :, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
     extra_rows = rows - masked.shape[2] if masked.shape[2] > 1 else 0
+    cols = width - length
     if cols or extra_rows:
         masked = F.pad(masked, (0, cols, 0, extra_rows), value=True)
     return masked
@@ -322,36 +347,68 @@ def _expand_heads(masked: torch.Tensor, rep: int, rows: int, cols: int) -> torch
 
 def _attend(
     query: torch.Tensor,  # [b, heads, t, d]
-    key: torch.Tensor,  # [b, kv, L, d], keys where the GEMMs take them
-    value: torch.Tensor,
-    masked: torch.Tensor,  # [b or 1, 1, t, L]: True = the query does not see the key
+    keys: Sequence[torch.Tensor],  # parts [b, kv, L_i, d], one after another: the keys as the GEMMs take them
+    values: Sequence[torch.Tensor],
+    masked: torch.Tensor,  # [b or 1, 1, t, L or the padded width]: True = the query does not see the key
     scale: float,
     block: int | None,
 ) -> torch.Tensor:
-    """The attention both paths share: query head `kv*rep + r`, position i is row `r*t + i` of its
-    KV head's score GEMM (rows padded to `ROW_BLOCK`), masked, `_stable_exp`, then
+    """The attention every path shares: query head `kv*rep + r`, position i is row `r*t + i` of
+    its KV head's score GEMM (rows padded to `ROW_BLOCK`), masked, `_stable_exp`, then
     `probs @ [values | 1]` summed over blocks of `block` key positions in order (key columns
     padded to a multiple of it), or with `block` None as one GEMM over all the columns (padded
     to a multiple of `COL_BLOCK`) → `[b, t, heads, d]`."""
     b, heads, t, d = query.shape
-    kv, length = key.shape[1], key.shape[2]
+    kv, length = keys[0].shape[1], sum(k.shape[2] for k in keys)
     rep = heads // kv
-    cols = (-length) % (block or COL_BLOCK)
-    block = block or length + cols
+    width = length + (-length) % (block or COL_BLOCK)
     q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)
-    kt = (F.pad(key, (0, 0, 0, cols)) if cols else key).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
-    scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
-    probs = _stable_exp(scores.masked_fill(_expand_heads(masked, rep, q.shape[2], cols), float("-inf")))
-    vv = _ones(value, length + cols)  # [b, kv, Lp, d + w]
-    acc = None
-    for j in range(0, length + cols, block):  # blocks of key positions, in order
-        part = torch.matmul(probs[..., j : j + block], vv[:, :, j : j + block])
-        acc = part if acc is None else acc + part
-    assert acc is not None
-    acc = acc[:, :, : rep * t]
+    scores = torch.matmul(q, _keys_t(keys, width)) * scale  # [b, kv, Mp, width]
+    probs = _stable_exp(scores.masked_fill(_expand_heads(masked, rep, q.shape[2], width), float("-inf")))
+    vv = _ones(values, width)  # [b, kv, width, d + w]
+    if block is None or block == width:  # one block: no slices (nor their backward's zero fills)
+        acc = torch.matmul(probs, vv)
+    else:
+        acc = torch.matmul(probs[..., :block], vv[:, :, :block])
+        for j in range(block, width, block):  # blocks of key positions, in order
+            acc = acc + torch.matmul(probs[..., j : j + block], vv[:, :, j : j + block])
+    if acc.shape[2] != rep * t:
+        acc = acc[:, :, : rep * t]
     den = acc[..., d : d + 1]
     out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))  # 0 where a query saw no key
     return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+
+
+class DecodeStep:
+    """One decode step's exact attention for every layer (`embedded.direct` under
+    `train.exact_on_policy`): the step's mask is turned into the score GEMM's masked columns
+    once, not per layer, and a layer's keys may come in parts (a split cache's prompt, then the
+    row's own tokens), written straight into the GEMM's padded operands instead of joined first.
+    The bits of `exact_attention` on the joined keys (the same `_attend`)."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        """bias: the step's additive mask `[b, 1, 1, L]` (0 = attend), L the keys of every layer."""
+        self.bias = bias
+        self.length = bias.shape[-1]
+        self.masked = (
+            _expand_heads(bias != 0, 1, 1, self.length + (-self.length) % COL_BLOCK)
+            if self.length <= KEY_BLOCK
+            else None
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [b, heads, 1, d]
+        keys: Sequence[torch.Tensor],  # parts [b, kv, L_i, d], L in all
+        values: Sequence[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """→ `[b, 1, heads, d]`."""
+        if self.masked is not None:  # one block: `_one_block_attention`
+            return _attend(query, keys, values, self.masked, scale, None)
+        key = keys[0] if len(keys) == 1 else torch.cat(list(keys), dim=2)
+        value = values[0] if len(values) == 1 else torch.cat(list(values), dim=2)
+        return exact_attention(None, query, key, value, self.bias, scaling=scale)[0]
 
 
 def _one_block_attention(
@@ -366,7 +423,7 @@ def _one_block_attention(
     (masked ones add exact zeros), the bits `_aligned_attention` gives the same query after
     moving its keys. Nothing is gathered; the mask is applied as given."""
     t, length = query.shape[2], key.shape[2]
-    return _attend(query, key, value, _masked(mask, t, length), scale, None)
+    return _attend(query, [key], [value], _masked(mask, t, length), scale, None)
 
 
 def _aligned_attention(
@@ -381,7 +438,7 @@ def _aligned_attention(
     the keys already sit in position order)."""
     if index is not None:
         key, value = _gather_keys(key, index), _gather_keys(value, index)
-    return _attend(query, key, value, ~ok[:, None], scale, KEY_BLOCK)
+    return _attend(query, [key], [value], ~ok[:, None], scale, KEY_BLOCK)
 
 
 def exact_router(

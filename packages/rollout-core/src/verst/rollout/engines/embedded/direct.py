@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from verst.rollout.engines.embedded.attention import ATTENTION_NAME, ScoresAttention, TwoPartAttention
+from verst.rollout.exact_ops import DecodeStep
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 """transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
@@ -128,7 +129,10 @@ class DirectDecode:
         rope = self.rope(hidden, pos, cols)  # (cos, signed sin), [batch, 1, 1, head_dim] each
         cpu = hidden.device.type == "cpu"
         scores = self.scores if cpu and cols <= ScoresAttention.MAX_COLS and not self.exact else None
-        ctx = (rope, bias, scores, ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation], prefix)
+        attention = (
+            DecodeStep(bias) if self.exact else ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        )
+        ctx = (rope, bias, scores, attention, prefix)
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], ctx)
         return self.lm_head(self.final_norm(hidden))[:, -1]
@@ -136,7 +140,7 @@ class DirectDecode:
     def _layer(self, i: int, layer: Any, hidden: torch.Tensor, kv: Any, ctx: tuple[Any, ...]) -> torch.Tensor:
         """One decoder layer on hidden [batch, 1, hidden_size] (the families' forward, inlined);
         `kv` its cache layer, `ctx` the step's (RoPE, 4-D mask, scores attention or None, attention
-        function, prefix or None)."""
+        function or, exact, the step's `exact_ops.DecodeStep`, prefix or None)."""
         (rope, bias, scores, attention, prefix), attn, (pre, post) = ctx, layer.self_attn, self.norms[i]
         b, d = hidden.shape[0], attn.head_dim
         x = pre(hidden)
@@ -147,11 +151,12 @@ class DirectDecode:
         v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)  # [batch, kv_heads, 1, d]
         q, k = _rope(q.transpose(1, 2), rope), _rope(k.transpose(1, 2), rope)
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        if prefix is not None and self.exact:  # split cache, exact: each row's [prompt ; own] keys
-            j = attn.layer_idx  # gathered per row for the exact attention (the KV stays stored once)
-            pk, pv = prefix.keys[j][prefix.group], prefix.values[j][prefix.group]
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-            out, _ = attention(attn, q, k, v, bias, dropout=0.0, scaling=attn.scaling)
+        if self.exact:  # the step's mask made once; split cache: each row's [prompt ; own] keys,
+            keys, values = [k], [v]  # its prompt's gathered per row (the KV stays stored once)
+            if prefix is not None:
+                j = attn.layer_idx
+                keys, values = [prefix.keys[j][prefix.group], k], [prefix.values[j][prefix.group], v]
+            out = attention(q, keys, values, attn.scaling)
         elif prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
             j = attn.layer_idx
             out = self.two_part(
@@ -159,7 +164,7 @@ class DirectDecode:
             )
         elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
-        elif q.shape[1] == k.shape[1] and not self.exact:  # one query head per KV head: SDPA itself (what both functions call)
+        elif q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling)
             out = out.transpose(1, 2)
         else:
