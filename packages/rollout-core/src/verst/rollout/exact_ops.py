@@ -75,16 +75,40 @@ def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def _padded_linear(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear` of `flat` `[n, in]` with its rows padded to a multiple of `ROW_BLOCK` → `[n, out]`."""
+    n = flat.shape[0]
+    padded = _pad_rows(flat, 0)
+    out = F.linear(padded, weight)
+    return out if padded.shape[0] == n else out[:n]
+
+
+class _ExactLinear(torch.autograd.Function):
+    """`_padded_linear` with a backward over the real rows only: `grad @ W` and `gradᵀ @ x` (the
+    gradients need no particular bits), instead of autograd's zero-filled gradient of the padded
+    output, its GEMMs over the padding and the slice back (for the LM head a `[tokens, vocab]`
+    fill and copy per backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flat, weight)
+        return _padded_linear(flat, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        flat, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.T @ flat if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the rows padded to a multiple of `ROW_BLOCK`: a row's
     output does not depend on how many other rows the call carries. x: [..., in] → [..., out]."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    n = flat.shape[0]
-    padded = _pad_rows(flat, 0)
-    out = F.linear(padded, weight)
-    if padded.shape[0] != n:  # no slice (nor its backward's zero-filled gradient) when none was added
-        out = out[:n]
+    grads = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+    out = _ExactLinear.apply(flat, weight) if grads else _padded_linear(flat, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
