@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verst.rollout.exact_ops import KEY_BLOCK, exact_attention, exact_linear, exact_silu
+from verst.rollout.exact_ops import KEY_BLOCK, DecodeStep, exact_attention, exact_linear, exact_silu
 
 
 @settings(max_examples=40, deadline=None)
@@ -162,6 +162,35 @@ def test_one_block_call_with_holes_gives_the_blocked_bits(length, cols, kv, rep,
     mask[r, ..., keep] = True
     dec, _ = exact_attention(None, qq, kk, vv, mask, scaling=s)
     assert torch.equal(dec[r, 0], full[0, p])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt=st.integers(1, 80),
+    own=st.integers(0, 60),
+    kv=st.sampled_from([1, 2]),
+    rep=st.sampled_from([1, 3]),
+    d=st.sampled_from([16, 24]),
+    batch=st.sampled_from([1, 5, 8]),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_decode_step_on_key_parts_gives_the_joined_keys_bits(prompt, own, kv, rep, d, batch, seed, threads):
+    """`DecodeStep` (the engine's exact decode: the mask made once per step, a split cache's
+    prompt and own keys written straight into the GEMM operands) gives `exact_attention`'s bits
+    on the joined keys, one block or many, with masked holes (left padding) in the prompt."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    h = kv * rep
+    q = torch.randn(batch, h, 1, d, generator=g)
+    pk, pv = torch.randn(batch, kv, prompt, d, generator=g), torch.randn(batch, kv, prompt, d, generator=g)
+    k, v = torch.randn(batch, kv, own, d, generator=g), torch.randn(batch, kv, own, d, generator=g)
+    allowed = torch.rand(batch, 1, 1, prompt + own, generator=g) < 0.8
+    allowed[..., -1] = True
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    parts = DecodeStep(bias)(q, [pk, k], [pv, v], d**-0.5)
+    joined, _ = exact_attention(None, q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), bias, scaling=d**-0.5)
+    assert torch.equal(parts, joined)
 
 
 def test_attention_refuses_long_rows_that_are_not_causal_sequences():

@@ -172,6 +172,25 @@ def test_exact_on_policy_auto_keeps_rows_of_several_sequences_within_one_key_blo
     assert chooser.pick(wide, [30] * 8) == dataclasses.replace(chooser, max_width=None).pick(wide, [30] * 8)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    responses=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    per_row=st.sampled_from([None, 2, 4]),
+    flat=st.booleans(),
+)
+def test_each_layouts_width_is_the_width_it_builds(prompts, responses, per_row, flat):
+    """`Layout.width` (what the exact chooser's `max_width` compares) is the row width `build` makes."""
+    tokens, resp = [], []
+    for g, p in enumerate(prompts):
+        for j, r in enumerate(responses):
+            tokens.append([g + 1] * p + [10 + j] * r)
+            resp.append(r)
+    layouts = [*LAYOUTS.values(), SharedPromptLayout(per_row=per_row, flat=flat)]
+    for layout in layouts:
+        assert layout.width(tokens, resp) == layout.build(tokens, resp).input_ids.shape[1], layout
+
+
 def test_flat_shared_prompt_row_only_on_the_pieces_attention_and_when_it_saves_padding():
     """One unpadded row of every group (`SharedPromptLayout(flat=True)`): offered on the pieces
     attention only (probed), picked where the rows' padding costs more than the pieces' overhead,

@@ -45,6 +45,8 @@ Imports torch only (both the engine and the trainer import it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,21 +75,66 @@ def _pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def _padded_linear(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear` of `flat` `[n, in]` with its rows padded to a multiple of `ROW_BLOCK` → `[n, out]`."""
+    n = flat.shape[0]
+    padded = _pad_rows(flat, 0)
+    out = F.linear(padded, weight)
+    return out if padded.shape[0] == n else out[:n]
+
+
+class _ExactLinear(torch.autograd.Function):
+    """`_padded_linear` with a backward over the real rows only: `grad @ W` and `gradᵀ @ x` (the
+    gradients need no particular bits), instead of autograd's zero-filled gradient of the padded
+    output, its GEMMs over the padding and the slice back (for the LM head a `[tokens, vocab]`
+    fill and copy per backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flat, weight)
+        return _padded_linear(flat, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        flat, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.T @ flat if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the rows padded to a multiple of `ROW_BLOCK`: a row's
     output does not depend on how many other rows the call carries. x: [..., in] → [..., out]."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    n = flat.shape[0]
-    out = F.linear(_pad_rows(flat, 0), weight)[:n]
+    grads = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+    out = _ExactLinear.apply(flat, weight) if grads else _padded_linear(flat, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
 
 
+class _ExactSiLU(torch.autograd.Function):
+    """`x / (1 + exp(-x))` in one autograd node: the forward's temporaries are updated in place
+    and only `x` is kept; the backward is torch's `silu_backward` (gradients need not match any
+    other side's bits, only the forward's log-probs do)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        den = torch.neg(x).exp_().add_(1.0)
+        return torch.div(x, den, out=den)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
+
+
 def exact_silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU from position-independent elementwise ops (see the module doc)."""
-    return x / (1.0 + torch.exp(-x))
+    """SiLU from position-independent elementwise ops (see the module doc): `x / (1 + exp(-x))`,
+    the same bits as those three ops one after another."""
+    return _ExactSiLU.apply(x)
 
 
 def exact_logprobs(logits: torch.Tensor, inv_temp: float | torch.Tensor) -> torch.Tensor:
@@ -133,39 +180,54 @@ NOT_ONE_SEQUENCE = (
 )
 
 
-def _chains(allowed: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True, slots=True)
+class _Chains:
+    """A training call's causal sequences laid out one per gathered row (`_chains`)."""
+
+    index: torch.Tensor
+    """`[n, width]`: the flat place (`row * T + column`) of each chain's keys in column order;
+    `b * T` (a zero row appended to the flat call) past the chain's end."""
+    lengths: torch.Tensor
+    """`[n]`: keys per chain."""
+    own: torch.Tensor
+    """`[n, width]` bool: the query at that place is computed by this chain (each query by its
+    first chain)."""
+
+
+def _chains(allowed: torch.Tensor) -> _Chains:
     """A training row's causal sequences, when it holds several (packed rows, shared-prompt rows:
     `[prompt, resp_1, ..., resp_k]`). allowed: `[b, T, T]` (query i is key column i).
 
     A chain ends at a query no other query attends; its keys are that query's allowed columns,
     in column order, and every query at one of them must see exactly the keys before it in the
-    chain (otherwise: ValueError, never approximated). Returns `(row, columns [n], own [n])`
-    per chain of 2+ keys: `own` marks the queries this chain computes (each query once: its
-    first chain). Queries in no such chain attend only themselves (a shared row's padding)."""
-    out = []
-    for row in range(allowed.shape[0]):
+    chain (otherwise: ValueError, never approximated). Chains of 2+ keys are kept; each query is
+    computed by its first chain. Queries in no such chain attend only themselves (a shared
+    row's padding). Checked with a few whole-row ops per row (counts by one 0/1 GEMM: exact)."""
+    b, width, _ = allowed.shape
+    if not bool(allowed.diagonal(dim1=1, dim2=2).all()):
+        raise ValueError(NOT_ONE_SEQUENCE)
+    seen = allowed.sum(-1)  # [b, T]: keys per query
+    causal = torch.ones(width, width, dtype=torch.bool, device=allowed.device).tril()
+    found, rows, owns = [], [], []
+    for row in range(b):
         a = allowed[row]  # [T, T]
-        if not bool(a.diagonal().all()):
+        chains = a[(a.sum(0) == 1) & (seen[row] >= 2)]  # [m, T]: each end's keys
+        rank = chains.cumsum(-1)  # [m, T]: a key's place in its chain, from 1
+        before = ((a & causal).float() @ chains.T.float()).T  # [m, T]: query c's chain keys up to c
+        fits = ((before == rank) & (seen[row] == rank)) | ~chains
+        done = chains.any(0)
+        if not bool(fits.all()) or not bool((done | (seen[row] == 1)).all()):
             raise ValueError(NOT_ONE_SEQUENCE)
-        ends = (a.sum(0) == 1).nonzero()[:, 0]  # columns only their own query attends
-        done = torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
-        for e in ends.tolist():
-            cols = a[e].nonzero()[:, 0]  # ascending
-            if cols.numel() < 2:
-                continue
-            n = cols.numel()
-            if (
-                not torch.equal(a[cols][:, cols], torch.ones(n, n, dtype=torch.bool, device=a.device).tril())
-                or not (a[cols].sum(-1) == torch.arange(1, n + 1, device=a.device)).all()
-            ):
-                raise ValueError(NOT_ONE_SEQUENCE)
-            own = ~done[cols]
-            done[cols] = True
-            out.append((row, cols, own))
-        lone = ~done & (a.sum(-1) == 1)
-        if not bool((done | lone).all()):
-            raise ValueError(NOT_ONE_SEQUENCE)
-    return out
+        found.append(chains)
+        owns.append(chains & (chains.cumsum(0) == 1))
+        rows.append(torch.full((chains.shape[0],), row, device=allowed.device))
+    chains, own, row_of = torch.cat(found), torch.cat(owns), torch.cat(rows)
+    lengths = chains.sum(-1)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    order = torch.sort((~chains).to(torch.int8), dim=-1, stable=True).indices[:, :longest]  # keys first
+    inside = torch.arange(longest, device=allowed.device)[None, :] < lengths[:, None]
+    index = torch.where(inside, row_of[:, None] * width + order, b * width)
+    return _Chains(index, lengths, own.gather(-1, order) & inside)
 
 
 def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -212,53 +274,65 @@ def exact_attention(
 
 
 def _chained_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chains: list[Any], scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chains: _Chains, scale: float
 ) -> torch.Tensor:
     """Rows of several causal sequences (`_chains`): each chain is gathered into a right-padded
-    row of its own and they run as one padded batch of `_aligned_attention`, so a query's bits
-    are those of its sequence alone in a padded row (the trainer's default layout, the engine's
-    decode). Each query's output comes from one chain (a shared prompt's queries from the
-    first response's chain); queries that attend only themselves get their own value."""
-    heads, kv = query.shape[1], key.shape[1]
-    rep = heads // kv
-    out = value.repeat_interleave(rep, dim=1).transpose(1, 2)  # [b, t, heads, d]: a lone query's own value
-    if not chains:
-        return out.contiguous()
-    width = max(int(c.numel()) for _, c, _ in chains)
-    n = len(chains)
+    row of its own (one `index_select` of the flat call) and they run as one padded batch of
+    `_aligned_attention`, so a query's bits are those of its sequence alone in a padded row (the
+    trainer's default layout, the engine's decode). Each query's output comes from one chain (a
+    shared prompt's queries from the first response's chain), put back by one `index_put`;
+    queries that attend only themselves get their own value."""
+    b, heads, t, d = query.shape
+    rep = heads // key.shape[1]
+    # a lone query's own value
+    out = value.repeat_interleave(rep, dim=1).transpose(1, 2).reshape(b * t, heads, d)
+    n, width = chains.index.shape
+    if not n:
+        return out.view(b, t, heads, d)
+    flat_index = chains.index.reshape(-1)
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [b, h, t, d] -> [chains, h, width, d]
-        rows = [F.pad(x[r][:, c], (0, 0, 0, width - c.numel())) for r, c, _ in chains]
-        return torch.stack(rows)
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [b, h, t, d] -> [n, h, width, d], zeros past each end
+        h = x.shape[1]
+        flat = torch.cat([x.transpose(1, 2).reshape(b * t, h, d), x.new_zeros(1, h, d)])
+        return flat.index_select(0, flat_index).view(n, width, h, d).transpose(1, 2)
 
-    lengths = torch.tensor([int(c.numel()) for _, c, _ in chains], device=query.device)
     cols = torch.arange(width, device=query.device)
-    index = cols[None, :].expand(n, width)
-    ok = cols[None, None, :] <= torch.minimum(cols, lengths[:, None] - 1)[:, :, None]  # [n, width, width]
-    ok = ok & (cols[None, None, :] < lengths[:, None, None])
-    res = _aligned_attention(gather(query), gather(key), gather(value), index, ok, scale)  # [n, width, h, d]
-    out = out.clone()
-    for i, (r, c, own) in enumerate(chains):
-        out[r, c[own]] = res[i, : c.numel()][own]
-    return out.contiguous()
+    last = chains.lengths[:, None, None]
+    ok = (cols[None, None, :] <= cols[None, :, None]) & (cols[None, None, :] < last)  # [n, width, width]
+    res = _aligned_attention(gather(query), gather(key), gather(value), None, ok, scale)  # [n, width, h, d]
+    own = chains.own.reshape(-1)
+    return out.index_put((flat_index[own],), res.reshape(n * width, heads, d)[own]).view(b, t, heads, d)
 
 
-def _ones(value: torch.Tensor, rows: int) -> torch.Tensor:
-    """`[values | 1]` padded with zero rows to `rows` keys: `[b, kv, rows, d + w]`, d + w a
-    multiple of `COL_BLOCK` (its last w columns give the softmax's denominator)."""
-    b, kv, length, d = value.shape
-    w = COL_BLOCK - d % COL_BLOCK
-    out = value.new_zeros((b, kv, rows, d + w))
-    out[:, :, :length, :d] = value
-    out[:, :, :length, d:] = 1.0
+def _keys_t(keys: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """The keys (parts `[b, kv, L_i, d]`, one after another) transposed and zero-padded to `rows`
+    positions, `[b, kv, d, rows]` contiguous: what the score GEMM takes (written once)."""
+    b, kv, _, d = keys[0].shape
+    out = keys[0].new_empty((b, kv, d, rows))
+    at = 0
+    for part in keys:
+        out[..., at : at + part.shape[2]] = part.transpose(-1, -2)
+        at += part.shape[2]
+    if at < rows:
+        out[..., at:] = 0.0
     return out
 
 
-def _weighted(acc: torch.Tensor, d: int) -> torch.Tensor:
-    """`acc = probs @ [values | 1]` → the weighted values over the denominator (0 where a query
-    saw no key)."""
-    den = acc[..., d : d + 1]
-    return acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))
+def _ones(values: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """`[values | 1]` (parts `[b, kv, L_i, d]`, one after another) padded with zero rows to `rows`
+    keys: `[b, kv, rows, d + w]`, d + w a multiple of `COL_BLOCK` (its last w columns give the
+    softmax's denominator)."""
+    b, kv, _, d = values[0].shape
+    w = COL_BLOCK - d % COL_BLOCK
+    out = values[0].new_empty((b, kv, rows, d + w))
+    at = 0
+    for part in values:
+        out[:, :, at : at + part.shape[2], :d] = part
+        at += part.shape[2]
+    out[:, :, :at, d:] = 1.0
+    if at < rows:
+        out[:, :, at:] = 0.0
+    return out
 
 
 def _stable_exp(scores: torch.Tensor) -> torch.Tensor:
@@ -269,25 +343,96 @@ def _stable_exp(scores: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - top)
 
 
-def _masked(mask: torch.Tensor | None, t: int, length: int, rep: int, rows: int, cols: int) -> torch.Tensor:
-    """Where the `[b, 1, rows, cols]` scores of `_one_block_attention` are masked (True), from
-    transformers' mask (bool: True = attend; additive: 0 = attend; None: causal, the queries the
-    last `t` of the `length` keys). A query row of head group r, position i is row `r*t + i`;
-    padding rows (past `rep*t`) and columns (past `length`) are masked. One query (`t = 1`)
-    keeps a single row, broadcast over the heads."""
+def _masked(mask: torch.Tensor | None, t: int, length: int) -> torch.Tensor:
+    """Where the queries must not see a key (True), `[b or 1, 1, t, length]`, from transformers'
+    mask (bool: True = attend; additive: 0 = attend; None: causal, the queries the last `t` of
+    the `length` keys)."""
     if mask is None:
-        cols_ = torch.arange(length)
-        masked = (cols_[None, :] > torch.arange(length - t, length)[:, None])[None, None]
-    else:
-        mask = mask[:, :, -t:, -length:]
-        masked = ~mask if mask.dtype == torch.bool else mask != 0
+        cols = torch.arange(length)
+        return (cols[None, :] > torch.arange(length - t, length)[:, None])[None, None]
+    mask = mask[:, :, -t:, -length:]
+    return ~mask if mask.dtype == torch.bool else mask != 0
+
+
+def _expand_heads(masked: torch.Tensor, rep: int, rows: int, width: int) -> torch.Tensor:
+    """`masked` `[b, 1, t, L]` (True = masked) in the coordinates of the score GEMM, `[b, 1, rows,
+    width]`: query row `r*t + i` (head group r, position i) takes position i's mask, padding
+    rows (past `rep*t`) and the padding columns (past L) are masked. One query (`t = 1`) keeps a
+    single row, broadcast over the heads and the padding rows (their results are sliced off)."""
+    b, _, t, length = masked.shape
     if t > 1 and rep > 1:
-        b = masked.shape[0]
         masked = masked[:, :, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
     extra_rows = rows - masked.shape[2] if masked.shape[2] > 1 else 0
+    cols = width - length
     if cols or extra_rows:
         masked = F.pad(masked, (0, cols, 0, extra_rows), value=True)
     return masked
+
+
+def _attend(
+    query: torch.Tensor,  # [b, heads, t, d]
+    keys: Sequence[torch.Tensor],  # parts [b, kv, L_i, d], one after another: the keys as the GEMMs take them
+    values: Sequence[torch.Tensor],
+    masked: torch.Tensor,  # [b or 1, 1, t, L or the padded width]: True = the query does not see the key
+    scale: float,
+    block: int | None,
+) -> torch.Tensor:
+    """The attention every path shares: query head `kv*rep + r`, position i is row `r*t + i` of
+    its KV head's score GEMM (rows padded to `ROW_BLOCK`), masked, `_stable_exp`, then
+    `probs @ [values | 1]` summed over blocks of `block` key positions in order (key columns
+    padded to a multiple of it), or with `block` None as one GEMM over all the columns (padded
+    to a multiple of `COL_BLOCK`) → `[b, t, heads, d]`."""
+    b, heads, t, d = query.shape
+    kv, length = keys[0].shape[1], sum(k.shape[2] for k in keys)
+    rep = heads // kv
+    width = length + (-length) % (block or COL_BLOCK)
+    q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)
+    scores = torch.matmul(q, _keys_t(keys, width)) * scale  # [b, kv, Mp, width]
+    probs = _stable_exp(scores.masked_fill(_expand_heads(masked, rep, q.shape[2], width), float("-inf")))
+    vv = _ones(values, width)  # [b, kv, width, d + w]
+    if block is None or block == width:  # one block: no slices (nor their backward's zero fills)
+        acc = torch.matmul(probs, vv)
+    else:
+        acc = torch.matmul(probs[..., :block], vv[:, :, :block])
+        for j in range(block, width, block):  # blocks of key positions, in order
+            acc = acc + torch.matmul(probs[..., j : j + block], vv[:, :, j : j + block])
+    if acc.shape[2] != rep * t:
+        acc = acc[:, :, : rep * t]
+    den = acc[..., d : d + 1]
+    out = acc[..., :d] / torch.where(den > 0, den, torch.ones_like(den))  # 0 where a query saw no key
+    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+
+
+class DecodeStep:
+    """One decode step's exact attention for every layer (`embedded.direct` under
+    `train.exact_on_policy`): the step's mask is turned into the score GEMM's masked columns
+    once, not per layer, and a layer's keys may come in parts (a split cache's prompt, then the
+    row's own tokens), written straight into the GEMM's padded operands instead of joined first.
+    The bits of `exact_attention` on the joined keys (the same `_attend`)."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        """bias: the step's additive mask `[b, 1, 1, L]` (0 = attend), L the keys of every layer."""
+        self.bias = bias
+        self.length = bias.shape[-1]
+        self.masked = (
+            _expand_heads(bias != 0, 1, 1, self.length + (-self.length) % COL_BLOCK)
+            if self.length <= KEY_BLOCK
+            else None
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [b, heads, 1, d]
+        keys: Sequence[torch.Tensor],  # parts [b, kv, L_i, d], L in all
+        values: Sequence[torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """→ `[b, 1, heads, d]`."""
+        if self.masked is not None:  # one block: `_one_block_attention`
+            return _attend(query, keys, values, self.masked, scale, None)
+        key = keys[0] if len(keys) == 1 else torch.cat(list(keys), dim=2)
+        value = values[0] if len(values) == 1 else torch.cat(list(values), dim=2)
+        return exact_attention(None, query, key, value, self.bias, scaling=scale)[0]
 
 
 def _one_block_attention(
@@ -301,48 +446,23 @@ def _one_block_attention(
     keys lie in one block, so the weighted sum is one in-order GEMM over the columns as they sit
     (masked ones add exact zeros), the bits `_aligned_attention` gives the same query after
     moving its keys. Nothing is gathered; the mask is applied as given."""
-    b, heads, t, d = query.shape
-    kv, length = key.shape[1], key.shape[2]
-    rep = heads // kv
-    cols = (-length) % COL_BLOCK
-    q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
-    kt = (F.pad(key, (0, 0, 0, cols)) if cols else key).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
-    scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
-    scores = scores.masked_fill(_masked(mask, t, length, rep, q.shape[2], cols), float("-inf"))
-    acc = torch.matmul(_stable_exp(scores), _ones(value, length + cols))[:, :, : rep * t]
-    out = _weighted(acc, d)  # [b, kv, rep*t, d]
-    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+    t, length = query.shape[2], key.shape[2]
+    return _attend(query, [key], [value], _masked(mask, t, length), scale, None)
 
 
 def _aligned_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    index: torch.Tensor,
+    index: torch.Tensor | None,
     ok: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The attention of rows that are one sequence each (`_aligned`'s index and mask)."""
-    b, heads, t, d = query.shape
-    kv, length = key.shape[1], key.shape[2]
-    rep = heads // kv
-    cols = (-length) % KEY_BLOCK
-    key, value = _gather_keys(key, index), _gather_keys(value, index)
-    q = _pad_rows(query.reshape(b, kv, rep * t, d), 2)  # query head kv*rep + r, position i -> r*t + i
-    kt = F.pad(key, (0, 0, 0, cols)).transpose(-1, -2).contiguous()  # [b, kv, d, Lp]
-    scores = torch.matmul(q, kt) * scale  # [b, kv, Mp, Lp]
-    ok = ok[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
-    ok = F.pad(ok, (0, cols, 0, q.shape[2] - rep * t), value=False)  # [b, 1, Mp, Lp]
-    scores = scores.masked_fill(~ok, float("-inf"))
-    probs = _stable_exp(scores)
-    vv = _ones(value, length + cols)  # [b, kv, Lp, d + w]
-    acc = None
-    for j in range(0, length + cols, KEY_BLOCK):  # blocks of key positions, in order
-        part = torch.matmul(probs[..., j : j + KEY_BLOCK], vv[:, :, j : j + KEY_BLOCK])
-        acc = part if acc is None else acc + part
-    assert acc is not None
-    out = _weighted(acc[:, :, : rep * t], d)
-    return out.reshape(b, kv, rep, t, d).reshape(b, heads, t, d).transpose(1, 2).contiguous()
+    """The attention of rows that are one sequence each (`_aligned`'s index and mask; index None:
+    the keys already sit in position order)."""
+    if index is not None:
+        key, value = _gather_keys(key, index), _gather_keys(value, index)
+    return _attend(query, [key], [value], ~ok[:, None], scale, KEY_BLOCK)
 
 
 def exact_router(

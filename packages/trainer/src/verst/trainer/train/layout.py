@@ -150,6 +150,10 @@ class Layout(Protocol):
         groups: Groups = None,
     ) -> float: ...
 
+    def width(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> int:
+        """The widest row this layout makes of these sequences (the columns attention sees)."""
+        ...
+
 
 class PaddedLayout:
     """One right-padded row per sequence."""
@@ -198,6 +202,9 @@ class PaddedLayout:
             pairs = len(lengths) * width * width
         return _cost(shape, len(lengths) * width, pairs)
 
+    def width(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> int:
+        return max(len(t) for t in tokens)
+
 
 class PackedLayout:
     """Every sequence in one row, positions restarting at 0, no mask (see module doc)."""
@@ -239,6 +246,9 @@ class PackedLayout:
         pairs = sum(n * n for n in lengths) / 2 if attn == "flash_attention_2" else total * total
         return _cost(shape, total, pairs)
 
+    def width(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> int:
+        return sum(len(t) for t in tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class SharedPromptLayout:
@@ -279,6 +289,11 @@ class SharedPromptLayout:
         return [
             len(tokens[g[0]]) - response_lengths[g[0]] + sum(response_lengths[i] for i in g) for g in rows
         ]
+
+    def width(self, tokens: Seqs, response_lengths: Sequence[int], groups: Groups = None) -> int:
+        """The longest row (flat: the one row of them all)."""
+        widths = self.row_widths(tokens, response_lengths, self.rows(tokens, response_lengths, groups))
+        return sum(widths) if self.flat else max(widths)
 
     def build(
         self, tokens: Seqs, response_lengths: Sequence[int], *, pad_id: int = 0, groups: Groups = None

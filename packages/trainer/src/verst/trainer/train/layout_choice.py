@@ -222,9 +222,7 @@ class LayoutChooser:
         if self.max_width is not None:  # exact: one-block rows of several sequences first
             cap = self.max_width
             narrow = [
-                o
-                for o in options
-                if o.name != "padded" and _width(o, tokens, response_lengths, groups) <= cap
+                o for o in options if o.name != "padded" and o.width(tokens, response_lengths, groups) <= cap
             ]
             if narrow:
                 options = [o for o in options if o.name == "padded"] + narrow
@@ -243,13 +241,3 @@ class LayoutChooser:
         """`tokens` in the chosen layout."""
         layout = self.pick(tokens, response_lengths, groups=groups)
         return layout.build(tokens, response_lengths, pad_id=pad_id, groups=groups)
-
-
-def _width(layout: Layout, tokens: Seqs, response_lengths: Sequence[int], groups: Groups) -> int:
-    """The widest row `layout` makes of these sequences (packed: one row of them all)."""
-    if isinstance(layout, SharedPromptLayout):
-        rows = layout.rows(tokens, response_lengths, groups)
-        widths = layout.row_widths(tokens, response_lengths, rows)
-        return sum(widths) if layout.flat else max(widths)
-    lengths = [len(t) for t in tokens]
-    return sum(lengths) if layout.name == "packed" else max(lengths)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from verst.rollout.engines.embedded.attention import ATTENTION_NAME, ScoresAttention, TwoPartAttention
+from verst.rollout.exact_ops import DecodeStep
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 """transformers model types whose decoder `forward` is embed → mask → rotary → layers → norm, each
@@ -125,7 +126,8 @@ class DirectDecode:
         if prefix is not None:  # [batch, 1, 1, prompt + own]
             bias, cols = torch.cat([prefix.bias, bias], dim=-1), cols + prefix.width
         rope = self.rope(hidden, pos, cols)  # (cos, signed sin), [batch, 1, 1, head_dim] each
-        attend = partial(self._attend, bias, self.scores_for(hidden, cols), self.attention(), prefix)
+        attention = DecodeStep(bias) if self.exact else self.attention()
+        attend = partial(self._attend, bias, self.scores_for(hidden, cols), attention, prefix)
         for i, layer in enumerate(self.layers):
             hidden = self.layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, attend)
         return self.lm_head(self.final_norm(hidden))[:, -1]
@@ -180,11 +182,12 @@ class DirectDecode:
         `ScoresAttention` or None, `attention` the model's function, `prefix` or None) → `[batch,
         1, heads, d]`."""
         k, v = kv.update(k, v)  # [batch, kv_heads, cols, d]
-        if prefix is not None and self.exact:  # split cache, exact: each row's [prompt ; own] keys
-            j = attn.layer_idx  # gathered per row for the exact attention (the KV stays stored once)
-            pk, pv = prefix.keys[j][prefix.group], prefix.values[j][prefix.group]
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-            out, _ = attention(attn, q, k, v, bias, dropout=0.0, scaling=attn.scaling)
+        if self.exact:  # the step's mask made once; split cache: each row's [prompt ; own] keys,
+            keys, values = [k], [v]  # its prompt's gathered per row (the KV stays stored once)
+            if prefix is not None:
+                j = attn.layer_idx
+                keys, values = [prefix.keys[j][prefix.group], k], [prefix.values[j][prefix.group], v]
+            out = attention(q, keys, values, attn.scaling)
         elif prefix is not None:  # split cache: the group's prompt once, then the row's own tokens
             j = attn.layer_idx
             out = self.two_part(
@@ -192,9 +195,7 @@ class DirectDecode:
             )
         elif scores is not None:  # CPU, short cache: two batched matmuls (`attention.ScoresAttention`)
             out = scores(q, k, v, bias, attn.scaling)
-        elif (
-            q.shape[1] == k.shape[1] and not self.exact
-        ):  # one query head per KV head: SDPA itself (what both functions call)
+        elif q.shape[1] == k.shape[1]:  # one query head per KV head: SDPA itself (what both functions call)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling)
             out = out.transpose(1, 2)
         else:
