@@ -414,11 +414,8 @@ class DecodeStep:
         """bias: the step's additive mask `[b, 1, 1, L]` (0 = attend), L the keys of every layer."""
         self.bias = bias
         self.length = bias.shape[-1]
-        self.masked = (
-            _expand_heads(bias != 0, 1, 1, self.length + (-self.length) % COL_BLOCK)
-            if self.length <= KEY_BLOCK
-            else None
-        )
+        width = self.length + (-self.length) % COL_BLOCK
+        self.masked = _expand_heads(bias != 0, 1, 1, width) if self.length <= KEY_BLOCK else None
 
     def __call__(
         self,
