@@ -121,15 +121,14 @@ def hidden_logprobs(
 def _exact_logprobs(
     hidden: torch.Tensor, head: LogitHead, target_ids: torch.Tensor, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`exact_logprobs(exact_linear(hidden, W) * (1/T))`: what the exactly on-policy engine reports."""
-    from verst.rollout.exact_ops import exact_linear, exact_logprobs
+    """`exact_logprobs(exact_linear(hidden, W) * (1/T))`: what the exactly on-policy engine
+    reports (`verst.trainer.train.exact_head`: chunked, with an analytic backward)."""
+    from verst.trainer.train.exact_head import exact_head_logprobs
 
     if head.scale != 1.0 or head.softcap is not None:
         raise ValueError("exact_on_policy: an LM head with a logit scale or soft-cap is not covered")
-    logp = exact_logprobs(exact_linear(hidden, head.weight, head.bias), 1.0 / temperature)  # [N, V]
-    lp = logp.gather(-1, target_ids[:, None])[:, 0]
-    ent = -(logp.exp() * logp).sum(-1) if return_entropy else None
-    return lp, ent
+    lp, ent = exact_head_logprobs(hidden, head.weight, head.bias, target_ids, temperature)
+    return lp, (ent if return_entropy else None)
 
 
 class PolicyLogprobs(nn.Module):
