@@ -27,6 +27,7 @@ from verst.rollout.exact_ops import ROW_BLOCK, exact_linear, exact_logprobs
 
 CHUNK_ROWS = 256
 """Rows per chunk (a multiple of `ROW_BLOCK`)."""
+assert CHUNK_ROWS % ROW_BLOCK == 0
 
 
 def _chunk_logprobs(
@@ -86,7 +87,8 @@ class _ExactHead(torch.autograd.Function):
                 if dz_all is not None
                 else _chunk_logprobs(hidden[s:e], weight, bias, ctx.inv_temp)
             )
-            dz = _dz(logp, ent[s:e], target[s:e], g_lp, g_ent, s, e, ctx.inv_temp)  # [rows, V], in place
+            g = (None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e])
+            dz = _dz(logp, ent[s:e], target[s:e], *g, ctx.inv_temp)  # [rows, V], in place
             if grad_h is not None:
                 grad_h[s:e] = dz @ weight
             if grad_w is not None:
@@ -104,23 +106,21 @@ def _dz(
     logp: torch.Tensor,  # [rows, V], overwritten
     ent: torch.Tensor,  # [rows]
     target: torch.Tensor,  # [rows]
-    g_lp: torch.Tensor | None,  # [N]
-    g_ent: torch.Tensor | None,  # [N]
-    s: int,
-    e: int,
+    g_lp: torch.Tensor | None,  # [rows]
+    g_ent: torch.Tensor | None,  # [rows]
     inv: float,
 ) -> torch.Tensor:
     """d loss / d logits of one chunk, written into `logp`:
     `p * ((logp + H) * -g_ent/T - g_lp/T)`, plus `g_lp/T` at the target."""
     if g_ent is not None:
-        coef = torch.add(logp, ent[:, None]).mul_(g_ent[s:e, None] * -inv)  # [rows, V]
+        coef = torch.add(logp, ent[:, None]).mul_(g_ent[:, None] * -inv)  # [rows, V]
         if g_lp is not None:
-            coef.sub_(g_lp[s:e, None] * inv)
+            coef.sub_(g_lp[:, None] * inv)
     else:
-        coef = g_lp[s:e, None] * -inv  # type: ignore[index]  # [rows, 1]
+        coef = g_lp[:, None] * -inv  # type: ignore[index]  # [rows, 1]
     dz = logp.exp_().mul_(coef)
     if g_lp is not None:
-        dz.scatter_add_(1, target[:, None], g_lp[s:e, None] * inv)
+        dz.scatter_add_(1, target[:, None], g_lp[:, None] * inv)
     return dz
 
 
@@ -136,7 +136,6 @@ def exact_head_logprobs(
     """(log-probs `[N]`, entropy `[N]`) of `target_ids` under `softmax(exact_linear(h, W) / T)`,
     the exactly on-policy engine's bits. `keep_bytes`: keep the forward's `[N, V]` log-probs for
     the backward up to this size (None = `verst.kernels.KEEP_LOGITS_MAX_BYTES`)."""
-    assert CHUNK_ROWS % ROW_BLOCK == 0
     if keep_bytes is None:
         from verst.kernels import KEEP_LOGITS_MAX_BYTES
 
