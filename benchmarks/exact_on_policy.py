@@ -1,31 +1,32 @@
 """The cost of `train.exact_on_policy`: whole `verst train` steps with it on against off.
 
 Why: exactly on-policy runs the embedded engine and the trainer on batch-invariant ops
-(`verst.rollout.exact_ops`: row-padded GEMMs, a position-aligned blocked attention, the model
-forward instead of the engine's direct decode step, padded rows instead of shared prompts in
-the trainer). What that costs is the ratio of step times, measured here in one process,
-interleaved (off, on, off, on, ...): the median over the pairs (an off run, the on run after it)
-of the ratio of their median `time/step_s` over each run's steps after the first (load that
-drifts over minutes hits both runs of a pair alike); the mismatch it removes is the sum of
-`rollout/mismatch_tokens` over the exact runs.
+(`verst.rollout.exact_ops`: row-padded GEMMs, an attention whose sums over keys run in position
+order, `exact_silu`, the exact LM head; docs/training.md lists them). What that costs is the
+ratio of step times. Both runs (off and on, the same config and seeds) are built in this process
+and their steps interleaved: off's step i, then on's step i, and so on. The ratio reported is the
+median over steps of on's step time over the off step just before it (seconds apart, so the
+load of a shared or drifting box, which moves over minutes and swung whole-run ratios by
+0.9-1.5x, hits both alike), with its quartiles, the first step of each run (warm-up) left out;
+also the ratio of the rollout and train phases' totals, and the mismatch it removes (the sum of
+`rollout/mismatch_tokens` over the exact run, which must be 0).
 
 Two models: the example's tiny Llama (reverse_digits as configured, 8 x 8 samples), and the
 31.5M-parameter shape of `benchmarks/vs_trl_scale.py` ("small": hidden 384, 8 layers, 6 heads /
 2 KV heads, MLP 1024, vocabulary 49,152, tied embeddings; random weights, seed 0), run with the
 reverse_digits prompts and tokenizer (ids past its 64 characters decode to nothing).
 
-Run:  uv run python benchmarks/exact_on_policy.py [--size tiny|small|both --steps 4 --repeats 3]
+Run:  uv run python benchmarks/exact_on_policy.py [--size tiny|small|both --steps 12]
 Last line: exact_over_default_step_time=<ratio, the larger model's> mismatch_tokens=<sum> ...
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse_digits"
@@ -56,69 +57,81 @@ def small_checkpoint() -> Path:
     return out
 
 
-def run(work: Path, size: str, exact: bool, steps: int, tag: str) -> tuple[list[float], float]:
-    """One `verst train` run in this process: (step times after the first, mismatch tokens)."""
-    from verst.trainer.cli import main
+def build(work: Path, size: str, exact: bool, steps: int, tag: str) -> Any:
+    """A `verst train` run (the README's config and these overrides) built in this process."""
+    from verst.trainer.cli import load_config_and_env
+    from verst.trainer.run.controller import Trainer
 
-    out = work / tag
     eval_path = work / "eval.jsonl"
     if not eval_path.exists():
         rows = (EXAMPLE / "data" / "eval.jsonl").read_text().splitlines()[:8]
         eval_path.write_text("\n".join(rows) + "\n")
-    args = ["train", str(EXAMPLE / "config.toml"), f'run.output_dir="{out}"', f"run.num_steps={steps}",
-            "run.save_interval=0", "rollout.eval.interval=0", f'rollout.eval.datasets.heldout.path="{eval_path}"',
+    args = [f'run.output_dir="{work / tag}"', f"run.num_steps={steps}", "run.save_interval=0",
+            "rollout.eval.interval=0", f'rollout.eval.datasets.heldout.path="{eval_path}"',
             f"train.exact_on_policy={str(exact).lower()}"]  # fmt: skip
     if size == "small":
         model = small_checkpoint()
         args += [f'engine.model_path="{model}"', f'train.model_path="{model}"', "rollout.max_response_len=32",
                  "train.micro_batch_size=16", "train.lr=1e-5"]  # fmt: skip
-    code = main(args)
-    if code != 0:
-        raise SystemExit(f"verst train exited with {code} ({tag})")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps_ = [r for r in rows if "train/loss" in r]
-    times = [r["time/step_s"] for r in steps_[1:]]
-    mismatch = sum(r.get("rollout/mismatch_tokens", 0.0) for r in steps_)
-    shutil.rmtree(out, ignore_errors=True)
-    return times, mismatch
+    cfg, env = load_config_and_env(str(EXAMPLE / "config.toml"), args)
+    return Trainer(cfg, work / tag, env=env)
 
 
-def measure(size: str, steps: int, repeats: int) -> tuple[float, float, float, float]:
-    """(median step time off, on, the median of the paired ratios, mismatch tokens of the exact
-    runs). Each pair is an off run and the on run right after it, their median step times'
-    ratio: load that drifts over minutes (a shared box) hits both runs of a pair alike."""
-    off: list[float] = []
-    on: list[float] = []
-    ratios: list[float] = []
-    mismatch = 0.0
+def measure(size: str, steps: int) -> dict[str, float]:
+    """Both runs built side by side, their steps interleaved (off's step i, then on's); the first
+    step of each (warm-up) is left out. Returns the median step times, the median over steps of
+    the paired ratio (on's step over the off step just before it: seconds apart, so load that
+    drifts over minutes hits both alike), its quartiles, the ratio of the phases' totals, and
+    the exact run's mismatch tokens."""
+    from verst.trainer.run.controller import TrainingSummary
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for i in range(repeats):
-            a, _ = run(work, size, False, steps, f"off{i}")
-            b, m = run(work, size, True, steps, f"on{i}")
-            off += a
-            on += b
-            ratios.append(statistics.median(b) / statistics.median(a))
-            mismatch += m
-    a, b, r = statistics.median(off), statistics.median(on), statistics.median(ratios)
-    print(f"size={size} steps={steps} repeats={repeats} default_step_s={a:.3f} exact_step_s={b:.3f} "
-          f"ratio={r:.3f} pair_ratios={','.join(f'{x:.3f}' for x in sorted(ratios))} "
-          f"mismatch_tokens={mismatch:.0f}", flush=True)  # fmt: skip
-    return a, b, r, mismatch
+        runs = {"off": build(work, size, False, steps, "off"), "on": build(work, size, True, steps, "on")}
+        times: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+        try:
+            summaries = {k: TrainingSummary(work / k, 0, 0, 0) for k in runs}
+            for step in range(steps):
+                for k, trainer in runs.items():
+                    if not trainer._step(step, summaries[k]):
+                        raise SystemExit(f"{k}: step {step} was interrupted")
+                    times[k].append(trainer.logger.records[-1][1])
+        finally:
+            for trainer in runs.values():
+                trainer.close()
+    off, on = times["off"][1:], times["on"][1:]
+    ratios = sorted(b["time/step_s"] / a["time/step_s"] for a, b in zip(off, on, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+
+    def total(rows: list[dict[str, float]], phase: str) -> float:
+        return sum(r[f"time/{phase}_s"] for r in rows)
+
+    out = {
+        "default_step_s": statistics.median(r["time/step_s"] for r in off),
+        "exact_step_s": statistics.median(r["time/step_s"] for r in on),
+        "ratio": statistics.median(ratios),
+        "q1": q[0],
+        "q3": q[2],
+        "rollout_ratio": total(on, "rollout") / total(off, "rollout"),
+        "train_ratio": total(on, "train") / total(off, "train"),
+        "mismatch_tokens": sum(r.get("rollout/mismatch_tokens", 0.0) for r in times["on"]),
+    }
+    print(f"size={size} steps={steps} " + " ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("tiny", "small", "both"), default="both")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="steps of each run (the first is a warm-up)")
     a = p.parse_args()
     sizes = ("tiny", "small") if a.size == "both" else (a.size,)
-    results = {s: measure(s, a.steps, a.repeats) for s in sizes}
-    parts = " ".join(f"{s}_ratio={r[2]:.3f}" for s, r in results.items())
-    last = results[sizes[-1]]
-    total = sum(r[3] for r in results.values())
-    print(f"exact_over_default_step_time={last[2]:.3f} mismatch_tokens={total:.0f} {parts}")
+    results = {s: measure(s, a.steps) for s in sizes}
+    parts = " ".join(f"{s}_ratio={r['ratio']:.3f}" for s, r in results.items())
+    total = sum(r["mismatch_tokens"] for r in results.values())
+    print(
+        f"exact_over_default_step_time={results[sizes[-1]]['ratio']:.3f} mismatch_tokens={total:.0f} {parts}"
+    )
 
 
 if __name__ == "__main__":

@@ -62,18 +62,19 @@ def verify_logits(
         hidden = direct.body.embed_tokens(ids)  # [slots, W, hidden]
         cos, sin = direct.rope(hidden, pos.reshape(-1, 1), cols)  # [slots · W, 1, 1, head_dim]
         rope = (cos.view(slots, 1, w, -1), sin.view(slots, 1, w, -1))
-        at, attend_fn = None, _attend
+        at = None
     else:  # packed: one real token per entry, scattered into the slot layout for the attention
         real = (torch.arange(w, device=ids.device)[None] < widths[:, None]).view(-1)  # [slots · W]
         at = real.nonzero()[:, 0]  # packed token → its (slot, position) in the padded layout
         hidden = direct.body.embed_tokens(ids.view(-1)[at])[:, None]  # [T, 1, hidden]
         rope = direct.rope(hidden, pos.reshape(-1)[at][:, None], cols)  # [T, 1, 1, head_dim] each
-        attend_fn = partial(_attend_packed, (slots, w, at))
     bias = torch.zeros((slots, 1, w, cols), dtype=hidden.dtype, device=hidden.device)
     bias.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
     ahead = torch.ones((w, w), dtype=torch.bool, device=hidden.device).triu(1)  # a later new token
     bias[:, :, :, cols - w :].masked_fill_(ahead, float("-inf"))
-    attend = partial(attend_fn, bias, direct.scores_for(hidden, cols), direct.attention())
+    attend = partial(_attend, bias, direct.scores_for(hidden, cols), direct.attention())
+    if at is not None:
+        attend = partial(_attend_packed, (slots, w, at), attend)
     for i, layer in enumerate(direct.layers):
         hidden = direct.layer(i, layer, hidden, cache.layers[layer.self_attn.layer_idx], rope, attend)
     packed = _head(direct.lm_head, direct.final_norm(hidden).reshape(-1, hidden.shape[-1]))  # [T, vocab]
@@ -106,21 +107,12 @@ def _attend(
 
 
 def _attend_packed(
-    shape: tuple[int, int, torch.Tensor],
-    bias: torch.Tensor,
-    scores: Any,
-    attention: Any,
-    attn: Any,
-    kv: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    shape: tuple[int, int, torch.Tensor], attend: Any, attn: Any, kv: Any, *qkv: torch.Tensor
 ) -> torch.Tensor:
-    """`_attend` for packed tokens (q, k, v `[T, heads, 1, d]`): scattered into the slot layout
-    (zero at padding), attended, gathered back → packed `[T, heads · d]`."""
-    out = _attend(
-        bias, scores, attention, attn, kv, _scatter(q, shape), _scatter(k, shape), _scatter(v, shape)
-    )
+    """`attend` (`_attend` with the step's bias and attention bound) for packed tokens (q, k, v
+    `[T, heads, 1, d]`): scattered into the slot layout (zero at padding), attended, gathered
+    back → packed `[T, heads · d]`."""
+    out = attend(attn, kv, *(_scatter(x, shape) for x in qkv))
     return out.reshape(shape[0] * shape[1], -1)[shape[2]]  # [slots · W, heads · d] → the real tokens
 
 
